@@ -1,0 +1,114 @@
+"""The only place that calls torch.distributed collectives.
+
+[Note: Comm spy]
+Every collective the engine issues goes through ``_issue`` which first hands a
+``CommRecord`` (and the tensors) to the registered listeners. Tests count calls
+and bytes with ``record_comms()``; fault-injection tests mutate the input
+tensors from a listener; benchmarks total the bytes per step. No listener, no
+cost beyond one empty-list check.
+
+A collective over a group of size 1 is not issued at all: callers pass
+``group=None`` for a role of size 1 and get ``None`` back.
+
+Bytes are counted as the data a rank moves through the collective: the full
+(unsharded) buffer for an all-gather and a reduce-scatter, the tensor for an
+all-reduce or broadcast. The ideal FSDP step therefore costs three times the
+parameter bytes (all-gather in forward and in backward, one reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    group: dist.ProcessGroup
+    nbytes: int
+    dtype: torch.dtype
+    group_size: int
+
+
+CommListener = Callable[[CommRecord, list[torch.Tensor]], None]
+_listeners: list[CommListener] = []
+
+
+def add_listener(listener: CommListener) -> Callable[[], None]:
+    """Registers ``listener``; returns a function that removes it."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener)
+
+
+@contextlib.contextmanager
+def record_comms() -> Iterator[list[CommRecord]]:
+    """Collects a ``CommRecord`` for every collective issued inside the block."""
+    records: list[CommRecord] = []
+    remove = add_listener(lambda record, tensors: records.append(record))
+    try:
+        yield records
+    finally:
+        remove()
+
+
+def _notify(op: str, group: dist.ProcessGroup, counted: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    record = CommRecord(
+        op, group, counted.numel() * counted.element_size(), counted.dtype, group.size()
+    )
+    for listener in list(_listeners):
+        listener(record, tensors)
+
+
+def _check_alive(group: dist.ProcessGroup) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fullshard needs a collective but the default process group was destroyed "
+            "(torch.distributed.destroy_process_group was called); re-initialize it and "
+            "re-apply fully_shard to a fresh model"
+        )
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    """``output`` (group size x input) receives every rank's ``input``."""
+    _check_alive(group)
+    if _listeners:
+        _notify("all_gather", group, output, [output, input])
+    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp.RedOpType,
+    async_op: bool,
+) -> dist.Work | None:
+    """``output`` receives this rank's chunk of ``input`` reduced over the group."""
+    _check_alive(group)
+    if _listeners:
+        _notify("reduce_scatter", group, input, [output, input])
+    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, async_op: bool
+) -> dist.Work | None:
+    _check_alive(group)
+    if _listeners:
+        _notify("all_reduce", group, tensor, [tensor])
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> None:
+    """Broadcasts from the group's rank ``src_rank`` (a group rank, not a global one)."""
+    _check_alive(group)
+    if _listeners:
+        _notify("broadcast", group, tensor, [tensor])
+    dist.broadcast(tensor, group_src=src_rank, group=group)

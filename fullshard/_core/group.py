@@ -1,0 +1,363 @@
+"""One communication unit: the parameters that one ``fully_shard`` call manages.
+
+A unit costs one all-gather before it runs (again in backward when it was
+resharded after forward) and one reduce-scatter of its gradients, no matter how
+many parameters it has. See [Note: Unit buffers] for the memory layout and
+[Note: Reduction pipeline] for what happens to gradients.
+
+[Note: When a unit's backward is done]
+Backward gives no "module finished" event, so two signals are combined:
+  1. each unsharded parameter's post-accumulate-grad hook: once every parameter
+     that requires grad has its gradient, the unit reduces immediately;
+  2. a hook on the gradient of the unit's forward inputs: it fires after the
+     unit's backward; it reshards units that expect no gradient (frozen).
+Whatever neither signal finished (parameters unused this step, units whose
+inputs need no grad) is finished by the end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import comm
+from .common import TrainingState
+from .layout import Layout
+from .mesh import GroupInfo, MeshInfo
+from .param import ShardParam
+from .reduction import GradReduction
+
+if TYPE_CHECKING:
+    from .state import IterationContext
+    from ..api import MixedPrecisionPolicy, OffloadPolicy
+
+
+class ShardedState(enum.Enum):
+    SHARDED = enum.auto()  # only this rank's shards exist
+    SHARDED_POST_FORWARD = enum.auto()  # a larger shard for the smaller post-forward group
+    UNSHARDED = enum.auto()  # full parameters registered on the modules
+
+
+@dataclass
+class _AllGatherInFlight:
+    work: dist.Work | None
+    input: torch.Tensor  # kept alive until the collective is done
+    output: torch.Tensor
+    layout: Layout
+    num_chunks: int
+
+
+class ParamGroup:
+    """A unit's parameters, buffers and step transitions."""
+
+    def __init__(
+        self,
+        params: list[ShardParam],
+        mesh_info: MeshInfo,
+        post_forward: GroupInfo | None,
+        device: torch.device,
+        mp_policy: "MixedPrecisionPolicy",
+        offload_policy: "OffloadPolicy",
+        reshard_after_forward: bool,
+    ) -> None:
+        from ..api import CPUOffloadPolicy
+
+        self.params = params
+        self.mesh_info = mesh_info
+        self.post_forward_group = post_forward  # None unless resharding to a smaller group
+        self.device = device  # where compute and communication happen
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self._pin_memory = self.offload and offload_policy.pin_memory and torch.cuda.is_available()
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.module_fqn = ""  # set at lazy init
+        self.ctx: "IterationContext | None" = None  # set at lazy init
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self._all_gather: _AllGatherInFlight | None = None
+        self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
+        self._awaiting_grads: set[ShardParam] = set()
+        self._post_forward_indices: list[int] = []
+        for param in params:
+            param.on_grad_ready = self._on_grad_ready
+        self._build_shard_buffer([p.initial_shard for p in params])
+        for param in params:
+            param.initial_shard = None
+
+    # -- buffers -----------------------------------------------------------------
+    @property
+    def storage_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload else self.device
+
+    def _build_shard_buffer(self, shards: list[torch.Tensor]) -> None:
+        """(Re)packs this rank's shards into one flat buffer. See [Note: Unit buffers]."""
+        on_meta = any(s.is_meta for s in shards)
+        device = torch.device("meta") if on_meta else self.storage_device
+        self.storage_layout = Layout.build(
+            [p.shard_numel for p in self.params], [s.dtype for s in shards]
+        )
+        buffer = torch.zeros(self.storage_layout.total, dtype=self.storage_layout.dtype, device=device)
+        if self._pin_memory and not on_meta:
+            buffer = buffer.pin_memory()
+        for index, (param, shard) in enumerate(zip(self.params, shards)):
+            region = self.storage_layout.region(buffer, index, shard.dtype)
+            if not on_meta and shard.numel() > 0:
+                region[: shard.numel()].view_as(shard).copy_(shard)
+            param.bind_shard(region)
+        self.shard_buffer = buffer  # 1D
+        needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
+        self.gather_layout = (
+            Layout.build([p.shard_numel for p in self.params], [p.param_dtype for p in self.params])
+            if needs_cast
+            else self.storage_layout
+        )
+        self._needs_cast = needs_cast
+        self.reduce_dtype = self._pick_reduce_dtype()
+
+    def _pick_reduce_dtype(self) -> torch.dtype:
+        policy = self.mp_policy
+        if policy.reduce_dtype is not None:
+            return policy.reduce_dtype
+        if policy.param_dtype is not None:
+            return policy.param_dtype
+        dtypes = {p.orig_dtype for p in self.params} or {torch.float32}
+        result = dtypes.pop()
+        for dtype in dtypes:
+            result = torch.promote_types(result, dtype)
+        return result
+
+    def rebind_shards(self) -> None:
+        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``)."""
+        for param in self.params:
+            registered = param.module_registration()
+            if isinstance(registered, DTensor) and registered is not param.sharded_param:
+                param.sharded_param = registered  # _apply replaced rather than swapped
+            param.forget_unsharded()
+        self._build_shard_buffer([p.local_shard for p in self.params])
+
+    # -- unshard / reshard -------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
+
+    def _check_materialized(self) -> None:
+        if self.shard_buffer.is_meta:
+            names = [p.fqn for p in self.params]
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {names}\n"
+                "For example, call module.to_empty(device=...) and then reset_parameters() "
+                "on each module."
+            )
+
+    def _all_gather_input(self) -> torch.Tensor:
+        if not self._needs_cast:
+            return self.shard_buffer.to(self.device, non_blocking=True)
+        staged = torch.empty(self.gather_layout.total, dtype=self.gather_layout.dtype, device=self.device)
+        torch._foreach_copy_(
+            [self.gather_layout.region(staged, i, p.param_dtype) for i, p in enumerate(self.params)],
+            [self.storage_layout.region(self.shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
+            non_blocking=True,
+        )
+        return staged
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Starts gathering the full parameters (no-op if unsharded or in flight)."""
+        if self.is_unsharded or self._all_gather is not None or not self.params:
+            return
+        self._check_materialized()
+        if self._post_forward_shard is not None:
+            source, layout = self._post_forward_shard
+            group = self.post_forward_group
+        else:
+            if self.mesh_info.shard.size == 1 and not self._needs_cast and not self.offload:
+                self._alias_unsharded()
+                return
+            source, layout = self._all_gather_input(), self.gather_layout
+            group = self.mesh_info.shard
+        if group.size == 1:
+            output, work = source, None
+        else:
+            output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
+            work = comm.all_gather(output, source, group.group, async_op=async_op)
+        self._all_gather = _AllGatherInFlight(work, source, output, layout, group.size)
+
+    def _alias_unsharded(self) -> None:
+        for index, param in enumerate(self.params):
+            param.alias_unsharded(self.storage_layout.region(self.shard_buffer, index, param.orig_dtype))
+            param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def wait_for_unshard(self) -> None:
+        """Finishes an in-flight unshard: copy-out and registration of full parameters."""
+        in_flight, self._all_gather = self._all_gather, None
+        if in_flight is None:
+            return
+        if in_flight.work is not None:
+            in_flight.work.wait()
+        padded = [p.padded_unsharded(self.device) for p in self.params]
+        # Saved activations of an earlier forward alias this storage: the refill
+        # must not look like an in-place change to autograd.
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for tensor in padded:
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded)
+        self._post_forward_shard = None
+        for param in self.params:
+            param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Frees the full parameters and registers the shards."""
+        if self._all_gather is not None:
+            self.wait_for_unshard()
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        for param in self.params:
+            if param.aliases_shard:
+                continue
+            param.free_unsharded()
+        for param in self.params:
+            param.to_sharded()
+        self._post_forward_shard = None
+        self.sharded_state = ShardedState.SHARDED
+
+    def _reshard_to_post_forward(self) -> None:
+        """Keeps 1/k of the full parameters for a re-gather within the k-group."""
+        group = self.post_forward_group
+        layout = self.gather_layout.scaled(self.mesh_info.shard.size // group.size)
+        kept = torch.empty(layout.total, dtype=layout.dtype, device=self.device)
+        for index, param in enumerate(self.params):
+            full = param.padded_unsharded(self.device)
+            full = full if full.dtype == layout.dtype else full.view(layout.dtype)
+            layout.region(kept, index, layout.dtype).copy_(full.view(group.size, -1)[group.rank])
+        self.reshard()
+        self._post_forward_shard = (kept, layout)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    # -- forward -------------------------------------------------------------------
+    def post_forward(self, record_order: bool) -> None:
+        if self.reshard_after_forward:
+            if self.post_forward_group is not None and self.is_unsharded:
+                self._reshard_to_post_forward()
+            else:
+                self.reshard()
+        if record_order:
+            self._post_forward_indices.append(self.ctx.record_post_forward(self))
+        self.training_state = TrainingState.IDLE
+
+    # -- backward (see [Note: When a unit's backward is done]) ---------------------
+    def begin_backward(self) -> bool:
+        """Starts gathering for backward; False if this backward already did."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return False
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard(async_op=True)
+        return True
+
+    def expect_grads(self) -> None:
+        self._awaiting_grads = {p for p in self.params if p.unsharded_param.requires_grad}
+
+    def take_backward_prefetch_index(self) -> int | None:
+        """Index, in the post-forward order, of the use whose backward starts now."""
+        return self._post_forward_indices.pop() if self._post_forward_indices else None
+
+    def _on_grad_ready(self, param: ShardParam) -> None:
+        if self.ctx is not None:
+            self.ctx.queue_end_of_backward()
+        self._awaiting_grads.discard(param)
+        if not self._awaiting_grads and self.training_state is TrainingState.PRE_BACKWARD:
+            self.post_backward()
+
+    def on_input_grads(self) -> None:
+        if not self._awaiting_grads and self.training_state is TrainingState.PRE_BACKWARD:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reshards and hands this unit's gradients to reduction (idempotent)."""
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        self._awaiting_grads = set()
+        if not self.requires_gradient_sync:
+            self._accumulate_unsynced_grads()
+            if self.reshard_after_backward:
+                self.reshard()
+            return
+        params, grads = self._take_grads()
+        if self.reshard_after_backward:
+            self.reshard()
+        if params:
+            shard, replicate = self.mesh_info.shard, self.mesh_info.replicate
+            reduction = GradReduction(
+                params, grads, shard.group, shard.size, replicate.group, replicate.size,
+                self.reduce_dtype, self.storage_device,
+            )
+            self.ctx.reductions.submit(reduction)
+
+    def _take_grads(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
+        params, grads = [], []
+        for param in self.params:
+            grad = _pop_unsharded_grad(param)
+            if param.unsynced_grad is not None:
+                grad = param.unsynced_grad if grad is None else param.unsynced_grad.add_(grad)
+                param.unsynced_grad = None
+            if grad is not None:
+                params.append(param)
+                grads.append(grad.contiguous())
+        return params, grads
+
+    def _accumulate_unsynced_grads(self) -> None:
+        """No sync: gradients stay unsharded, summed in the reduce dtype."""
+        for param in self.params:
+            unsharded = param.unsharded_param
+            if unsharded is None or unsharded.grad is None:
+                continue
+            if unsharded.grad.dtype == self.reduce_dtype and param.unsynced_grad is None:
+                continue  # autograd keeps summing into .grad
+            grad = _pop_unsharded_grad(param).to(self.reduce_dtype)
+            param.unsynced_grad = grad if param.unsynced_grad is None else param.unsynced_grad.add_(grad)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what is left, drop stray prefetches, go idle."""
+        if self.training_state is not TrainingState.POST_BACKWARD and self._has_pending_grads():
+            self.post_backward()
+        if self._all_gather is not None:  # a prefetch whose unit never ran
+            self.wait_for_unshard()
+        if self.reshard_after_backward and self.is_unsharded:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self._awaiting_grads = set()
+        self._post_forward_indices.clear()
+
+    def _has_pending_grads(self) -> bool:
+        return any(
+            p.unsynced_grad is not None
+            or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+            for p in self.params
+        )
+
+    def __repr__(self) -> str:
+        return f"ParamGroup({self.module_fqn or '<root>'}, {len(self.params)} params)"
+
+
+def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
+    unsharded = param.unsharded_param
+    if unsharded is None or unsharded.grad is None:
+        return None
+    grad = unsharded.grad
+    unsharded.grad = None
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != param.tp_placements:
+            grad = grad.redistribute(placements=param.tp_placements)
+        grad = grad._local_tensor
+    return grad
+

@@ -1,0 +1,146 @@
+"""What a ``fully_shard`` call manages, and the checks on its arguments."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .common import ParamModuleInfo
+from .state import get_state
+
+# Original parameter -> the module whose fully_shard call sharded it: a
+# parameter shared by two units would otherwise be silently duplicated.
+_SHARDED_BY: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
+
+
+def get_managed_modules(root: nn.Module, ignored_modules: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """``root``'s subtree minus subtrees that another call already manages.
+
+    Each module appears once even if it is registered at several places.
+    """
+    ignored = set(ignored_modules)
+    managed: list[nn.Module] = []
+    visited: set[nn.Module] = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if module in visited or module in ignored:
+            continue
+        visited.add(module)
+        if module is not root and get_state(module) is not None:
+            continue
+        managed.append(module)
+        stack.extend(reversed(list(module.children())))
+    return managed
+
+
+def get_managed_states(
+    modules: list[nn.Module], ignored_params: set[nn.Parameter] | None = None
+) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """The parameters and buffers registered directly on ``modules``, deduplicated."""
+    ignored = ignored_params or set()
+    params: list[nn.Parameter] = []
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module in modules:
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen and param not in ignored:
+                seen.add(id(param))
+                params.append(param)
+        for buffer in module.buffers(recurse=False):
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                buffers.append(buffer)
+    return params, buffers
+
+
+def get_param_module_infos(params: list[nn.Parameter], root: nn.Module) -> list[ParamModuleInfo]:
+    """For each parameter, the module registering it first and every other registration.
+
+    Traverses with duplicates: a module registered twice shows up as sharing
+    its parameters with itself, which is harmless when swapping and honest.
+    """
+    wanted = {id(p) for p in params}
+    infos: dict[int, ParamModuleInfo] = {}
+    for _, module in root.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) not in wanted:
+                continue
+            info = infos.get(id(param))
+            if info is None:
+                infos[id(param)] = ParamModuleInfo(module, name)
+            else:
+                info.shared_modules.append(module)
+                info.shared_param_names.append(name)
+    missing = [p for p in params if id(p) not in infos]
+    if missing:
+        raise AssertionError(f"{len(missing)} managed parameters are not in the module tree of {type(root).__name__}")
+    return [infos[id(p)] for p in params]
+
+
+def validate_module(module: nn.Module, api: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{api} expects an nn.Module but got {type(module).__name__}")
+    if get_state(module) is not None:
+        raise ValueError(
+            f"{api} expects a module that fully_shard/replicate has not been applied to, but "
+            f"{type(module).__name__} already has; apply it once per module"
+        )
+
+
+def validate_ignored_params(module: nn.Module, ignored_params: Iterable[nn.Parameter] | None) -> set[nn.Parameter]:
+    ignored = set(ignored_params or ())
+    own = {id(p) for p in module.parameters()}
+    for param in ignored:
+        if id(param) not in own:
+            raise ValueError(
+                "fully_shard expects ignored_params to be parameters of the module it shards, but "
+                f"got a parameter of shape {tuple(param.shape)} that is not in {type(module).__name__}"
+            )
+    return ignored
+
+
+def validate_devices(root: nn.Module, params: list[nn.Parameter]) -> None:
+    """All managed parameters on one device (all on meta counts as one)."""
+
+    def where(p: torch.Tensor) -> torch.device:
+        return p._local_tensor.device if isinstance(p, DTensor) else p.device
+
+    if len({where(p) for p in params}) > 1:
+        names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+        listing = ", ".join(f"{names.get(id(p), '?')} on {where(p)}" for p in params)
+        raise ValueError(
+            f"fully_shard expects all parameters of {type(root).__name__} on one device but got: "
+            f"{listing}. Move the module to one device (or build it all on meta) first."
+        )
+
+
+def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Moves managed buffers to ``device``, keeping shared buffers shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None or buffer.is_meta or buffer.device == device:
+                continue
+            new = moved.get(id(buffer))
+            if new is None:
+                new = moved[id(buffer)] = buffer.to(device)
+            module._buffers[name] = new
+
+
+def claim_params(params: list[nn.Parameter], owner: str) -> None:
+    """Records which call shards each parameter; a second claim is a user error."""
+    for param in params:
+        previous = _SHARDED_BY.get(param)
+        if previous is not None:
+            raise ValueError(
+                f"fully_shard expects each parameter to be managed by one unit, but a parameter of "
+                f"{owner} is already sharded by fully_shard on {previous}. Shared (tied) parameters "
+                "must live in one unit: apply fully_shard to a common parent of the modules sharing it."
+            )
+    for param in params:
+        _SHARDED_BY[param] = owner

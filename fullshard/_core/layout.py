@@ -1,0 +1,80 @@
+"""Where each parameter's shard sits inside a unit's flat buffers.
+
+[Note: Unit buffers]
+Every parameter is split on dim 0 into ``W`` chunks of ``ceil(rows / W)`` rows
+(the last chunks padded, possibly all padding). A unit keeps this rank's chunks
+of all its parameters back to back in ONE flat buffer:
+
+    shard buffer (this rank):     [ p0 chunk | p1 chunk | ... ]
+    all-gather output (W ranks):  [ rank 0: p0 p1 ... | rank 1: p0 p1 ... | ... ]
+
+So the shard buffer is the all-gather input as is (no copy-in), and the output,
+viewed as ``(W, -1)``, holds parameter i in the column block of its chunk: a
+strided copy per parameter rebuilds each unsharded parameter (copy-out).
+Gradients take the reverse path: ``torch._chunk_cat`` lays the unsharded
+gradients out as ``(W, -1)`` blocks, and the reduce-scatter output has the same
+layout as the shard buffer.
+
+A ``Layout`` records offsets in elements of its dtype. Parameters of different
+dtypes in one unit share a ``uint8`` layout counted in bytes, each offset
+aligned for its dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    dtype: torch.dtype  # the flat buffer's dtype (uint8 when dtypes are mixed)
+    offsets: tuple[int, ...]  # per parameter, in elements of `dtype`
+    sizes: tuple[int, ...]  # per parameter, in elements of `dtype`
+    total: int
+
+    @staticmethod
+    def build(numels: list[int], dtypes: list[torch.dtype]) -> "Layout":
+        """Packs chunks of ``numels[i]`` elements of ``dtypes[i]``."""
+        if len(set(dtypes)) <= 1:
+            dtype = dtypes[0] if dtypes else torch.float32
+            offsets, total = [], 0
+            for numel in numels:
+                offsets.append(total)
+                total += numel
+            return Layout(dtype, tuple(offsets), tuple(numels), total)
+        offsets, sizes, total = [], [], 0
+        for numel, dtype in zip(numels, dtypes):
+            align = dtype.itemsize
+            total = (total + align - 1) // align * align
+            offsets.append(total)
+            sizes.append(numel * dtype.itemsize)
+            total += numel * dtype.itemsize
+        return Layout(torch.uint8, tuple(offsets), tuple(sizes), total)
+
+    def scaled(self, factor: int) -> "Layout":
+        """The layout of ``factor`` consecutive chunks of every parameter."""
+        return Layout(
+            self.dtype,
+            tuple(o * factor for o in self.offsets),
+            tuple(s * factor for s in self.sizes),
+            self.total * factor,
+        )
+
+    def region(self, flat: torch.Tensor, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``index``'s region of ``flat`` (1D, this layout), as ``dtype``."""
+        start, size = self.offsets[index], self.sizes[index]
+        region = flat[start : start + size]
+        return region if region.dtype == dtype else region.view(dtype)
+
+    def copy_out(self, gathered: torch.Tensor, num_chunks: int, outputs: list[torch.Tensor]) -> None:
+        """Scatters an all-gather output into per-parameter padded flat tensors.
+
+        ``gathered`` is ``num_chunks`` blocks of this layout; ``outputs[i]`` is
+        parameter i's padded unsharded data (``num_chunks * sizes[i]`` units).
+        """
+        blocks = gathered.view(num_chunks, -1)
+        for start, size, out in zip(self.offsets, self.sizes, outputs):
+            dst = out if out.dtype == self.dtype else out.view(self.dtype)
+            dst.view(num_chunks, size).copy_(blocks[:, start : start + size])

@@ -1,0 +1,87 @@
+"""The engine's entry point: put one module's parameters under one unit.
+
+Both front ends (``fully_shard``, ``replicate``, and the FSDP1-style wrapper)
+end here with a mesh role assignment and a resharding choice; nothing below
+knows which front end called.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.nn as nn
+
+from ..api import MixedPrecisionPolicy, OffloadPolicy
+from .group import ParamGroup
+from .init import (
+    claim_params,
+    get_managed_modules,
+    get_managed_states,
+    get_param_module_infos,
+    move_buffers,
+    validate_devices,
+    validate_ignored_params,
+)
+from .mesh import GroupInfo, MeshInfo, post_forward_group
+from .param import ShardParam
+from .state import ModuleState
+
+
+def resolve_reshard_after_forward(
+    value: bool | int | None, mesh_info: MeshInfo, module: nn.Module
+) -> tuple[bool, GroupInfo | None]:
+    """(reshard after forward?, smaller post-forward group for an int)."""
+    if value is None:
+        return True, None
+    if isinstance(value, bool):
+        return value, None
+    shard_size = mesh_info.shard.size
+    if not isinstance(value, int):
+        raise TypeError(
+            f"fully_shard expects reshard_after_forward to be None, a bool or an int but got "
+            f"{type(value).__name__} for {type(module).__name__}"
+        )
+    if value < 1 or shard_size % value != 0:
+        raise ValueError(
+            f"fully_shard expects reshard_after_forward to be a bool or an int that divides the "
+            f"shard size {shard_size}, but got {value} for {type(module).__name__}"
+        )
+    if value == 1:
+        return False, None  # keeping 1/1 of the parameters is not resharding
+    if value == shard_size:
+        return True, None
+    return True, post_forward_group(mesh_info, value)
+
+
+def manage_module(
+    module: nn.Module,
+    mesh_info: MeshInfo,
+    reshard_after_forward: bool | int | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    ignored_modules: Iterable[nn.Module] = (),
+) -> ModuleState:
+    """Shards ``module``'s parameters (minus those of already-managed submodules)."""
+    device = mesh_info.device
+    ignored = validate_ignored_params(module, ignored_params)
+    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, module)
+    modules = get_managed_modules(module, ignored_modules)
+    params, _ = get_managed_states(modules, ignored)
+    validate_devices(module, params)
+    move_buffers(modules, device)
+    infos = get_param_module_infos(params, module)
+    shard_params = [ShardParam(p, info, mesh_info, mp_policy.param_dtype) for p, info in zip(params, infos)]
+    claim_params(params, type(module).__name__)
+    group = (
+        ParamGroup(shard_params, mesh_info, post_forward, device, mp_policy, offload_policy, reshard)
+        if shard_params
+        else None
+    )
+    return ModuleState(
+        module,
+        group,
+        cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
+        output_dtype=mp_policy.output_dtype,
+        auto_reshard_after_forward=reshard_after_forward is None,
+    )

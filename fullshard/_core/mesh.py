@@ -1,0 +1,130 @@
+"""Which ranks a unit shards over and which it replicates over.
+
+[Note: Mesh roles]
+A data-parallel mesh plays up to two roles:
+  - shard: parameters are split on dim 0 across these ranks (all-gather before
+    use, reduce-scatter of gradients);
+  - replicate: every rank holds the same shard (all-reduce of gradients).
+1-D mesh -> shard only (FSDP). 2-D mesh (replicate, shard) -> both (HSDP).
+``replicate()`` -> a 1-D mesh in the replicate role only (DDP). A role whose
+size is 1 costs nothing: no collective is issued for it. The degenerate HSDP
+mesh (n, 1) therefore still all-reduces across its n replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group and this rank's place in it (size 1: no group needed)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    @staticmethod
+    def trivial() -> "GroupInfo":
+        return GroupInfo(None, 1, 0)
+
+    @staticmethod
+    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> "GroupInfo":
+        return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
+
+
+class MeshInfo:
+    """A data-parallel mesh and its roles. See [Note: Mesh roles]."""
+
+    def __init__(self, mesh: DeviceMesh, shard_axis: int | None, replicate_axis: int | None):
+        self.mesh = mesh
+        self.shard_axis = shard_axis
+        self.replicate_axis = replicate_axis
+        self.shard = (
+            GroupInfo.of_mesh_axis(mesh, shard_axis) if shard_axis is not None else GroupInfo.trivial()
+        )
+        self.replicate = (
+            GroupInfo.of_mesh_axis(mesh, replicate_axis)
+            if replicate_axis is not None
+            else GroupInfo.trivial()
+        )
+
+    @staticmethod
+    def for_fully_shard(mesh: DeviceMesh) -> "MeshInfo":
+        return MeshInfo(mesh, shard_axis=mesh.ndim - 1, replicate_axis=0 if mesh.ndim == 2 else None)
+
+    @staticmethod
+    def for_replicate(mesh: DeviceMesh) -> "MeshInfo":
+        return MeshInfo(mesh, shard_axis=None, replicate_axis=0)
+
+    @property
+    def dp_placements(self) -> tuple[Placement, ...]:
+        """Placements of a plain (non-TP) parameter's shard on this mesh."""
+        if self.shard_axis is None:
+            return (Replicate(),)
+        return (Replicate(), Shard(0)) if self.replicate_axis is not None else (Shard(0),)
+
+    @property
+    def device(self) -> torch.device:
+        return device_of_mesh(self.mesh)
+
+    def __repr__(self) -> str:
+        return f"MeshInfo(shard={self.shard.size}, replicate={self.replicate.size})"
+
+
+def device_of_mesh(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's tensors live on (the current device for accelerators)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type, None)
+    if module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(mesh.device_type, module.current_device())
+    return torch.device(mesh.device_type)
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default group on the default accelerator (else CPU)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard expects torch.distributed to be initialized (call "
+            "torch.distributed.init_process_group) or an explicit mesh"
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # The mesh's rank tensor must be a real CPU tensor even under a
+    # `with torch.device("meta")` model-construction context.
+    with torch.device("cpu"):
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def describe_mesh(mesh: DeviceMesh) -> str:
+    return f"DeviceMesh({mesh.mesh.tolist()})"
+
+
+def validate_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects a DeviceMesh for mesh but got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")
+
+
+def post_forward_group(mesh_info: MeshInfo, reshard_after_forward: int) -> GroupInfo:
+    """The smaller group that a unit reshards to after forward (int reshard).
+
+    Ranks are cut into consecutive blocks of ``reshard_after_forward`` along the
+    shard axis (consecutive ranks usually share a node). The groups are built
+    once per (mesh, size) and kept on the mesh object: every unit that asks for
+    the same size shares them, and they die with the mesh.
+    """
+    cache = mesh_info.mesh.__dict__.setdefault("_fullshard_post_forward_meshes", {})
+    sub_mesh = cache.get(reshard_after_forward)
+    if sub_mesh is None:
+        with torch.device("cpu"):
+            ranks = mesh_info.mesh.mesh.reshape(-1, reshard_after_forward)
+            sub_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
+        cache[reshard_after_forward] = sub_mesh
+    return GroupInfo.of_mesh_axis(sub_mesh, 1)

@@ -1,0 +1,240 @@
+"""One original parameter: its shard, its DTensor view, its unsharded form.
+
+[Note: Parameter forms]
+- sharded: an ``nn.Parameter`` wrapping a ``DTensor`` (``Shard(0)`` on the
+  shard axis, ``Replicate()`` on the replicate axis, followed by tensor-parallel
+  placements if the parameter already was a DTensor). Its local tensor is a
+  view into the unit's shard buffer, so the optimizer's in-place updates land
+  there and the next all-gather sends them without any copy. This is the form
+  registered on the module outside forward/backward.
+- unsharded: a plain ``nn.Parameter`` (a TP ``DTensor`` for TP parameters)
+  created once and kept for the module's lifetime. Only its storage comes and
+  goes (``resize_``), so autograd sees one leaf across steps: a module used
+  twice in one forward, or activation recomputation, accumulates into the same
+  gradient. Registered on the module during forward/backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .common import ParamModuleInfo, set_module_param
+from .mesh import MeshInfo
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for dim in reversed(size):
+        stride.append(running)
+        running *= max(dim, 1)
+    return tuple(reversed(stride))
+
+
+class ShardParam:
+    """See [Note: Parameter forms] and [Note: Unit buffers] in layout.py."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        module_info: ParamModuleInfo,
+        mesh_info: MeshInfo,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        self.module_info = module_info
+        self.mesh_info = mesh_info
+        self.fqn = module_info.param_name  # made root-relative at lazy init
+        self.global_size = param.size()
+        self.global_stride = _contiguous_stride(param.size())
+        self._requested_param_dtype = param_dtype
+        if isinstance(param, DTensor):
+            local = self._init_tensor_parallel(param)
+        else:
+            self.tp_mesh: DeviceMesh | None = None
+            self.tp_placements: tuple[Placement, ...] = ()
+            self.spmd_mesh = mesh_info.mesh
+            self.placements = mesh_info.dp_placements
+            local = param.detach()
+        if local.ndim == 0:
+            raise NotImplementedError(
+                f"fully_shard does not support scalar (0-dim) parameters yet, but got "
+                f"{module_info.param_name} on {type(module_info.module).__name__}; reshape it to "
+                "(1,) or pass it in ignored_params"
+            )
+        self.unsharded_size = local.size()  # the TP-local size for TP parameters
+        self.num_rows = local.size(0)
+        self.row_numel = math.prod(local.size()[1:])
+        shard = mesh_info.shard
+        self.shard_rows = -(-self.num_rows // shard.size)  # ceil; padded rows per rank
+        self.shard_numel = self.shard_rows * self.row_numel
+        first_row = shard.rank * self.shard_rows
+        self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
+        self.orig_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        # This rank's rows of the unsharded value, copied into the unit's buffer
+        # by ParamGroup and then dropped.
+        self.initial_shard: torch.Tensor | None = local.narrow(0, first_row, self.num_valid_rows) \
+            if self.num_valid_rows > 0 else local[:0]
+        self.sharded_param: nn.Parameter | None = None
+        self.unsharded_param: nn.Parameter | None = None
+        self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
+        self.aliases_shard = False  # the unsharded form shares the shard's storage
+        # Gradient summed over steps without sync, in the reduce dtype (1D or ND).
+        self.unsynced_grad: torch.Tensor | None = None
+        # Called once autograd accumulated this step's gradient (set by ParamGroup).
+        self.on_grad_ready: Callable[["ShardParam"], None] | None = None
+
+    def _init_tensor_parallel(self, param: DTensor) -> torch.Tensor:
+        spec = param._spec
+        dp_mesh, tp_mesh = self.mesh_info.mesh, spec.mesh
+        if tp_mesh.device_type != dp_mesh.device_type:
+            raise ValueError(
+                "Requires DTensor to have mesh of the same type as the FSDP mesh but got "
+                f"{tp_mesh.device_type} for DTensor and {dp_mesh.device_type} for FSDP"
+            )
+        if tp_mesh.ndim != 1:
+            raise NotImplementedError(
+                f"fully_shard supports 1D tensor-parallel meshes, but "
+                f"{self.module_info.param_name} is on a {tp_mesh.ndim}D mesh"
+            )
+        try:
+            self.spmd_mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except Exception as exc:  # noqa: BLE001 - re-raised with the fix
+            raise ValueError(
+                "fully_shard expects the data-parallel mesh and the tensor-parallel mesh of "
+                f"{self.module_info.param_name} to be named slices of one DeviceMesh, e.g. "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            ) from exc
+        self.tp_mesh, self.tp_placements = tp_mesh, tuple(spec.placements)
+        # TP cuts dim 0 first when it shards it; our dim-0 chunks then live
+        # inside each TP chunk, which DTensor spells _StridedShard.
+        num_tp_chunks = math.prod(
+            tp_mesh.size(i) for i, p in enumerate(self.tp_placements) if p.is_shard(0)
+        )
+        shard_placement = _StridedShard(0, split_factor=num_tp_chunks) if num_tp_chunks > 1 else Shard(0)
+        info = self.mesh_info
+        if info.shard_axis is None:
+            dp_placements: tuple[Placement, ...] = (Replicate(),)
+        elif info.replicate_axis is not None:
+            dp_placements = (Replicate(), shard_placement)
+        else:
+            dp_placements = (shard_placement,)
+        self.placements = dp_placements + self.tp_placements
+        return param._local_tensor
+
+    # -- sharded form -------------------------------------------------------
+    def bind_shard(self, padded_shard: torch.Tensor) -> None:
+        """Points the sharded parameter at ``padded_shard`` (its region of the buffer)."""
+        local = padded_shard[: self.num_valid_rows * self.row_numel].view(
+            self.num_valid_rows, *self.unsharded_size[1:]
+        )
+        if self.sharded_param is None:
+            dtensor = DTensor.from_local(
+                local, self.spmd_mesh, self.placements, run_check=False,
+                shape=self.global_size, stride=self.global_stride,
+            )
+            self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+            self.to_sharded()
+        else:
+            self.sharded_param._local_tensor = local
+        self.orig_dtype = local.dtype
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        return self.sharded_param._local_tensor
+
+    def sharded_dtensor(self, padded_shard: torch.Tensor) -> DTensor:
+        """A DTensor like the sharded parameter over another padded region (a gradient)."""
+        local = padded_shard[: self.num_valid_rows * self.row_numel].view(
+            self.num_valid_rows, *self.unsharded_size[1:]
+        )
+        return DTensor.from_local(
+            local, self.spmd_mesh, self.placements, run_check=False,
+            shape=self.global_size, stride=self.global_stride,
+        )
+
+    def module_registration(self) -> nn.Parameter:
+        info = self.module_info
+        return info.module._parameters[info.param_name]
+
+    # -- unsharded form -----------------------------------------------------
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self._requested_param_dtype or self.orig_dtype
+
+    def padded_unsharded(self, device: torch.device) -> torch.Tensor:
+        """The unsharded parameter's padded flat storage, allocated (1D)."""
+        numel = self.mesh_info.shard.size * self.shard_numel
+        padded = self._padded_unsharded
+        if (
+            padded is None
+            or self.aliases_shard
+            or padded.device != device
+            or padded.dtype != self.param_dtype
+        ):
+            padded = torch.empty(numel, dtype=self.param_dtype, device=device)
+            self._padded_unsharded = padded
+            self.unsharded_param = None
+            self.aliases_shard = False
+        elif padded.untyped_storage().size() == 0:
+            padded.untyped_storage().resize_(numel * padded.element_size())
+        if self.unsharded_param is None:
+            self._make_unsharded_param(padded)
+        return padded
+
+    def alias_unsharded(self, shard_region: torch.Tensor) -> None:
+        """For a shard group of one: the unsharded parameter IS the shard (no copy)."""
+        if not self.aliases_shard or self._padded_unsharded.data_ptr() != shard_region.data_ptr():
+            self._padded_unsharded = shard_region
+            self.aliases_shard = True
+            self._make_unsharded_param(shard_region)
+
+    def _make_unsharded_param(self, padded: torch.Tensor) -> None:
+        data = padded[: self.num_rows * self.row_numel].view(self.unsharded_size)
+        if self.tp_mesh is not None:
+            data = DTensor.from_local(
+                data, self.tp_mesh, self.tp_placements, run_check=False,
+                shape=self.global_size, stride=self.global_stride,
+            )
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
+        self.unsharded_param.register_post_accumulate_grad_hook(self._grad_accumulated)
+
+    def _grad_accumulated(self, unsharded: torch.Tensor) -> None:
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(self)
+
+    def free_unsharded(self) -> None:
+        padded = self._padded_unsharded
+        if padded is not None and padded.untyped_storage().size() != 0:
+            padded.untyped_storage().resize_(0)
+
+    def forget_unsharded(self) -> None:
+        """Drops the unsharded form (after a device or dtype change)."""
+        self._padded_unsharded = None
+        self.unsharded_param = None
+        self.aliases_shard = False
+
+    # -- registration on modules ----------------------------------------------
+    def _register(self, param: nn.Parameter) -> None:
+        info = self.module_info
+        set_module_param(info.module, info.param_name, param)
+        for module, name in zip(info.shared_modules, info.shared_param_names):
+            set_module_param(module, name, param)
+
+    def to_sharded(self) -> None:
+        self._register(self.sharded_param)
+
+    def to_unsharded(self) -> None:
+        unsharded = self.unsharded_param
+        if unsharded.requires_grad != self.sharded_param.requires_grad:
+            unsharded.requires_grad_(self.sharded_param.requires_grad)
+        self._register(unsharded)
+
+    def __repr__(self) -> str:
+        return f"ShardParam({self.fqn}, size={tuple(self.global_size)})"

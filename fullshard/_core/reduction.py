@@ -1,0 +1,136 @@
+"""Gradient reduction of one unit, pipelined behind the rest of backward.
+
+[Note: Reduction pipeline]
+A unit's gradients go through up to two collectives: reduce-scatter over the
+shard axis, then all-reduce over the replicate axis (HSDP / replicate). Each is
+issued asynchronously; ``ReductionQueue.submit`` advances every older reduction
+by one stage, so a unit's reduce-scatter overlaps the next unit's backward
+compute, its all-reduce the one after, and at most two reductions' buffers are
+alive. The end-of-backward callback drains the queue.
+
+Gradients are averaged over all data-parallel ranks (``ReduceOp.AVG``), which
+makes a step equal to one process training on the concatenated batch. For
+float16, whose range a sum can overflow, we sum pre-divided values instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+if TYPE_CHECKING:
+    from .param import ShardParam
+
+
+def _averaging(dtype: torch.dtype, world: int) -> tuple[dist.ReduceOp.RedOpType, float, float]:
+    """(op, pre-divide factor, post-divide factor) for an average over ``world`` ranks."""
+    if dtype != torch.float16 or world == 1:
+        return dist.ReduceOp.AVG, 1.0, 1.0
+    pre = 1.0
+    while world % (pre * 2) == 0 and world / pre > pre:
+        pre *= 2
+    return dist.ReduceOp.SUM, pre, world / pre
+
+
+class GradReduction:
+    """One unit's reduction: copy-in, collectives, then ``.grad`` on the shards."""
+
+    def __init__(
+        self,
+        params: list["ShardParam"],
+        grads: list[torch.Tensor],
+        shard_group: dist.ProcessGroup | None,
+        shard_size: int,
+        replicate_group: dist.ProcessGroup | None,
+        replicate_size: int,
+        reduce_dtype: torch.dtype,
+        grad_device: torch.device,
+    ) -> None:
+        self._params = params
+        self._grad_device = grad_device
+        self._stages: list[Callable[[], None]] = []
+        self._work: dist.Work | None = None
+        self._post_divide = 1.0
+        numels = [p.shard_numel for p in params]
+        self._offsets = [sum(numels[:i]) for i in range(len(numels))]
+        # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
+        grads = [g.to(reduce_dtype) if g.dtype != reduce_dtype else g for g in grads]
+        device = grads[0].device
+        total = sum(numels)
+        if shard_size > 1:
+            rs_input = torch.empty(shard_size * total, dtype=reduce_dtype, device=device)
+            torch._chunk_cat(grads, dim=0, num_chunks=shard_size, out=rs_input.view(shard_size, -1))
+            self._output = torch.empty(total, dtype=reduce_dtype, device=device)
+            self._stages.append(
+                lambda: self._collective(
+                    comm.reduce_scatter, shard_group, shard_size, self._output, rs_input
+                )
+            )
+        else:
+            self._output = torch.empty(total, dtype=reduce_dtype, device=device)
+            torch._chunk_cat(grads, dim=0, num_chunks=1, out=self._output.view(1, -1))
+        if replicate_size > 1:
+            self._stages.append(
+                lambda: self._collective(comm.all_reduce, replicate_group, replicate_size, self._output)
+            )
+
+    def _collective(self, fn: Callable, group: dist.ProcessGroup, size: int, *tensors: torch.Tensor) -> None:
+        op, pre, post = _averaging(self._output.dtype, size)
+        if pre != 1.0:
+            tensors[-1].div_(pre)
+        if fn is comm.reduce_scatter:
+            self._work = fn(tensors[0], tensors[1], group, op, async_op=True)
+        else:
+            self._work = fn(tensors[0], group, op, async_op=True)
+        self._post_divide = post
+
+    def _wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._post_divide != 1.0:
+                self._output.div_(self._post_divide)
+
+    def advance(self) -> bool:
+        """Finishes the collective in flight and starts the next; True when all done."""
+        self._wait()
+        if self._stages:
+            self._stages.pop(0)()
+            return False
+        self._assign_grads()
+        return True
+
+    def _assign_grads(self) -> None:
+        for param, offset in zip(self._params, self._offsets):
+            padded = self._output[offset : offset + param.shard_numel]
+            if padded.device != self._grad_device or padded.dtype != param.orig_dtype:
+                padded = padded.to(self._grad_device, param.orig_dtype)
+            sharded = param.sharded_param
+            if sharded.grad is None:
+                sharded.grad = param.sharded_dtensor(padded)
+            else:
+                local = sharded.grad._local_tensor
+                local.add_(padded[: local.numel()].view_as(local))
+        self._params = []
+
+
+class ReductionQueue:
+    """See [Note: Reduction pipeline]."""
+
+    def __init__(self) -> None:
+        self._pending: list[GradReduction] = []
+
+    def submit(self, reduction: GradReduction) -> None:
+        self._pending = [r for r in self._pending if not r.advance()]
+        if not reduction.advance():
+            self._pending.append(reduction)
+
+    def drain(self) -> None:
+        for reduction in self._pending:
+            while not reduction.advance():
+                pass
+        self._pending = []

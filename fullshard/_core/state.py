@@ -1,0 +1,280 @@
+"""Per-module state and hooks: lazy root init, forward/backward transitions.
+
+[Note: One step]
+root pre-forward: lazy init (once) -> for each unit: pre-forward all-gather
+(prefetching the next unit) -> forward -> post-forward reshard -> backward:
+pre-backward all-gather (prefetching the unit that ran before it) ->
+gradients -> reduction (see [Note: When a unit's backward is done]) -> the
+end-of-backward callback drains reductions and returns every unit to IDLE.
+
+[Note: Prefetch]
+Forward: units run in the same order every step, so the order recorded in the
+previous step names the next unit; its all-gather is issued while the current
+unit computes. Backward: the unit that ran before the current one in this
+step's forward. On CPU the overlap comes from gloo's asynchronous work
+handles; on accelerators the backend runs the collective on its own stream and
+``Work.wait`` makes the compute stream wait for it. Every rank derives the same
+decisions from the same order, so collectives stay matched. Explicit lists
+(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
+implicit choice.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .common import TrainingState, cast_floating
+from .group import ParamGroup
+from .reduction import ReductionQueue
+
+_STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()
+
+
+def get_state(module: nn.Module) -> "ModuleState | None":
+    return _STATES.get(module)
+
+
+class IterationContext:
+    """What the units under one root share within and across steps."""
+
+    def __init__(self) -> None:
+        self.all_states: list[ModuleState] = []
+        self.reductions = ReductionQueue()
+        self.iteration_root: ModuleState | None = None
+        self.forward_order: list[ParamGroup] = []
+        self.previous_forward_order: list[ParamGroup] = []
+        self.post_forward_order: list[ParamGroup] = []
+        self.prefetched: set[ParamGroup] = set()
+        self.end_of_backward_queued = False
+
+    def begin_iteration(self, root: "ModuleState") -> None:
+        self.iteration_root = root
+        self.previous_forward_order, self.forward_order = self.forward_order, []
+        self.post_forward_order.clear()
+        for state in self.all_states:
+            if state.group is not None:
+                state.group._post_forward_indices.clear()
+
+    def end_forward(self) -> None:
+        """Reshards units whose prefetch went unused (the order changed)."""
+        for group in self.prefetched:
+            group.wait_for_unshard()
+            if group.reshard_after_forward:
+                group.reshard()
+        self.prefetched.clear()
+        self.iteration_root = None
+
+    def implicit_forward_prefetch(self, group: ParamGroup) -> ParamGroup | None:
+        position = len(self.forward_order)
+        self.forward_order.append(group)
+        previous = self.previous_forward_order
+        if position + 1 < len(previous) and previous[position] is group:
+            return previous[position + 1]
+        return None
+
+    def prefetch(self, group: ParamGroup) -> None:
+        if group.is_unsharded or group.training_state is TrainingState.POST_BACKWARD:
+            return
+        self.prefetched.add(group)
+        group.unshard(async_op=True)
+
+    def record_post_forward(self, group: ParamGroup) -> int:
+        self.post_forward_order.append(group)
+        return len(self.post_forward_order) - 1
+
+    def queue_end_of_backward(self) -> None:
+        if not self.end_of_backward_queued:
+            self.end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        for state in self.all_states:
+            if state.group is not None:
+                state.group.finish_backward()
+            state.training_state = TrainingState.IDLE
+        self.reductions.drain()
+        self.prefetched.clear()
+        self.post_forward_order.clear()
+        self.end_of_backward_queued = False
+
+
+class _InputGradHook(torch.autograd.Function):
+    """Identity whose backward tells the unit that its backward has finished."""
+
+    @staticmethod
+    def forward(ctx: Any, group: ParamGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.group.on_input_grads()
+        return (None, *grads)
+
+
+class ModuleState:
+    """The engine state of one ``fully_shard`` (or ``replicate``) call."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        cast_inputs_to: torch.dtype | None,
+        output_dtype: torch.dtype | None,
+        auto_reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.is_root: bool | None = None  # decided at lazy init
+        self.ctx = IterationContext()  # replaced by the root's at lazy init
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[ModuleState] | None = None  # explicit, else implicit
+        self.backward_prefetch: list[ModuleState] | None = None
+        self._cast_inputs_to = cast_inputs_to
+        self._output_dtype = output_dtype
+        self._auto_reshard_after_forward = auto_reshard_after_forward
+        self.in_registered_method = False
+        _STATES[module] = self
+        module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward_hook, prepend=False)
+
+    # -- lazy initialization -------------------------------------------------------
+    def lazy_init(self) -> None:
+        """Makes this state the root of every state below it (once)."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        states: list[ModuleState] = []
+        for name, module in self.module.named_modules():
+            state = get_state(module)
+            if state is None or state in states:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"FSDP state has already been lazily initialized for {name}\n"
+                        "FSDP requires running forward through the root module first"
+                    )
+                state.is_root = False
+            states.append(state)
+        self.ctx.all_states = states
+        for state in states:
+            state.ctx = self.ctx
+            if state.group is not None:
+                state.group.ctx = self.ctx
+        if self._auto_reshard_after_forward and self.group is not None:
+            # Backward needs the root's parameters first: keep them.
+            self.group.reshard_after_forward = False
+        self._init_fqns(states)
+
+    def _init_fqns(self, states: list["ModuleState"]) -> None:
+        by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
+        for name, param in self.module.named_parameters():
+            if param in by_param:
+                by_param[param].fqn = name
+        for name, module in self.module.named_modules():
+            state = get_state(module)
+            if state is not None and state.group is not None:
+                state.group.module_fqn = name
+
+    # -- forward -------------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.post_forward(output)
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.in_registered_method:  # forward called from a registered method: already gathered
+            return args, kwargs
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Recomputation inside backward (activation checkpointing).
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return self._cast_inputs(args, kwargs)
+        self.lazy_init()
+        if self.ctx.iteration_root is None:
+            self.ctx.begin_iteration(self)
+        self.training_state = TrainingState.FORWARD
+        args, kwargs = self._cast_inputs(args, kwargs)
+        group = self.group
+        if group is None:
+            return args, kwargs
+        group.training_state = TrainingState.FORWARD
+        self.ctx.prefetched.discard(group)
+        group.unshard(async_op=True)
+        implicit = self.ctx.implicit_forward_prefetch(group)
+        if self.forward_prefetch is not None:
+            targets = [s.group for s in self.forward_prefetch if s.group is not None]
+        else:
+            targets = [implicit] if implicit is not None else []
+        for target in targets:
+            self.ctx.prefetch(target)
+        group.wait_for_unshard()
+        if torch.is_grad_enabled():
+            args, kwargs = self._hook_input_grads(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        if self.in_registered_method:
+            return output
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return self._cast_output(output)
+        if self.group is not None:
+            self.group.post_forward(record_order=torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            self._hook_output_grads(output)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iteration_root is self:
+            self.ctx.end_forward()
+        return self._cast_output(output)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._cast_inputs_to is None:
+            return args, kwargs
+        return cast_floating(self._cast_inputs_to, args), cast_floating(self._cast_inputs_to, kwargs)
+
+    def _cast_output(self, output: Any) -> Any:
+        return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
+
+    def _hook_input_grads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not indices:
+            return args, kwargs
+        hooked = _InputGradHook.apply(self.group, *(flat[i] for i in indices))
+        for i, tensor in zip(indices, hooked):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _hook_output_grads(self, output: Any) -> None:
+        flat, _ = tree_flatten(output)
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._pre_backward)
+
+    # -- backward ------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.ctx.queue_end_of_backward()
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        group = self.group
+        if group is None or not group.begin_backward():
+            return
+        if self.backward_prefetch is not None:
+            targets = [s.group for s in self.backward_prefetch if s.group is not None]
+        else:
+            index = group.take_backward_prefetch_index()
+            targets = [self.ctx.post_forward_order[index - 1]] if index else []
+        for target in targets:
+            self.ctx.prefetch(target)
+        group.wait_for_unshard()
+        group.expect_grads()

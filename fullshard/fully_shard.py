@@ -1,0 +1,231 @@
+"""The composable front end: ``fully_shard(module)`` and ``FSDPModule``.
+
+Usage (2 ranks on CPU)::
+
+    torchrun --nproc-per-node 2 train.py
+
+    for block in model.blocks:
+        fully_shard(block)          # one unit per block: gathered only while it runs
+    fully_shard(model)              # the root unit: embeddings, head, the rest
+    optim = torch.optim.AdamW(model.parameters())   # DTensor shards
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, NoReturn
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._core.manage import manage_module
+from ._core.mesh import MeshInfo, default_mesh, validate_mesh
+from ._core.state import ModuleState, get_state
+from ._core.init import validate_module
+from .api import MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, state: ModuleState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state.group is not None:
+            self._state.group.wait_for_unshard()
+        self._state = None
+
+
+class FSDPModule:
+    """Mixed into the class of every module that ``fully_shard`` was applied to."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of their own class (nn.Sequential
+        # slicing): those are plain modules, so build the original class.
+        original = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        instance = original.__new__(original)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def _fsdp_state(self) -> ModuleState:
+        return get_state(self)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gathers this module's parameters now (e.g. before a custom forward).
+
+        Args:
+            async_op: return a handle instead of waiting; call ``wait()`` on it
+                before using the parameters.
+        """
+        state = self._fsdp_state()
+        state.lazy_init()
+        if state.group is not None:
+            state.group.unshard(async_op=async_op)
+            if not async_op:
+                state.group.wait_for_unshard()
+        return UnshardHandle(state) if async_op else None
+
+    def reshard(self) -> None:
+        """Frees this module's full parameters and registers the shards again."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def _groups(self, recurse: bool) -> Iterable:
+        modules = self.modules() if recurse else [self]
+        for module in modules:
+            state = get_state(module)
+            if state is not None and state.group is not None:
+                yield state.group
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turns gradient reduction off for accumulation steps (on for the last one).
+
+        While off, gradients accumulate unsharded (in the reduce dtype); the next
+        backward with sync on reduces the sum.
+        """
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keeps the full parameters after backward (saves the next forward's all-gather).
+
+        The optimizer updates the shards: call ``reshard()`` (or set this back to
+        True for the last micro-batch) before stepping.
+        """
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Gathers ``modules`` as soon as this module's forward starts (replaces implicit prefetch)."""
+        self._fsdp_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Gathers ``modules`` as soon as this module's backward starts (replaces implicit prefetch)."""
+        self._fsdp_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # to_empty()/to()/half() give the shards new tensors: re-pack them into
+        # the unit's flat buffer so the all-gather stays copy-free.
+        result = super()._apply(*args, **kwargs)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.rebind_shards()
+        return result
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        raise NotImplementedError(
+            "fully_shard modules cannot be deep-copied (their parameters are shards tied to "
+            "hooks); deep-copy the model before applying fully_shard, or use its state_dict"
+        )
+
+
+def _states_of(modules: list[Any], api: str) -> list[ModuleState]:
+    states = []
+    for module in modules:
+        state = get_state(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            raise ValueError(f"{api} expects modules that fully_shard was applied to, but got {type(module).__name__}")
+        states.append(state)
+    return states
+
+
+_SWAPPED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Makes ``module`` an instance of ``<prefix><Class>(mixin, Class)``."""
+    cls = type(module)
+    key = (cls, mixin)
+    new_cls = _SWAPPED_CLASSES.get(key)
+    if new_cls is None:
+        new_cls = _SWAPPED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    module.__class__ = new_cls
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> FSDPModule:
+    """Shards ``module``'s parameters across ``mesh`` as one communication unit.
+
+    Call it on submodules first (each becomes its own unit), then on the root.
+    Parameters already managed by a call on a submodule are left to it.
+
+    Args:
+        module: the module to shard (changed in place and returned).
+        mesh: 1D mesh (FSDP) or 2D ``(replicate, shard)`` mesh (HSDP). Default:
+            all ranks, on the current accelerator if there is one, else CPU.
+        reshard_after_forward: True frees the full parameters after forward
+            (re-gathered in backward); False keeps them; an int ``k`` keeps
+            1/k of them so backward re-gathers within groups of ``k`` ranks;
+            None: True, except for the root (the first module to run forward).
+        mp_policy: parameter/reduction/output dtypes (``MixedPrecisionPolicy``).
+        offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU.
+        ignored_params: parameters left alone (not sharded, moved or reduced).
+
+    Returns:
+        ``module``, whose class now also derives from ``FSDPModule``.
+
+    Raises:
+        ValueError: the module is already managed, the mesh is not 1D/2D,
+            parameters sit on different devices, an int ``reshard_after_forward``
+            does not divide the shard size, or an ignored parameter is not in
+            the module.
+    """
+    validate_module(module, "fully_shard")
+    mesh = mesh if mesh is not None else default_mesh()
+    validate_mesh(mesh)
+    manage_module(
+        module,
+        MeshInfo.for_fully_shard(mesh),
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+        ignored_params,
+    )
+    swap_class(module, FSDPModule, "FSDP")
+    return module
+
+
+fully_shard.state = get_state  # type: ignore[attr-defined]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` gather and free parameters like ``forward``.
+
+    For methods such as ``generate`` that do not go through ``__call__``;
+    ``forward`` calls made inside the method reuse the gathered parameters.
+    """
+    state = get_state(module)
+    if state is None:
+        raise ValueError(
+            f"register_fsdp_forward_method expects a module that fully_shard was applied to, "
+            f"but got {type(module).__name__}"
+        )
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(
+            f"register_fsdp_forward_method expects {type(module).__name__} to have a method "
+            f"{method_name!r}"
+        )
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(args, kwargs)
+        state.in_registered_method = True
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            state.in_registered_method = False
+        return state.post_forward(output)
+
+    module.__dict__[method_name] = wrapped

@@ -1,0 +1,49 @@
+"""Data parallelism without sharding, on the same engine as ``fully_shard``.
+
+Each rank keeps full parameters (``Replicate()`` DTensors); gradients are
+averaged with one all-reduce per unit. Useful for small submodules inside a
+sharded model, and as DDP with the ``fully_shard`` controls.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._core.init import validate_module
+from ._core.manage import manage_module
+from ._core.mesh import MeshInfo, default_mesh, describe_mesh
+from .api import MixedPrecisionPolicy, OffloadPolicy
+from .fully_shard import FSDPModule, swap_class
+
+__all__ = ["replicate", "ReplicateModule"]
+
+
+class ReplicateModule(FSDPModule):
+    """Mixed into the class of every module that ``replicate`` was applied to."""
+
+
+def replicate(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> ReplicateModule:
+    """Replicates ``module`` across ``mesh`` and all-reduces its gradients.
+
+    Args:
+        module: the module (changed in place and returned).
+        mesh: a 1D mesh; default: all ranks.
+        mp_policy, offload_policy, ignored_params: as for ``fully_shard``.
+    """
+    validate_module(module, "replicate")
+    mesh = mesh if mesh is not None else default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
+    manage_module(
+        module, MeshInfo.for_replicate(mesh), False, mp_policy, offload_policy, ignored_params
+    )
+    swap_class(module, ReplicateModule, "Replicate")
+    return module

@@ -1,0 +1,323 @@
+"""Run a function on N ranks (gloo, CPU, 127.0.0.1) from a pytest process.
+
+[Note: Rank pool]
+Starting a Python process that imports torch costs seconds; a test suite that
+spawned fresh ranks per test would spend most of its time there. A ``RankPool``
+keeps ``world_size`` worker processes alive for the whole session. Each task
+gets a fresh default process group (rendezvous through a ``PrefixStore`` over
+one ``TCPStore`` hosted here), runs, and destroys every group it made, so tests
+do not leak groups or debug settings into each other.
+
+A rank that raises sends its traceback back; the pool re-raises it here naming
+the rank. A task that does not finish within its timeout is reported with the
+stacks of every rank (``faulthandler``), and the pool is killed and replaced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import functools
+import faulthandler
+import importlib
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+# A rank blocked in a collective whose peer already failed errors out once gloo
+# notices the closed connection; this bounds how long we wait for that.
+_GRACE_AFTER_FAILURE_S = 15.0
+
+
+class RankFailure(AssertionError):
+    """A rank raised: the message carries the rank and its traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Ranks did not finish in time: the message carries every rank's stack."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class _Task:
+    task_id: int
+    module: str
+    qualname: str
+    sys_path: list[str]
+    args: tuple
+    kwargs: dict
+    pg_timeout_s: float
+
+
+def _resolve(module: str, qualname: str) -> Callable:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    # `@distributed` tests carry the per-rank body under this attribute.
+    return getattr(obj, "__rank_fn__", obj)
+
+
+def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool, Any, float]:
+    """Returns (ok, value or traceback text, time of failure)."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path[:] = task.sys_path
+    try:
+        prefix_store = dist.PrefixStore(f"task{task.task_id}/", store)
+        dist.init_process_group(
+            "gloo",
+            store=prefix_store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=task.pg_timeout_s),
+        )
+        torch.manual_seed(0)
+        return True, _resolve(task.module, task.qualname)(*task.args, **task.kwargs), 0.0
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to pytest
+        # Stamp the failure before tearing down the group: peers blocked in a
+        # collective fail only after that, so the earliest stamp is the cause.
+        return False, "".join(traceback.format_exception(exc)), time.time()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, tasks: Any, results: Any, log_path: str
+) -> None:
+    log = open(log_path, "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share a few cores: do not oversubscribe
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        print(f"=== task {task.task_id}: {task.module}.{task.qualname}", flush=True)
+        ok, value, failed_at = _run_task(rank, world_size, store, task)
+        if not ok:
+            print(value, flush=True)
+        try:
+            results.put((task.task_id, rank, ok, value, failed_at))
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+            results.put((task.task_id, rank, False, f"could not send the result back: {exc!r}", time.time()))
+
+
+class RankPool:
+    """``world_size`` long-lived rank processes. See [Note: Rank pool]."""
+
+    def __init__(self, world_size: int) -> None:
+        import torch.distributed as dist
+
+        self.world_size = world_size
+        self._next_task_id = 0
+        port = free_port()
+        self._store = dist.TCPStore(
+            "127.0.0.1", port, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._log_dir = tempfile.mkdtemp(prefix=f"fullshard-ranks{world_size}-")
+        self._procs = []
+        for rank in range(world_size):
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, port, self._tasks[rank], self._results, self.log_path(rank)),
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self._log_dir, f"rank{rank}.log")
+
+    def is_healthy(self) -> bool:
+        return bool(self._procs) and all(proc.is_alive() for proc in self._procs)
+
+    def run(
+        self,
+        fn: Callable,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> list[Any]:
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank results."""
+        if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+            raise ValueError(
+                f"run_distributed expects a module-level function but got {fn.__qualname__}: "
+                "rank processes import it by name"
+            )
+        self._next_task_id += 1
+        task = _Task(
+            self._next_task_id, fn.__module__, fn.__qualname__, list(sys.path),
+            tuple(args), dict(kwargs or {}), pg_timeout_s=max(30.0, timeout / 2),
+        )
+        for task_queue in self._tasks:
+            task_queue.put(task)
+        return self._collect(task, timeout)
+
+    def _collect(self, task: _Task, timeout: float) -> list[Any]:
+        values: dict[int, Any] = {}
+        failures: dict[int, tuple[float, str]] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(failures) < self.world_size:
+            now = time.monotonic()
+            if failures:
+                deadline = min(deadline, now + _GRACE_AFTER_FAILURE_S)
+            if now >= deadline:
+                break
+            try:
+                task_id, rank, ok, value, failed_at = self._results.get(
+                    timeout=min(1.0, deadline - now)
+                )
+            except queue.Empty:
+                dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
+                if dead:
+                    self.close()
+                    raise RankFailure(
+                        f"rank(s) {dead} died while running {task.qualname}\n" + self._log_tails(dead)
+                    )
+                continue
+            if task_id != task.task_id:
+                continue  # a late answer from an earlier task that was given up on
+            if ok:
+                values[rank] = value
+            else:
+                failures[rank] = (failed_at, value)
+        if failures:
+            missing = sorted(set(range(self.world_size)) - set(values) - set(failures))
+            if missing:
+                self.close()  # those ranks are stuck; this pool cannot be trusted again
+            first = min(failures, key=lambda r: failures[r][0])
+            others = ", ".join(str(r) for r in sorted(failures) if r != first)
+            raise RankFailure(
+                f"rank {first} of {self.world_size} failed in {task.qualname}"
+                + (f" (ranks {others} failed too)" if others else "")
+                + (f" (ranks {missing} never finished)" if missing else "")
+                + f":\n{failures[first][1]}"
+            )
+        if len(values) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(values))
+            stacks = self._dump_stacks(missing)
+            self.close()
+            raise RankTimeout(
+                f"{task.qualname} did not finish within {timeout:.0f}s on ranks {missing} "
+                f"of {self.world_size} (a hang?). Their stacks:\n{stacks}"
+            )
+        return [values[rank] for rank in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> str:
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        return self._log_tails(ranks, num_chars=6000)
+
+    def _log_tails(self, ranks: list[int], num_chars: int = 4000) -> str:
+        parts = []
+        for rank in ranks:
+            try:
+                with open(self.log_path(rank)) as f:
+                    text = f.read()
+            except OSError:
+                text = "<no log>"
+            parts.append(f"--- rank {rank} (log {self.log_path(rank)}) ---\n{text[-num_chars:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for task_queue, proc in zip(self._tasks, self._procs):
+            if proc.is_alive():
+                try:
+                    task_queue.put(None)
+                except (OSError, ValueError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+        self._procs = []
+
+
+_pools: dict[int, RankPool] = {}
+atexit.register(lambda: close_pools())
+
+
+def get_pool(world_size: int) -> RankPool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.is_healthy():
+        if pool is not None:
+            pool.close()
+        pool = _pools[world_size] = RankPool(world_size)
+    return pool
+
+
+def close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> list[Any]:
+    """Runs the module-level function ``fn`` on ``world_size`` gloo ranks.
+
+    Returns each rank's return value (rank order). Raises ``RankFailure`` with
+    the failing rank's traceback, or ``RankTimeout`` with every rank's stack.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed expects world_size >= 1 but got {world_size}")
+    return get_pool(world_size).run(fn, args, kwargs, timeout)
+
+
+def distributed(world_size: int = 2, timeout: float = DEFAULT_TIMEOUT_S) -> Callable:
+    """Decorates a test so that its body runs on ``world_size`` ranks.
+
+    The decorated function is what pytest calls (in the pytest process); it
+    ships the undecorated body, with pytest's parameters as keyword arguments,
+    to the rank pool. Example::
+
+        @distributed(world_size=2)
+        def test_allreduce():
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == dist.get_world_size()
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def test(*args: Any, **kwargs: Any) -> None:
+            get_pool(world_size).run(test, args, kwargs, timeout)
+
+        test.__rank_fn__ = fn  # type: ignore[attr-defined]
+        return test
+
+    return decorate
