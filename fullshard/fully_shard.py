@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
-from ._core.init import validate_module
+from ._core.init import validate_dtensor_meshes, validate_module
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -184,6 +184,7 @@ def fully_shard(
     validate_module(module, "fully_shard")
     mesh = mesh if mesh is not None else default_mesh()
     validate_mesh(mesh)
+    validate_dtensor_meshes(module, mesh.device_type)
     manage_module(
         module,
         MeshInfo.for_fully_shard(mesh),

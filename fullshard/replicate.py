@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._core.init import validate_module
+from ._core.init import validate_dtensor_meshes, validate_module
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh
 from .api import MixedPrecisionPolicy, OffloadPolicy
@@ -42,6 +42,7 @@ def replicate(
     mesh = mesh if mesh is not None else default_mesh()
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
+    validate_dtensor_meshes(module, mesh.device_type)
     manage_module(
         module, MeshInfo.for_replicate(mesh), False, mp_policy, offload_policy, ignored_params
     )

@@ -119,6 +119,16 @@ def validate_devices(root: nn.Module, params: list[nn.Parameter]) -> None:
         )
 
 
+def validate_dtensor_meshes(module: nn.Module, mesh_device_type: str) -> None:
+    """Tensor-parallel parameters must live on the same kind of device as the FSDP mesh."""
+    for param in module.parameters():
+        if isinstance(param, DTensor) and param.device_mesh.device_type != mesh_device_type:
+            raise ValueError(
+                "Requires DTensor to have mesh of the same type as the FSDP mesh but got "
+                f"{param.device_mesh.device_type} for DTensor and {mesh_device_type} for FSDP"
+            )
+
+
 def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
     """Moves managed buffers to ``device``, keeping shared buffers shared."""
     moved: dict[int, torch.Tensor] = {}

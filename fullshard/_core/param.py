@@ -85,6 +85,7 @@ class ShardParam:
         self.unsharded_param: nn.Parameter | None = None
         self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
         self.aliases_shard = False  # the unsharded form shares the shard's storage
+        self._hooked = False  # the unsharded parameter has our post-accumulate hook
         # Gradient summed over steps without sync, in the reduce dtype (1D or ND).
         self.unsynced_grad: torch.Tensor | None = None
         # Called once autograd accumulated this step's gradient (set by ParamGroup).
@@ -93,11 +94,6 @@ class ShardParam:
     def _init_tensor_parallel(self, param: DTensor) -> torch.Tensor:
         spec = param._spec
         dp_mesh, tp_mesh = self.mesh_info.mesh, spec.mesh
-        if tp_mesh.device_type != dp_mesh.device_type:
-            raise ValueError(
-                "Requires DTensor to have mesh of the same type as the FSDP mesh but got "
-                f"{tp_mesh.device_type} for DTensor and {dp_mesh.device_type} for FSDP"
-            )
         if tp_mesh.ndim != 1:
             raise NotImplementedError(
                 f"fully_shard supports 1D tensor-parallel meshes, but "
@@ -203,7 +199,7 @@ class ShardParam:
                 shape=self.global_size, stride=self.global_stride,
             )
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
-        self.unsharded_param.register_post_accumulate_grad_hook(self._grad_accumulated)
+        self._hooked = False
 
     def _grad_accumulated(self, unsharded: torch.Tensor) -> None:
         if self.on_grad_ready is not None:
@@ -234,6 +230,10 @@ class ShardParam:
         unsharded = self.unsharded_param
         if unsharded.requires_grad != self.sharded_param.requires_grad:
             unsharded.requires_grad_(self.sharded_param.requires_grad)
+        if unsharded.requires_grad and not self._hooked:
+            # Registered lazily: a frozen parameter may be unfrozen later.
+            unsharded.register_post_accumulate_grad_hook(self._grad_accumulated)
+            self._hooked = True
         self._register(unsharded)
 
     def __repr__(self) -> str:

@@ -1,0 +1,21 @@
+"""Multi-process test utilities, importable by users' own tests too.
+
+- ``distributed(world_size)``: decorator that runs a pytest test on N gloo ranks.
+- ``run_distributed(fn, world_size, ...)``: the same for a plain function.
+- ``train_in_parity`` / ``assert_params_equal``: compare against a local model.
+"""
+
+from .harness import RankFailure, RankTimeout, distributed, run_distributed
+from .parity import assert_params_equal, full_value, mean_over, split_batch, train_in_parity
+
+__all__ = [
+    "RankFailure",
+    "RankTimeout",
+    "assert_params_equal",
+    "distributed",
+    "full_value",
+    "mean_over",
+    "run_distributed",
+    "split_batch",
+    "train_in_parity",
+]

@@ -1,0 +1,94 @@
+"""Parity against a single-process reference: same init, data and optimizer.
+
+Each rank trains the sharded model on its slice of every global batch and a
+local copy of the unsharded model (the reference) on the whole batch. With
+gradients averaged across data-parallel ranks, both see the same gradient, so
+losses and parameters must agree up to floating-point reordering.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of a (possibly DTensor) tensor (a collective for DTensors)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def assert_params_equal(
+    model: nn.Module, ref: nn.Module, rtol: float = 1e-5, atol: float = 1e-6, grads: bool = False
+) -> None:
+    named = list(model.named_parameters())
+    ref_named = list(ref.named_parameters())
+    assert [n for n, _ in named] == [n for n, _ in ref_named], "parameter names differ"
+    for (name, param), (_, ref_param) in zip(named, ref_named):
+        torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        if grads:
+            assert (param.grad is None) == (ref_param.grad is None), f"{name}: grad presence differs"
+            if param.grad is not None:
+                torch.testing.assert_close(full_value(param.grad), full_value(ref_param.grad), rtol=rtol, atol=atol, msg=lambda m: f"{name}.grad: {m}")
+
+
+def mean_over(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.AVG, group=group)
+    return value
+
+
+def split_batch(batch: Sequence[torch.Tensor], dp_rank: int, dp_size: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t.chunk(dp_size)[dp_rank] for t in batch)
+
+
+def train_in_parity(
+    model: nn.Module,
+    ref: nn.Module,
+    optim: torch.optim.Optimizer,
+    ref_optim: torch.optim.Optimizer,
+    batches: Iterable[Sequence[torch.Tensor]],
+    loss_fn: Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor],
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    num_microbatches: int = 1,
+    before_microbatch: Callable[[int, bool], None] | None = None,
+) -> list[float]:
+    """Steps both models over ``batches`` and asserts equal losses each step.
+
+    With ``num_microbatches > 1`` each rank's slice is split again and
+    gradients accumulate; ``before_microbatch(index, is_last)`` lets the test
+    switch gradient sync off for all but the last one.
+
+    Returns the global losses.
+    """
+    dp_rank = dist.get_rank() if dp_rank is None else dp_rank
+    dp_size = dist.get_world_size() if dp_size is None else dp_size
+    losses = []
+    for step, batch in enumerate(batches):
+        local = split_batch(batch, dp_rank, dp_size)
+        total = torch.zeros(())
+        for index, micro in enumerate(zip(*(t.chunk(num_microbatches) for t in local))):
+            if before_microbatch is not None:
+                before_microbatch(index, index == num_microbatches - 1)
+            loss = loss_fn(model, micro) / num_microbatches
+            loss.backward()
+            total += loss.detach().float()
+        optim.step()
+        optim.zero_grad()
+        ref_loss = loss_fn(ref, batch)
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        global_loss = mean_over(total)
+        torch.testing.assert_close(
+            global_loss, ref_loss.detach().float(), rtol=rtol, atol=atol,
+            msg=lambda m: f"step {step}: loss {global_loss.item()} vs reference {ref_loss.item()}: {m}",
+        )
+        losses.append(global_loss.item())
+    return losses
