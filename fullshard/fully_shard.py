@@ -18,6 +18,7 @@ from typing import Any, Iterable, NoReturn
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._core.common import module_class_name
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
@@ -128,7 +129,9 @@ def _states_of(modules: list[Any], api: str) -> list[ModuleState]:
     for module in modules:
         state = get_state(module) if isinstance(module, nn.Module) else None
         if state is None:
-            raise ValueError(f"{api} expects modules that fully_shard was applied to, but got {type(module).__name__}")
+            raise ValueError(
+                f"{api} expects modules that fully_shard was applied to, but got {module_class_name(module)}"
+            )
         states.append(state)
     return states
 
@@ -142,7 +145,9 @@ def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
     key = (cls, mixin)
     new_cls = _SWAPPED_CLASSES.get(key)
     if new_cls is None:
-        new_cls = _SWAPPED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+        new_cls = _SWAPPED_CLASSES[key] = type(
+            f"{prefix}{cls.__name__}", (mixin, cls), {"_fullshard_original_class": cls}
+        )
     module.__class__ = new_cls
 
 
@@ -210,12 +215,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if state is None:
         raise ValueError(
             f"register_fsdp_forward_method expects a module that fully_shard was applied to, "
-            f"but got {type(module).__name__}"
+            f"but got {module_class_name(module)}"
         )
     method = getattr(module, method_name, None)
     if method is None or not callable(method):
         raise ValueError(
-            f"register_fsdp_forward_method expects {type(module).__name__} to have a method "
+            f"register_fsdp_forward_method expects {module_class_name(module)} to have a method "
             f"{method_name!r}"
         )
 

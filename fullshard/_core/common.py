@@ -34,6 +34,12 @@ class ParamModuleInfo:
     shared_param_names: list[str] = field(default_factory=list)
 
 
+def module_class_name(module: nn.Module) -> str:
+    """The user's class name, also after fully_shard swapped the class."""
+    cls = type(module)
+    return getattr(cls, "_fullshard_original_class", cls).__name__
+
+
 def set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
     """Registers ``param`` under ``name``, skipping ``nn.Module.__setattr__``'s checks
     when the module does not customise attribute setting (they cost microseconds

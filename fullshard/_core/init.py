@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .common import ParamModuleInfo
+from .common import ParamModuleInfo, module_class_name
 from .state import get_state
 
-# Original parameter -> the module whose fully_shard call sharded it: a
-# parameter shared by two units would otherwise be silently duplicated.
-_SHARDED_BY: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
+# Set on an original parameter once a unit shards it: a parameter shared by
+# two units would otherwise be silently duplicated (and untied).
+_CLAIM_ATTR = "_fullshard_sharded_by"
 
 
 def get_managed_modules(root: nn.Module, ignored_modules: Iterable[nn.Module] = ()) -> list[nn.Module]:
@@ -78,17 +77,17 @@ def get_param_module_infos(params: list[nn.Parameter], root: nn.Module) -> list[
                 info.shared_param_names.append(name)
     missing = [p for p in params if id(p) not in infos]
     if missing:
-        raise AssertionError(f"{len(missing)} managed parameters are not in the module tree of {type(root).__name__}")
+        raise AssertionError(f"{len(missing)} managed parameters are not in the module tree of {module_class_name(root)}")
     return [infos[id(p)] for p in params]
 
 
 def validate_module(module: nn.Module, api: str) -> None:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"{api} expects an nn.Module but got {type(module).__name__}")
+        raise TypeError(f"{api} expects an nn.Module but got {module_class_name(module)}")
     if get_state(module) is not None:
         raise ValueError(
             f"{api} expects a module that fully_shard/replicate has not been applied to, but "
-            f"{type(module).__name__} already has; apply it once per module"
+            f"{module_class_name(module)} already has; apply it once per module"
         )
 
 
@@ -99,7 +98,7 @@ def validate_ignored_params(module: nn.Module, ignored_params: Iterable[nn.Param
         if id(param) not in own:
             raise ValueError(
                 "fully_shard expects ignored_params to be parameters of the module it shards, but "
-                f"got a parameter of shape {tuple(param.shape)} that is not in {type(module).__name__}"
+                f"got a parameter of shape {tuple(param.shape)} that is not in {module_class_name(module)}"
             )
     return ignored
 
@@ -114,7 +113,7 @@ def validate_devices(root: nn.Module, params: list[nn.Parameter]) -> None:
         names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
         listing = ", ".join(f"{names.get(id(p), '?')} on {where(p)}" for p in params)
         raise ValueError(
-            f"fully_shard expects all parameters of {type(root).__name__} on one device but got: "
+            f"fully_shard expects all parameters of {module_class_name(root)} on one device but got: "
             f"{listing}. Move the module to one device (or build it all on meta) first."
         )
 
@@ -145,7 +144,7 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 def claim_params(params: list[nn.Parameter], owner: str) -> None:
     """Records which call shards each parameter; a second claim is a user error."""
     for param in params:
-        previous = _SHARDED_BY.get(param)
+        previous = getattr(param, _CLAIM_ATTR, None)
         if previous is not None:
             raise ValueError(
                 f"fully_shard expects each parameter to be managed by one unit, but a parameter of "
@@ -153,4 +152,4 @@ def claim_params(params: list[nn.Parameter], owner: str) -> None:
                 "must live in one unit: apply fully_shard to a common parent of the modules sharing it."
             )
     for param in params:
-        _SHARDED_BY[param] = owner
+        setattr(param, _CLAIM_ATTR, owner)

@@ -12,6 +12,7 @@ from typing import Iterable
 import torch.nn as nn
 
 from ..api import MixedPrecisionPolicy, OffloadPolicy
+from .common import module_class_name
 from .group import ParamGroup
 from .init import (
     claim_params,
@@ -39,12 +40,12 @@ def resolve_reshard_after_forward(
     if not isinstance(value, int):
         raise TypeError(
             f"fully_shard expects reshard_after_forward to be None, a bool or an int but got "
-            f"{type(value).__name__} for {type(module).__name__}"
+            f"{type(value).__name__} for {module_class_name(module)}"
         )
     if value < 1 or shard_size % value != 0:
         raise ValueError(
             f"fully_shard expects reshard_after_forward to be a bool or an int that divides the "
-            f"shard size {shard_size}, but got {value} for {type(module).__name__}"
+            f"shard size {shard_size}, but got {value} for {module_class_name(module)}"
         )
     if value == 1:
         return False, None  # keeping 1/1 of the parameters is not resharding
@@ -72,7 +73,7 @@ def manage_module(
     move_buffers(modules, device)
     infos = get_param_module_infos(params, module)
     shard_params = [ShardParam(p, info, mesh_info, mp_policy.param_dtype) for p, info in zip(params, infos)]
-    claim_params(params, type(module).__name__)
+    claim_params(params, module_class_name(module))
     group = (
         ParamGroup(shard_params, mesh_info, post_forward, device, mp_policy, offload_policy, reshard)
         if shard_params

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .common import ParamModuleInfo, set_module_param
+from .common import ParamModuleInfo, module_class_name, set_module_param
 from .mesh import MeshInfo
 
 
@@ -64,7 +64,7 @@ class ShardParam:
         if local.ndim == 0:
             raise NotImplementedError(
                 f"fully_shard does not support scalar (0-dim) parameters yet, but got "
-                f"{module_info.param_name} on {type(module_info.module).__name__}; reshape it to "
+                f"{module_info.param_name} on {module_class_name(module_info.module)}; reshape it to "
                 "(1,) or pass it in ignored_params"
             )
         self.unsharded_size = local.size()  # the TP-local size for TP parameters

@@ -1,0 +1,73 @@
+"""The multi-process harness: results, failures with rank and traceback, hangs, crashes."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import RankFailure, RankTimeout, distributed, run_distributed
+
+
+def _rank_and_sum():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return dist.get_rank(), int(t.item())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_in_rank_order(world_size):
+    assert run_distributed(_rank_and_sum, world_size) == [(r, world_size) for r in range(world_size)]
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 waits on rank 1, which never arrives: gloo errors out
+
+
+def test_failure_names_rank_and_traceback():
+    with pytest.raises(RankFailure, match=r"(?s)^rank 1 of 2 failed in _fail_on_rank_one.*line \d+, in _fail_on_rank_one.*ValueError: boom on rank one"):
+        run_distributed(_fail_on_rank_one, 2)
+    assert run_distributed(_rank_and_sum, 2) == [(0, 2), (1, 2)]  # the pool survives
+
+
+def _hang_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(60)
+
+
+def test_hang_is_reported_with_stacks():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"(?s)did not finish within 3s on ranks \[0\].*_hang_on_rank_zero"):
+        run_distributed(_hang_on_rank_zero, 2, timeout=3)
+    assert time.monotonic() - start < 30
+    assert run_distributed(_rank_and_sum, 2) == [(0, 2), (1, 2)]  # a fresh pool replaced it
+
+
+def _crash_on_rank_one():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_crashed_rank_is_reported():
+    with pytest.raises(RankFailure, match=r"died|failed"):
+        run_distributed(_crash_on_rank_one, 2, timeout=60)
+    assert run_distributed(_rank_and_sum, 2) == [(0, 2), (1, 2)]
+
+
+def test_local_functions_are_rejected():
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="expects a module-level function"):
+        run_distributed(local, 1)
+
+
+@pytest.mark.parametrize("value", [3, 5])
+@distributed(world_size=2)
+def test_decorator_forwards_parameters(value):
+    assert value in (3, 5) and dist.get_world_size() == 2
+    assert torch.get_num_threads() == 1
