@@ -343,7 +343,12 @@ def test_parity_replicate_inside_fully_shard():
 
 @distributed(world_size=4)
 def test_parity_tensor_parallel():
-    """2D: TP over pairs of ranks, FSDP across the pairs."""
+    """2D: TP over pairs of ranks, FSDP across the pairs.
+
+    TP splits matmul reductions across ranks, so gradients round differently;
+    Adam's normalization turns that into absolute differences of a few 1e-6
+    on near-zero gradients: atol 1e-5 (losses still match to 1e-5 relative).
+    """
     global_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     ref = make_transformer()
     model = copy.deepcopy(ref)
@@ -360,4 +365,4 @@ def test_parity_tensor_parallel():
         model, ref, adamw(model), adamw(ref), batches, lm_loss,
         dp_rank=global_mesh.get_local_rank("dp"), dp_size=2,
     )
-    assert_params_equal(model, ref)
+    assert_params_equal(model, ref, atol=1e-5)

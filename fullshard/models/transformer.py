@@ -86,6 +86,15 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _init_gpt2_style(module: nn.Module) -> None:
+    """N(0, 0.02) weights and zero biases: with the default N(0, 1) embedding
+    tied to the output, initial logits would be huge."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer; ``forward(tokens) -> logits``."""
 
@@ -100,6 +109,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.weight_tying:
             self.output.weight = self.tok_embeddings.weight
+        self.apply(_init_gpt2_style)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _, seq_len = tokens.shape
