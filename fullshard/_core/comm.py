@@ -10,6 +10,16 @@ cost beyond one empty-list check.
 A collective over a group of size 1 is not issued at all: callers pass
 ``group=None`` for a role of size 1 and get ``None`` back.
 
+[Note: Gloo collectives]
+Gloo's all-gather allocates two output-sized temporaries, and its
+reduce-scatter clones the whole input and all-reduces the clone. On a gloo
+group we therefore all-gather with one broadcast per rank straight into the
+output (the same bytes on the wire, no temporaries, about twice as fast on
+loopback), and reduce-scatter with an in-place all-reduce of the input followed
+by a copy of this rank's chunk (what gloo does, minus the clone). The input of
+a reduce-scatter is scratch: callers must not read it afterwards. Other
+backends (NCCL) get the native collectives.
+
 Bytes are counted as the data a rank moves through the collective: the full
 (unsharded) buffer for an all-gather and a reduce-scatter, the tensor for an
 all-reduce or broadcast. The ideal FSDP step therefore costs three times the
@@ -73,14 +83,45 @@ def _check_alive(group: dist.ProcessGroup) -> None:
         )
 
 
+class _Pending:
+    """Several works (and a final copy) behind one ``wait()``."""
+
+    def __init__(self, works: list[dist.Work], then: Callable[[], None] | None = None) -> None:
+        self._works, self._then = works, then
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        if self._then is not None:
+            self._then()
+        self._works, self._then = [], None
+        return True
+
+
+def _finish(pending: _Pending, async_op: bool) -> _Pending | None:
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-) -> dist.Work | None:
+) -> dist.Work | _Pending | None:
     """``output`` (group size x input) receives every rank's ``input``."""
     _check_alive(group)
     if _listeners:
         _notify("all_gather", group, output, [output, input])
-    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    if not _is_gloo(group):
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
+    chunks[group.rank()].copy_(input.view(-1))
+    works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
+    return _finish(_Pending(works), async_op)
 
 
 def reduce_scatter(
@@ -89,12 +130,19 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     op: dist.ReduceOp.RedOpType,
     async_op: bool,
-) -> dist.Work | None:
-    """``output`` receives this rank's chunk of ``input`` reduced over the group."""
+) -> dist.Work | _Pending | None:
+    """``output`` receives this rank's chunk of ``input`` reduced over the group.
+
+    ``input`` is scratch afterwards (see [Note: Gloo collectives]).
+    """
     _check_alive(group)
     if _listeners:
         _notify("reduce_scatter", group, input, [output, input])
-    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    if not _is_gloo(group):
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    mine = input.view(group.size(), -1)[group.rank()]
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    return _finish(_Pending([work], then=lambda: output.copy_(mine)), async_op)
 
 
 def all_reduce(

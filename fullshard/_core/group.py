@@ -260,7 +260,7 @@ class ParamGroup:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return False
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard(async_op=True)
+        self.unshard()
         return True
 
     def expect_grads(self) -> None:
@@ -295,13 +295,16 @@ class ParamGroup:
         params, grads = self._take_grads()
         if self.reshard_after_backward:
             self.reshard()
-        if params:
-            shard, replicate = self.mesh_info.shard, self.mesh_info.replicate
-            reduction = GradReduction(
-                params, grads, shard.group, shard.size, replicate.group, replicate.size,
-                self.reduce_dtype, self.storage_device,
-            )
-            self.ctx.reductions.submit(reduction)
+        if not params:
+            return
+        self.ctx.reductions.make_room()
+        shard, replicate = self.mesh_info.shard, self.mesh_info.replicate
+        reduction = GradReduction(
+            params, grads, shard.group, shard.size, replicate.group, replicate.size,
+            self.reduce_dtype, self.storage_device,
+        )
+        del grads  # the copy-in holds them now; free the unsharded gradients
+        self.ctx.reductions.submit(reduction)
 
     def _take_grads(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
         params, grads = [], []

@@ -3,10 +3,14 @@
 [Note: Reduction pipeline]
 A unit's gradients go through up to two collectives: reduce-scatter over the
 shard axis, then all-reduce over the replicate axis (HSDP / replicate). Each is
-issued asynchronously; ``ReductionQueue.submit`` advances every older reduction
-by one stage, so a unit's reduce-scatter overlaps the next unit's backward
-compute, its all-reduce the one after, and at most two reductions' buffers are
-alive. The end-of-backward callback drains the queue.
+issued asynchronously; each new unit's reduction first advances every older
+one by one stage, so a unit's reduce-scatter overlaps the next unit's backward
+compute and its all-reduce the one after. The end-of-backward callback drains
+the queue.
+
+Before a new reduction allocates its buffers, ``make_room`` finishes the
+collective each older reduction has in flight, so at most one reduce-scatter
+input (the largest buffer, a full unit) is alive at a time.
 
 Gradients are averaged over all data-parallel ranks (``ReduceOp.AVG``), which
 makes a step equal to one process training on the concatenated batch. For
@@ -124,8 +128,11 @@ class ReductionQueue:
     def __init__(self) -> None:
         self._pending: list[GradReduction] = []
 
-    def submit(self, reduction: GradReduction) -> None:
+    def make_room(self) -> None:
+        """Advances older reductions one stage (call before building a new one)."""
         self._pending = [r for r in self._pending if not r.advance()]
+
+    def submit(self, reduction: GradReduction) -> None:
         if not reduction.advance():
             self._pending.append(reduction)
 

@@ -9,8 +9,8 @@ end-of-backward callback drains reductions and returns every unit to IDLE.
 
 [Note: Prefetch]
 Forward: units run in the same order every step, so the order recorded in the
-previous step names the next unit; its all-gather is issued while the current
-unit computes. Backward: the unit that ran before the current one in this
+previous step names the next unit; its all-gather is issued (once the current
+unit's own gather is finished) and runs while the current unit computes. Backward: the unit that ran before the current one in this
 step's forward. On CPU the overlap comes from gloo's asynchronous work
 handles; on accelerators the backend runs the collective on its own stream and
 ``Work.wait`` makes the compute stream wait for it. Every rank derives the same
@@ -209,7 +209,10 @@ class ModuleState:
             return args, kwargs
         group.training_state = TrainingState.FORWARD
         self.ctx.prefetched.discard(group)
-        group.unshard(async_op=True)
+        # Finish this unit's gather before starting the next one's: at most one
+        # all-gather output is alive (its own was usually prefetched already).
+        group.unshard()
+        group.wait_for_unshard()
         implicit = self.ctx.implicit_forward_prefetch(group)
         if self.forward_prefetch is not None:
             targets = [s.group for s in self.forward_prefetch if s.group is not None]
@@ -217,7 +220,6 @@ class ModuleState:
             targets = [implicit] if implicit is not None else []
         for target in targets:
             self.ctx.prefetch(target)
-        group.wait_for_unshard()
         if torch.is_grad_enabled():
             args, kwargs = self._hook_input_grads(args, kwargs)
         return args, kwargs
@@ -269,6 +271,8 @@ class ModuleState:
         group = self.group
         if group is None or not group.begin_backward():
             return
+        group.wait_for_unshard()  # before prefetching: see pre_forward
+        group.expect_grads()
         if self.backward_prefetch is not None:
             targets = [s.group for s in self.backward_prefetch if s.group is not None]
         else:
@@ -276,5 +280,3 @@ class ModuleState:
             targets = [self.ctx.post_forward_order[index - 1]] if index else []
         for target in targets:
             self.ctx.prefetch(target)
-        group.wait_for_unshard()
-        group.expect_grads()
