@@ -17,7 +17,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, replicate
 from fullshard._core import comm
 from fullshard.models import MLP, ModelArgs, Transformer
-from fullshard.testing import assert_params_equal, distributed, mean_over, split_batch, train_in_parity
+from fullshard.testing import (
+    assert_params_equal,
+    distributed,
+    mean_over,
+    run_distributed,
+    split_batch,
+    train_in_parity,
+)
 
 ARGS = ModelArgs(n_layers=3, vocab_size=32, max_seq_len=8, dim=16, n_heads=4)
 
@@ -91,9 +98,20 @@ def test_parity_degenerate_hsdp(shape):
         assert ops == {"all_gather", "reduce_scatter"}
 
 
-@distributed(world_size=2)
-def test_parity_cpu_offload():
-    run_parity({"offload_policy": CPUOffloadPolicy(pin_memory=False)})
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parity_cpu_offload(world_size):
+    run_distributed(_cpu_offload_parity, world_size)
+
+
+def _cpu_offload_parity():
+    """On a CPU mesh the shards already live on the CPU; this checks the offload
+    code path (host copies, gradients to the CPU) keeps training identical."""
+    ref = make_transformer()
+    model = shard_transformer(copy.deepcopy(ref), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    train_in_parity(model, ref, adamw(model), adamw(ref), token_batches(5), lm_loss)
+    assert_params_equal(model, ref)
+    for param in model.parameters():
+        assert param.to_local().device.type == "cpu" and param.grad is None
 
 
 @pytest.mark.parametrize("hsdp", [False, True])
@@ -109,13 +127,13 @@ def test_parity_gradient_accumulation(hsdp):
 
     with comm.record_comms() as records:
         train_in_parity(
-            model, ref, adamw(model), adamw(ref), token_batches(3, batch=16), lm_loss,
+            model, ref, adamw(model), adamw(ref), token_batches(5, batch=16), lm_loss,
             num_microbatches=2, before_microbatch=before_microbatch,
         )
     num_units = len(ref.layers) + 1
     # Once per step and unit, not once per micro-batch.
-    assert sum(r.op == "reduce_scatter" for r in records) == 3 * num_units
-    assert sum(r.op == "all_reduce" for r in records) == (3 * num_units if hsdp else 0)
+    assert sum(r.op == "reduce_scatter" for r in records) == 5 * num_units
+    assert sum(r.op == "all_reduce" for r in records) == (5 * num_units if hsdp else 0)
     assert_params_equal(model, ref)
 
 
@@ -127,7 +145,7 @@ def test_parity_gradient_accumulation_mixed_precision():
     model = shard_transformer(copy.deepcopy(ref), mp_policy=policy)
     oracle = MixedPrecisionReference(ref, torch.bfloat16)
     optim, ref_optim = adamw(model), adamw(ref)
-    for batch in token_batches(3, batch=16):
+    for batch in token_batches(5, batch=16):
         local = split_batch(batch, dist.get_rank(), 2)
         for index, micro in enumerate(zip(*(t.chunk(2) for t in local))):
             model.set_requires_gradient_sync(index == 1)

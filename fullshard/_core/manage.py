@@ -85,4 +85,5 @@ def manage_module(
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
         output_dtype=mp_policy.output_dtype,
         auto_reshard_after_forward=reshard_after_forward is None,
+        device=device,
     )

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .common import TrainingState, cast_floating
+from .common import TrainingState, cast_floating, map_tensors
 from .group import ParamGroup
 from .reduction import ReductionQueue
 
@@ -128,6 +128,7 @@ class ModuleState:
         cast_inputs_to: torch.dtype | None,
         output_dtype: torch.dtype | None,
         auto_reshard_after_forward: bool,
+        device: torch.device,
     ) -> None:
         self.module = module
         self.group = group
@@ -139,6 +140,8 @@ class ModuleState:
         self._cast_inputs_to = cast_inputs_to
         self._output_dtype = output_dtype
         self._auto_reshard_after_forward = auto_reshard_after_forward
+        # Accelerator meshes: the step's root moves its inputs to the device (as DDP does).
+        self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
         _STATES[module] = self
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -202,6 +205,8 @@ class ModuleState:
         self.lazy_init()
         if self.ctx.iteration_root is None:
             self.ctx.begin_iteration(self)
+            if self._input_device is not None:
+                args, kwargs = map_tensors(lambda t: t.to(self._input_device, non_blocking=True), (args, kwargs))
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         group = self.group
