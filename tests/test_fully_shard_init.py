@@ -359,30 +359,27 @@ def _to_empty_and_reset_parameters(model: nn.Module, mlp_dim: int) -> None:
         assert param.grad is not None
 
 
+def _sharded_on_meta(mesh: DeviceMesh | None, mlp_dim: int) -> nn.Module:
+    """nn.Sequential(MLP, MLP) built and sharded under the meta device."""
+    with torch.device("meta"):
+        model = nn.Sequential(MLP(mlp_dim, with_buffer=True), MLP(mlp_dim))
+        for param in model.parameters():
+            assert param.device == torch.device("meta")
+        for module in (model[0], model[1], model):
+            fully_shard(module, mesh=mesh)
+    for param in model.parameters():
+        assert param.device == torch.device("meta")
+    return model
+
+
 @distributed(world_size=4)
 def test_meta_device_1d_init():
     mesh = init_device_mesh(DEVICE_TYPE, (dist.get_world_size(),))
     for mlp_dim in (8, 3):  # even and uneven shards
-        with torch.device("meta"):
-            model = nn.Sequential(MLP(mlp_dim, with_buffer=True), MLP(mlp_dim))
-            for param in model.parameters():
-                assert param.device == torch.device("meta")
-            fully_shard(model[0], mesh=mesh)
-            fully_shard(model[1], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        for param in model.parameters():
-            assert param.device == torch.device("meta")
-        _to_empty_and_reset_parameters(model, mlp_dim)
+        _to_empty_and_reset_parameters(_sharded_on_meta(mesh, mlp_dim), mlp_dim)
 
     # fully_shard under the meta context creating its default mesh still works.
-    mlp_dim = 8
-    with torch.device("meta"):
-        model = nn.Sequential(MLP(mlp_dim, with_buffer=True), MLP(mlp_dim))
-        for module in (model[0], model[1], model):
-            fully_shard(module)
-    for param in model.parameters():
-        assert param.device == torch.device("meta")
-    _to_empty_and_reset_parameters(model, mlp_dim)
+    _to_empty_and_reset_parameters(_sharded_on_meta(None, 8), 8)
 
 
 @distributed(world_size=4)
@@ -409,13 +406,7 @@ def test_meta_device_2d_init():
 def test_invalid_meta_device_init():
     mesh = init_device_mesh(DEVICE_TYPE, (dist.get_world_size(),))
     mlp_dim = 8
-    with torch.device("meta"):
-        model = nn.Sequential(MLP(mlp_dim, with_buffer=True), MLP(mlp_dim))
-        for param in model.parameters():
-            assert param.device == torch.device("meta")
-        fully_shard(model[0], mesh=mesh)
-        fully_shard(model[1], mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = _sharded_on_meta(mesh, mlp_dim)
     regex = (
         "FSDP parameters should be materialized from meta device before training, "
         "but the following were still on meta device: "

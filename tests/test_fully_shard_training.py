@@ -384,3 +384,43 @@ def test_parity_tensor_parallel():
         dp_rank=global_mesh.get_local_rank("dp"), dp_size=2,
     )
     assert_params_equal(model, ref, atol=1e-5)
+
+
+class MixedDtypes(nn.Module):
+    """fp32 and fp64 parameters in one unit: one flat byte buffer holds both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.randn(6, dtype=torch.float64))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.proj(x) * self.scale.float())
+
+
+@distributed(world_size=2)
+def test_parity_mixed_parameter_dtypes():
+    torch.manual_seed(0)
+    ref = MixedDtypes()
+    model = copy.deepcopy(ref)
+    fully_shard(model)
+    group = fully_shard.state(model).group
+    assert group.shard_buffer.dtype == torch.uint8  # bytes: fp32 and fp64 shards side by side
+    assert model.scale.dtype == torch.float64 and model.scale.to_local().dtype == torch.float64
+    batches = [(torch.randn(8, 6),) for _ in range(5)]
+    train_in_parity(model, ref, adamw(model), adamw(ref), batches, lambda m, b: m(b[0]).square().mean())
+    assert_params_equal(model, ref)
+    model(torch.randn(2, 6)).sum().backward()
+    assert model.scale.grad.dtype == torch.float64 and model.proj.weight.grad.dtype == torch.float32
+
+
+@distributed(world_size=1)
+def test_parity_world1():
+    """One rank: the unsharded parameters alias the shards; nothing is communicated."""
+    ref = make_transformer()
+    model = shard_transformer(copy.deepcopy(ref))
+    with comm.record_comms() as records:
+        train_in_parity(model, ref, adamw(model), adamw(ref), token_batches(5), lm_loss)
+    assert records == []
+    assert_params_equal(model, ref)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from . import comm
 from .common import TrainingState
 from .layout import Layout
@@ -35,7 +36,6 @@ from .reduction import GradReduction
 
 if TYPE_CHECKING:
     from .state import IterationContext
-    from ..api import MixedPrecisionPolicy, OffloadPolicy
 
 
 class ShardedState(enum.Enum):
@@ -62,12 +62,10 @@ class ParamGroup:
         mesh_info: MeshInfo,
         post_forward: GroupInfo | None,
         device: torch.device,
-        mp_policy: "MixedPrecisionPolicy",
-        offload_policy: "OffloadPolicy",
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
         reshard_after_forward: bool,
     ) -> None:
-        from ..api import CPUOffloadPolicy
-
         self.params = params
         self.mesh_info = mesh_info
         self.post_forward_group = post_forward  # None unless resharding to a smaller group
@@ -97,6 +95,7 @@ class ParamGroup:
     def storage_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.device
 
+    @torch.no_grad()
     def _build_shard_buffer(self, shards: list[torch.Tensor]) -> None:
         """(Re)packs this rank's shards into one flat buffer. See [Note: Unit buffers]."""
         on_meta = any(s.is_meta for s in shards)
