@@ -22,11 +22,20 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def assert_params_equal(
-    model: nn.Module, ref: nn.Module, rtol: float = 1e-5, atol: float = 1e-6, grads: bool = False
+    model: nn.Module,
+    ref: nn.Module,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    grads: bool = False,
+    match_names: bool = True,
 ) -> None:
+    """Compares parameters (and gradients) in order; ``match_names=False`` allows
+    wrapper modules that change the names but not the order."""
     named = list(model.named_parameters())
     ref_named = list(ref.named_parameters())
-    assert [n for n, _ in named] == [n for n, _ in ref_named], "parameter names differ"
+    assert len(named) == len(ref_named), f"{len(named)} parameters vs {len(ref_named)}"
+    if match_names:
+        assert [n for n, _ in named] == [n for n, _ in ref_named], "parameter names differ"
     for (name, param), (_, ref_param) in zip(named, ref_named):
         torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
         if grads:
