@@ -2,11 +2,69 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "CPUOffloadPolicy",
+    "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardingStrategy",
+]
+
+
+class ShardingStrategy(enum.Enum):
+    """How the FSDP1-style wrapper (and ``fully_shard(strategy=...)``) shards a unit."""
+
+    FULL_SHARD = enum.auto()  # shard; free after forward (ZeRO-3)
+    SHARD_GRAD_OP = enum.auto()  # shard; keep after forward (ZeRO-2)
+    NO_SHARD = enum.auto()  # replicate; all-reduce gradients (DDP)
+    HYBRID_SHARD = enum.auto()  # FULL_SHARD within a node, replicate across nodes
+    _HYBRID_SHARD_ZERO2 = enum.auto()  # SHARD_GRAD_OP within a node, replicate across nodes
+
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the wrapper gathers the next unit in backward."""
+
+    BACKWARD_PRE = enum.auto()  # when the current unit's backward starts (more overlap, more memory)
+    BACKWARD_POST = enum.auto()  # once the current unit's gradients are reduced
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP1-style mixed precision for ``FullyShardedDataParallel``.
+
+    Attributes:
+        param_dtype: dtype of the gathered parameters (forward/backward compute).
+        reduce_dtype: dtype of the gradient reduction (default: ``param_dtype``).
+        buffer_dtype: dtype buffers are cast to for compute (state dicts keep
+            the original dtype).
+        keep_low_precision_grads: leave the reduced gradients in the reduce
+            dtype instead of casting them back to the parameters' dtype.
+        cast_forward_inputs: cast every wrapped module's floating-point inputs
+            to ``param_dtype`` (the root's are always cast).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """FSDP1-style offload: ``offload_params=True`` keeps shards and gradients on the CPU."""
+
+    offload_params: bool = False
 
 
 @dataclass(frozen=True)

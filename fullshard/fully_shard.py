@@ -18,7 +18,7 @@ from typing import Any, Iterable, NoReturn
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._core.common import module_class_name
+from ._core.common import UnitConfig, module_class_name
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
@@ -190,14 +190,8 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh()
     validate_mesh(mesh)
     validate_dtensor_meshes(module, mesh.device_type)
-    manage_module(
-        module,
-        MeshInfo.for_fully_shard(mesh),
-        reshard_after_forward,
-        mp_policy,
-        offload_policy,
-        ignored_params,
-    )
+    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy)
+    manage_module(module, MeshInfo.for_fully_shard(mesh), config, ignored_params)
     swap_class(module, FSDPModule, "FSDP")
     return module
 

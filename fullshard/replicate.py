@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._core.common import UnitConfig
 from ._core.init import validate_dtensor_meshes, validate_module
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh
@@ -43,8 +44,7 @@ def replicate(
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
     validate_dtensor_meshes(module, mesh.device_type)
-    manage_module(
-        module, MeshInfo.for_replicate(mesh), False, mp_policy, offload_policy, ignored_params
-    )
+    config = UnitConfig(False, mp_policy, offload_policy)
+    manage_module(module, MeshInfo.for_replicate(mesh), config, ignored_params)
     swap_class(module, ReplicateModule, "Replicate")
     return module

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+
 
 class TrainingState(enum.Enum):
     """Where a unit (or a module state) is in the current step."""
@@ -18,6 +20,22 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # inside the module's forward
     PRE_BACKWARD = enum.auto()  # backward reached the module's outputs; grads pending
     POST_BACKWARD = enum.auto()  # the module's gradients were handed to reduction
+
+
+@dataclass
+class UnitConfig:
+    """Everything a front end decides about one unit; the engine reads only this."""
+
+    reshard_after_forward: bool | int | None = None  # None: True except for the root
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
+    forward_prefetch: bool = True  # gather the next unit (previous step's order) while this one runs
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    cast_root_inputs: bool = False  # cast the root's inputs even without mp_policy.cast_forward_inputs
+    keep_low_precision_grads: bool = False  # leave reduced gradients in the reduce dtype
+    buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
+    flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
+    sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
 
 
 @dataclass
@@ -45,9 +63,17 @@ def set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
     when the module does not customise attribute setting (they cost microseconds
     per call and we swap every parameter twice per step)."""
     if type(module).__setattr__ is nn.Module.__setattr__:
+        if name in module.__dict__:
+            del module.__dict__[name]  # a plain-attribute view from set_module_tensor
         module._parameters[name] = param
     else:
         setattr(module, name, param)
+
+
+def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Makes ``module.<name>`` a plain attribute, not a registered parameter."""
+    module._parameters.pop(name, None)
+    module.__dict__[name] = tensor
 
 
 def cast_floating(dtype: torch.dtype, tree: Any) -> Any:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..api import CPUOffloadPolicy
 from . import comm
-from .common import TrainingState
+from .common import TrainingState, UnitConfig, module_class_name
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
@@ -62,17 +62,18 @@ class ParamGroup:
         mesh_info: MeshInfo,
         post_forward: GroupInfo | None,
         device: torch.device,
-        mp_policy: MixedPrecisionPolicy,
-        offload_policy: OffloadPolicy,
+        config: UnitConfig,
         reshard_after_forward: bool,
     ) -> None:
         self.params = params
         self.mesh_info = mesh_info
         self.post_forward_group = post_forward  # None unless resharding to a smaller group
         self.device = device  # where compute and communication happen
-        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self._pin_memory = self.offload and offload_policy.pin_memory and torch.cuda.is_available()
-        self.mp_policy = mp_policy
+        self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
+        self._pin_memory = self.offload and config.offload_policy.pin_memory and torch.cuda.is_available()
+        self.mp_policy = config.mp_policy
+        self.keep_low_precision_grads = config.keep_low_precision_grads
+        self.flat_param: torch.nn.Parameter | None = None  # see expose_flat_param
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -84,6 +85,7 @@ class ParamGroup:
         self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
         self._awaiting_grads: set[ShardParam] = set()
         self._post_forward_indices: list[int] = []
+        self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
         for param in params:
             param.on_grad_ready = self._on_grad_ready
         self._build_shard_buffer([p.initial_shard for p in params])
@@ -107,10 +109,15 @@ class ParamGroup:
         if self._pin_memory and not on_meta:
             buffer = buffer.pin_memory()
         for index, (param, shard) in enumerate(zip(self.params, shards)):
-            region = self.storage_layout.region(buffer, index, shard.dtype)
             if not on_meta and shard.numel() > 0:
+                region = self.storage_layout.region(buffer, index, shard.dtype)
                 region[: shard.numel()].view_as(shard).copy_(shard)
-            param.bind_shard(region)
+        self._bind_buffer(buffer)
+
+    def _bind_buffer(self, buffer: torch.Tensor) -> None:
+        """Makes ``buffer`` (storage layout) the home of every parameter's shard."""
+        for index, param in enumerate(self.params):
+            param.bind_shard(self.storage_layout.region(buffer, index, param.local_dtype))
         self.shard_buffer = buffer  # 1D
         needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
         self.gather_layout = (
@@ -134,13 +141,61 @@ class ParamGroup:
         return result
 
     def rebind_shards(self) -> None:
-        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``)."""
+        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``).
+
+        With a flat parameter, ``_apply`` moved that parameter itself (the
+        shards are plain attributes it does not visit): adopt its new storage.
+        """
         for param in self.params:
             registered = param.module_registration()
             if isinstance(registered, DTensor) and registered is not param.sharded_param:
                 param.sharded_param = registered  # _apply replaced rather than swapped
             param.forget_unsharded()
-        self._build_shard_buffer([p.local_shard for p in self.params])
+        if self.flat_param is not None:
+            buffer = self.flat_param.detach()
+            self.storage_layout = Layout.build([p.shard_numel for p in self.params], [buffer.dtype] * len(self.params))
+            for param in self.params:
+                if param.sharded_param.dtype != buffer.dtype:
+                    param.sharded_param = None  # a new DTensor of the new dtype
+            self._bind_buffer(buffer)
+            for param in self.params:
+                param.to_sharded()
+        else:
+            self._build_shard_buffer([p.local_shard for p in self.params])
+
+    # -- the FSDP1 flat parameter --------------------------------------------------
+    def expose_flat_param(self) -> torch.nn.Parameter:
+        """The shard buffer as one ``nn.Parameter`` (the optimizer steps it in place).
+
+        Raises:
+            ValueError: the unit mixes dtypes or frozen and trainable parameters
+                (one flat tensor has one dtype and one ``requires_grad``).
+        """
+        dtypes = {p.orig_dtype for p in self.params}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in self.params)
+            raise ValueError(
+                f"use_orig_params=False expects one dtype per unit, but {self.owner_name} mixes {listing}; "
+                "use use_orig_params=True or wrap the differently-typed modules separately"
+            )
+        requires_grad = {p.sharded_param.requires_grad for p in self.params}
+        if len(requires_grad) > 1:
+            frozen = [p.fqn for p in self.params if not p.sharded_param.requires_grad]
+            raise ValueError(
+                f"use_orig_params=False expects all parameters of a unit to share requires_grad, but "
+                f"{self.owner_name} has frozen {frozen} next to trainable ones (a flat parameter would "
+                "let the optimizer change the frozen ones); use use_orig_params=True or wrap the frozen "
+                "modules in their own unit"
+            )
+        self.flat_param = torch.nn.Parameter(self.shard_buffer, requires_grad=requires_grad.pop())
+        for param in self.params:
+            param.register_sharded = False
+            param.to_sharded()
+        return self.flat_param
+
+    @property
+    def owner_name(self) -> str:
+        return self.module_fqn or module_class_name(self.params[0].module_info.module)
 
     # -- unshard / reshard -------------------------------------------------------
     @property
@@ -286,6 +341,9 @@ class ParamGroup:
             return
         self.training_state = TrainingState.POST_BACKWARD
         self._awaiting_grads = set()
+        for target in self.prefetch_after_backward:
+            self.ctx.prefetch(target)
+        self.prefetch_after_backward = []
         if not self.requires_gradient_sync:
             self._accumulate_unsynced_grads()
             if self.reshard_after_backward:
@@ -297,13 +355,53 @@ class ParamGroup:
         if not params:
             return
         self.ctx.reductions.make_room()
-        shard, replicate = self.mesh_info.shard, self.mesh_info.replicate
         reduction = GradReduction(
-            params, grads, shard.group, shard.size, replicate.group, replicate.size,
-            self.reduce_dtype, self.storage_device,
+            grads,
+            [p.shard_numel for p in params],
+            self.mesh_info.shard,
+            self.mesh_info.replicate,
+            self.reduce_dtype,
+            on_done=lambda output: self._accept_grads(params, output),
         )
         del grads  # the copy-in holds them now; free the unsharded gradients
         self.ctx.reductions.submit(reduction)
+
+    def _grad_dtype(self, param: ShardParam) -> torch.dtype:
+        return self.reduce_dtype if self.keep_low_precision_grads else param.orig_dtype
+
+    def _accept_grads(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        """Adds the reduced shards (``output``: ``params``' shards back to back) to ``.grad``."""
+        if self.flat_param is not None:
+            self._accept_flat_grad(params, output)
+            return
+        offset = 0
+        for param in params:
+            padded = output[offset : offset + param.shard_numel]
+            offset += param.shard_numel
+            padded = padded.to(self.storage_device, self._grad_dtype(param))
+            sharded = param.sharded_param
+            if sharded.grad is None:
+                sharded.grad = param.sharded_dtensor(padded)
+            else:
+                local = sharded.grad._local_tensor
+                local.add_(padded[: local.numel()].view_as(local))
+
+    def _accept_flat_grad(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        dtype = self._grad_dtype(params[0])
+        if len(params) == len(self.params):  # every shard present: output has the buffer's layout
+            full = output.to(self.storage_device, dtype)
+        else:
+            full = torch.zeros(self.storage_layout.total, dtype=dtype, device=self.storage_device)
+            offset = 0
+            for param in params:
+                index = self.params.index(param)
+                start = self.storage_layout.offsets[index]
+                full[start : start + param.shard_numel].copy_(output[offset : offset + param.shard_numel])
+                offset += param.shard_numel
+        if self.flat_param.grad is None:
+            self.flat_param.grad = full
+        else:
+            self.flat_param.grad.add_(full)
 
     def _take_grads(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
         params, grads = [], []

@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import comm
 from .common import ParamModuleInfo, module_class_name
+from .mesh import MeshInfo
 from .state import get_state
 
 # Set on an original parameter once a unit shards it: a parameter shared by
@@ -128,17 +130,54 @@ def validate_dtensor_meshes(module: nn.Module, mesh_device_type: str) -> None:
             )
 
 
-def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    """Moves managed buffers to ``device``, keeping shared buffers shared."""
+def move_buffers(
+    modules: list[nn.Module], device: torch.device, dtype: torch.dtype | None = None
+) -> dict[int, torch.dtype]:
+    """Moves managed buffers to ``device`` (floating ones cast to ``dtype``).
+
+    Shared buffers stay shared. Returns the original dtype of each cast buffer,
+    keyed by the id of the new tensor (state dicts report the original dtype).
+    """
     moved: dict[int, torch.Tensor] = {}
+    original_dtypes: dict[int, torch.dtype] = {}
     for module in modules:
         for name, buffer in list(module._buffers.items()):
-            if buffer is None or buffer.is_meta or buffer.device == device:
+            if buffer is None or buffer.is_meta:
+                continue
+            target = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+            if buffer.device == device and buffer.dtype == target:
                 continue
             new = moved.get(id(buffer))
             if new is None:
-                new = moved[id(buffer)] = buffer.to(device)
+                new = moved[id(buffer)] = buffer.to(device, target)
+                if target != buffer.dtype:
+                    original_dtypes[id(new)] = buffer.dtype
             module._buffers[name] = new
+    return original_dtypes
+
+
+@torch.no_grad()
+def broadcast_from_first_rank(params: list[nn.Parameter], buffers: list[torch.Tensor], mesh_info: MeshInfo) -> None:
+    """Every rank of the mesh takes the first rank's parameters and buffers.
+
+    Across the shard group, then across the replicate group: every replica ends
+    up with the values of shard rank 0 of replica 0. One broadcast per dtype.
+    """
+    tensors = [p._local_tensor if isinstance(p, DTensor) else p.detach() for p in params] + list(buffers)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if not tensor.is_meta:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in (mesh_info.shard, mesh_info.replicate):
+        if group.size == 1:
+            continue
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same_dtype]).to(mesh_info.device)
+            comm.broadcast(flat, 0, group.group)
+            offset = 0
+            for tensor in same_dtype:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
 
 
 def claim_params(params: list[nn.Parameter], owner: str) -> None:

@@ -11,10 +11,10 @@ from typing import Iterable
 
 import torch.nn as nn
 
-from ..api import MixedPrecisionPolicy, OffloadPolicy
-from .common import module_class_name
+from .common import UnitConfig, module_class_name
 from .group import ParamGroup
 from .init import (
+    broadcast_from_first_rank,
     claim_params,
     get_managed_modules,
     get_managed_states,
@@ -57,33 +57,23 @@ def resolve_reshard_after_forward(
 def manage_module(
     module: nn.Module,
     mesh_info: MeshInfo,
-    reshard_after_forward: bool | int | None,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
+    config: UnitConfig,
     ignored_params: Iterable[nn.Parameter] | None = None,
     ignored_modules: Iterable[nn.Module] = (),
 ) -> ModuleState:
     """Shards ``module``'s parameters (minus those of already-managed submodules)."""
     device = mesh_info.device
     ignored = validate_ignored_params(module, ignored_params)
-    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, module)
+    reshard, post_forward = resolve_reshard_after_forward(config.reshard_after_forward, mesh_info, module)
     modules = get_managed_modules(module, ignored_modules)
-    params, _ = get_managed_states(modules, ignored)
+    params, buffers = get_managed_states(modules, ignored)
     validate_devices(module, params)
-    move_buffers(modules, device)
+    if config.sync_module_states:
+        broadcast_from_first_rank(params, buffers, mesh_info)
+    buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
     infos = get_param_module_infos(params, module)
+    mp_policy = config.mp_policy
     shard_params = [ShardParam(p, info, mesh_info, mp_policy.param_dtype) for p, info in zip(params, infos)]
     claim_params(params, module_class_name(module))
-    group = (
-        ParamGroup(shard_params, mesh_info, post_forward, device, mp_policy, offload_policy, reshard)
-        if shard_params
-        else None
-    )
-    return ModuleState(
-        module,
-        group,
-        cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
-        output_dtype=mp_policy.output_dtype,
-        auto_reshard_after_forward=reshard_after_forward is None,
-        device=device,
-    )
+    group = ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard) if shard_params else None
+    return ModuleState(module, group, config, device, buffer_dtypes)

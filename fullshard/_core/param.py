@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .common import ParamModuleInfo, module_class_name, set_module_param
+from .common import ParamModuleInfo, module_class_name, set_module_param, set_module_tensor
 from .mesh import MeshInfo
 
 
@@ -84,6 +84,9 @@ class ShardParam:
         self.sharded_param: nn.Parameter | None = None
         self.unsharded_param: nn.Parameter | None = None
         self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
+        # False under the wrapper's flat parameter: the module then shows the
+        # shard as a plain attribute, and parameters() yields the flat one.
+        self.register_sharded = True
         self.aliases_shard = False  # the unsharded form shares the shard's storage
         self._hooked = False  # the unsharded parameter has our post-accumulate hook
         # Gradient summed over steps without sync, in the reduce dtype (1D or ND).
@@ -130,6 +133,7 @@ class ShardParam:
         local = padded_shard[: self.num_valid_rows * self.row_numel].view(
             self.num_valid_rows, *self.unsharded_size[1:]
         )
+        self.orig_dtype = local.dtype
         if self.sharded_param is None:
             dtensor = DTensor.from_local(
                 local, self.spmd_mesh, self.placements, run_check=False,
@@ -137,13 +141,17 @@ class ShardParam:
             )
             self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
             self.to_sharded()
-        else:
-            self.sharded_param._local_tensor = local
-        self.orig_dtype = local.dtype
+            return
+        self.sharded_param._local_tensor = local
 
     @property
     def local_shard(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
+
+    @property
+    def local_dtype(self) -> torch.dtype:
+        """The shard's dtype (the original dtype, or what ``.to(dtype)`` made it)."""
+        return self.sharded_param.dtype if self.sharded_param is not None else self.initial_shard.dtype
 
     def sharded_dtensor(self, padded_shard: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter over another padded region (a gradient)."""
@@ -155,9 +163,9 @@ class ShardParam:
             shape=self.global_size, stride=self.global_stride,
         )
 
-    def module_registration(self) -> nn.Parameter:
+    def module_registration(self) -> torch.Tensor | None:
         info = self.module_info
-        return info.module._parameters[info.param_name]
+        return info.module._parameters.get(info.param_name)
 
     # -- unsharded form -----------------------------------------------------
     @property
@@ -224,7 +232,13 @@ class ShardParam:
             set_module_param(module, name, param)
 
     def to_sharded(self) -> None:
-        self._register(self.sharded_param)
+        if self.register_sharded:
+            self._register(self.sharded_param)
+            return
+        view = self.sharded_param.detach()
+        info = self.module_info
+        for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+            set_module_tensor(module, name, view)
 
     def to_unsharded(self) -> None:
         unsharded = self.unsharded_param

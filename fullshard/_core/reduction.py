@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import comm
 
 if TYPE_CHECKING:
-    from .param import ShardParam
+    from .mesh import GroupInfo
 
 
 def _averaging(dtype: torch.dtype, world: int) -> tuple[dist.ReduceOp.RedOpType, float, float]:
@@ -41,55 +41,45 @@ def _averaging(dtype: torch.dtype, world: int) -> tuple[dist.ReduceOp.RedOpType,
 
 
 class GradReduction:
-    """One unit's reduction: copy-in, collectives, then ``.grad`` on the shards."""
+    """One unit's reduction: copy-in, collectives, then the result to ``on_done``."""
 
     def __init__(
         self,
-        params: list["ShardParam"],
         grads: list[torch.Tensor],
-        shard_group: dist.ProcessGroup | None,
-        shard_size: int,
-        replicate_group: dist.ProcessGroup | None,
-        replicate_size: int,
+        shard_numels: list[int],
+        shard: "GroupInfo",
+        replicate: "GroupInfo",
         reduce_dtype: torch.dtype,
-        grad_device: torch.device,
+        on_done: Callable[[torch.Tensor], None],
     ) -> None:
-        self._params = params
-        self._grad_device = grad_device
+        self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: dist.Work | None = None
         self._post_divide = 1.0
-        numels = [p.shard_numel for p in params]
-        self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         grads = [g.to(reduce_dtype) if g.dtype != reduce_dtype else g for g in grads]
         device = grads[0].device
-        total = sum(numels)
-        if shard_size > 1:
-            rs_input = torch.empty(shard_size * total, dtype=reduce_dtype, device=device)
-            torch._chunk_cat(grads, dim=0, num_chunks=shard_size, out=rs_input.view(shard_size, -1))
-            self._output = torch.empty(total, dtype=reduce_dtype, device=device)
+        total = sum(shard_numels)
+        self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
+        if shard.size > 1:
+            rs_input = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+            torch._chunk_cat(grads, dim=0, num_chunks=shard.size, out=rs_input.view(shard.size, -1))
             self._stages.append(
-                lambda: self._collective(
-                    comm.reduce_scatter, shard_group, shard_size, self._output, rs_input
-                )
+                lambda: self._collective(comm.reduce_scatter, shard, self._output, rs_input)
             )
         else:
-            self._output = torch.empty(total, dtype=reduce_dtype, device=device)
             torch._chunk_cat(grads, dim=0, num_chunks=1, out=self._output.view(1, -1))
-        if replicate_size > 1:
-            self._stages.append(
-                lambda: self._collective(comm.all_reduce, replicate_group, replicate_size, self._output)
-            )
+        if replicate.size > 1:
+            self._stages.append(lambda: self._collective(comm.all_reduce, replicate, self._output))
 
-    def _collective(self, fn: Callable, group: dist.ProcessGroup, size: int, *tensors: torch.Tensor) -> None:
-        op, pre, post = _averaging(self._output.dtype, size)
+    def _collective(self, fn: Callable, group: "GroupInfo", *tensors: torch.Tensor) -> None:
+        op, pre, post = _averaging(self._output.dtype, group.size)
         if pre != 1.0:
             tensors[-1].div_(pre)
         if fn is comm.reduce_scatter:
-            self._work = fn(tensors[0], tensors[1], group, op, async_op=True)
+            self._work = fn(tensors[0], tensors[1], group.group, op, async_op=True)
         else:
-            self._work = fn(tensors[0], group, op, async_op=True)
+            self._work = fn(tensors[0], group.group, op, async_op=True)
         self._post_divide = post
 
     def _wait(self) -> None:
@@ -105,21 +95,8 @@ class GradReduction:
         if self._stages:
             self._stages.pop(0)()
             return False
-        self._assign_grads()
+        self._on_done(self._output)
         return True
-
-    def _assign_grads(self) -> None:
-        for param, offset in zip(self._params, self._offsets):
-            padded = self._output[offset : offset + param.shard_numel]
-            if padded.device != self._grad_device or padded.dtype != param.orig_dtype:
-                padded = padded.to(self._grad_device, param.orig_dtype)
-            sharded = param.sharded_param
-            if sharded.grad is None:
-                sharded.grad = param.sharded_dtensor(padded)
-            else:
-                local = sharded.grad._local_tensor
-                local.add_(padded[: local.numel()].view_as(local))
-        self._params = []
 
 
 class ReductionQueue:

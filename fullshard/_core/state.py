@@ -29,7 +29,8 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .common import TrainingState, cast_floating, map_tensors
+from ..api import BackwardPrefetch
+from .common import TrainingState, UnitConfig, cast_floating, map_tensors
 from .group import ParamGroup
 from .reduction import ReductionQueue
 
@@ -125,21 +126,23 @@ class ModuleState:
         self,
         module: nn.Module,
         group: ParamGroup | None,
-        cast_inputs_to: torch.dtype | None,
-        output_dtype: torch.dtype | None,
-        auto_reshard_after_forward: bool,
+        config: UnitConfig,
         device: torch.device,
+        buffer_dtypes: dict[int, torch.dtype] | None = None,
     ) -> None:
         self.module = module
         self.group = group
+        self.config = config
         self.is_root: bool | None = None  # decided at lazy init
         self.ctx = IterationContext()  # replaced by the root's at lazy init
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[ModuleState] | None = None
-        self._cast_inputs_to = cast_inputs_to
-        self._output_dtype = output_dtype
-        self._auto_reshard_after_forward = auto_reshard_after_forward
+        # Original dtypes of buffers cast for compute, by id of the cast tensor.
+        self.buffer_dtypes = buffer_dtypes or {}
+        policy = config.mp_policy
+        self._cast_inputs_to = policy.param_dtype if policy.cast_forward_inputs else None
+        self._output_dtype = policy.output_dtype
         # Accelerator meshes: the step's root moves its inputs to the device (as DDP does).
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
@@ -171,9 +174,11 @@ class ModuleState:
             state.ctx = self.ctx
             if state.group is not None:
                 state.group.ctx = self.ctx
-        if self._auto_reshard_after_forward and self.group is not None:
+        if self.config.reshard_after_forward is None and self.group is not None:
             # Backward needs the root's parameters first: keep them.
             self.group.reshard_after_forward = False
+        if self.config.cast_root_inputs and self._cast_inputs_to is None:
+            self._cast_inputs_to = self.config.mp_policy.param_dtype
         self._init_fqns(states)
 
     def _init_fqns(self, states: list["ModuleState"]) -> None:
@@ -222,7 +227,7 @@ class ModuleState:
         if self.forward_prefetch is not None:
             targets = [s.group for s in self.forward_prefetch if s.group is not None]
         else:
-            targets = [implicit] if implicit is not None else []
+            targets = [implicit] if implicit is not None and self.config.forward_prefetch else []
         for target in targets:
             self.ctx.prefetch(target)
         if torch.is_grad_enabled():
@@ -278,10 +283,14 @@ class ModuleState:
             return
         group.wait_for_unshard()  # before prefetching: see pre_forward
         group.expect_grads()
+        index = group.take_backward_prefetch_index()
+        mode = self.config.backward_prefetch
         if self.backward_prefetch is not None:
             targets = [s.group for s in self.backward_prefetch if s.group is not None]
         else:
-            index = group.take_backward_prefetch_index()
-            targets = [self.ctx.post_forward_order[index - 1]] if index else []
+            targets = [self.ctx.post_forward_order[index - 1]] if index and mode is not None else []
+        if mode is BackwardPrefetch.BACKWARD_POST:
+            group.prefetch_after_backward = targets  # issued once this unit's gradients are out
+            return
         for target in targets:
             self.ctx.prefetch(target)
