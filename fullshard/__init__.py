@@ -4,22 +4,42 @@ The public names mirror ``torch.distributed.fsdp``: switching is a change of
 imports.
 """
 
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._core.mesh import hybrid_mesh
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+from .clip import clip_grad_norm_
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .replicate import ReplicateModule, replicate
+from .wrapper import FSDP, FullyShardedDataParallel
 
 __all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
+    "FSDP",
     "FSDPModule",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReplicateModule",
+    "ShardingStrategy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
+    "hybrid_mesh",
     "register_fsdp_forward_method",
     "replicate",
 ]
 
 for _name in __all__:
-    globals()[_name].__module__ = "fullshard"
+    if _name != "FSDP":  # an alias
+        globals()[_name].__module__ = "fullshard"
 del _name

@@ -15,15 +15,18 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, NoReturn
 
+import torch
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.manage import manage_module
-from ._core.mesh import MeshInfo, default_mesh, validate_mesh
+from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
 from ._core.init import validate_dtensor_meshes, validate_module
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from .wrap import Policy, PolicyFn, select_modules
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -159,11 +162,15 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    policy: Policy | PolicyFn | None = None,
+    strategy: ShardingStrategy | None = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
 ) -> FSDPModule:
     """Shards ``module``'s parameters across ``mesh`` as one communication unit.
 
-    Call it on submodules first (each becomes its own unit), then on the root.
-    Parameters already managed by a call on a submodule are left to it.
+    Call it on submodules first (each becomes its own unit), then on the root,
+    or let ``policy`` pick the submodules. Parameters already managed by a call
+    on a submodule are left to it.
 
     Args:
         module: the module to shard (changed in place and returned).
@@ -176,24 +183,88 @@ def fully_shard(
         mp_policy: parameter/reduction/output dtypes (``MixedPrecisionPolicy``).
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, moved or reduced).
+        policy: an auto-wrap policy (``fullshard.wrap``): the submodules it
+            selects get their own ``fully_shard`` first, with these arguments.
+        strategy: a ``ShardingStrategy`` instead of ``mesh``/``reshard_after_forward``:
+            SHARD_GRAD_OP keeps parameters after forward, NO_SHARD replicates,
+            the hybrid ones shard within a node and replicate across nodes.
+        ignored_modules: submodules left alone, with everything below them.
 
     Returns:
         ``module``, whose class now also derives from ``FSDPModule``.
 
     Raises:
-        ValueError: the module is already managed, the mesh is not 1D/2D,
-            parameters sit on different devices, an int ``reshard_after_forward``
-            does not divide the shard size, or an ignored parameter is not in
-            the module.
+        ValueError: the module is already managed, the mesh is not 1D/2D (or
+            does not suit ``strategy``), parameters sit on different devices,
+            an int ``reshard_after_forward`` does not divide the shard size, or
+            an ignored parameter/module is not in the module.
     """
     validate_module(module, "fully_shard")
-    mesh = mesh if mesh is not None else default_mesh()
-    validate_mesh(mesh)
+    mesh, replicate_only, reshard_after_forward = _resolve_strategy(module, mesh, strategy, reshard_after_forward)
     validate_dtensor_meshes(module, mesh.device_type)
+    mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
+    ignored = _expand_ignored_modules(module, ignored_modules)
+    ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
+    if policy is not None:
+        arguments = dict(
+            mesh=mesh_info.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+            offload_policy=offload_policy, strategy=strategy,
+        )
+        for child, overrides in select_modules(module, policy, ignored):
+            below = set(child.modules())
+            fully_shard(
+                child,
+                **{**arguments, **overrides},
+                ignored_params={p for p in ignored_params if any(p is q for q in child.parameters())},
+                ignored_modules=[m for m in ignored if m in below],
+            )
     config = UnitConfig(reshard_after_forward, mp_policy, offload_policy)
-    manage_module(module, MeshInfo.for_fully_shard(mesh), config, ignored_params)
+    manage_module(module, mesh_info, config, ignored_params, ignored)
     swap_class(module, FSDPModule, "FSDP")
     return module
+
+
+def _resolve_strategy(
+    module: nn.Module,
+    mesh: DeviceMesh | None,
+    strategy: ShardingStrategy | None,
+    reshard_after_forward: bool | int | None,
+) -> tuple[DeviceMesh, bool, bool | int | None]:
+    """Maps an FSDP1 strategy onto (mesh, replicate only?, resharding choice)."""
+    if strategy is None:
+        mesh = mesh if mesh is not None else default_mesh()
+        validate_mesh(mesh)
+        return mesh, False, reshard_after_forward
+    keeps = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if reshard_after_forward is not None and keeps == bool(reshard_after_forward):
+        raise ValueError(
+            f"fully_shard expects either strategy or reshard_after_forward, but got {strategy.name} with "
+            f"reshard_after_forward={reshard_after_forward} for {module_class_name(module)}"
+        )
+    reshard = False if keeps else reshard_after_forward
+    if strategy in HYBRID_STRATEGIES:
+        mesh = mesh if mesh is not None else hybrid_mesh("cuda" if torch.cuda.is_available() else "cpu")
+        if mesh.ndim != 2:
+            raise ValueError(f"fully_shard expects a 2D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
+        return mesh, False, reshard
+    mesh = mesh if mesh is not None else default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard expects a 1D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
+    if strategy is ShardingStrategy.NO_SHARD:
+        return mesh, True, False
+    return mesh, False, reshard
+
+
+def _expand_ignored_modules(module: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
+    ignored = set(ignored_modules or ())
+    below = set(module.modules())
+    for ignored_module in ignored:
+        if ignored_module not in below or ignored_module is module:
+            raise ValueError(
+                f"fully_shard expects ignored_modules to be proper submodules of {module_class_name(module)}, "
+                f"but got {module_class_name(ignored_module)}"
+            )
+    return {m for ignored_module in ignored for m in ignored_module.modules()}
 
 
 fully_shard.state = get_state  # type: ignore[attr-defined]

@@ -188,10 +188,67 @@ class ParamGroup:
                 "modules in their own unit"
             )
         self.flat_param = torch.nn.Parameter(self.shard_buffer, requires_grad=requires_grad.pop())
+        self.flat_param._fullshard_unit = self  # lets clip_grad_norm_ find its replicas
         for param in self.params:
             param.register_sharded = False
             param.to_sharded()
         return self.flat_param
+
+    # -- full parameters on demand (summon_full_params) --------------------------------
+    def gather_full(self, grads: bool = False) -> list[torch.Tensor | None]:
+        """Every parameter (or its gradient) unsharded, in its own dtype, in fresh tensors.
+
+        Gathers over the shard group only: replicas hold the same shards. A
+        parameter without a gradient on this rank gets None for ``grads=True``.
+        """
+        with torch.no_grad():
+            if grads:
+                source, present = self._grads_in_storage_layout()
+            else:
+                source, present = self.shard_buffer, [True] * len(self.params)
+            source = source.to(self.device)
+            shard = self.mesh_info.shard
+            if shard.size > 1:
+                output = torch.empty(source.numel() * shard.size, dtype=source.dtype, device=self.device)
+                comm.all_gather(output, source, shard.group, async_op=False)
+            else:
+                output = source
+            padded = [
+                torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=self.device)
+                for p in self.params
+            ]
+            self.storage_layout.copy_out(output, shard.size, padded)
+        return [
+            t[: p.num_rows * p.row_numel].view(p.unsharded_size) if keep else None
+            for p, t, keep in zip(self.params, padded, present)
+        ]
+
+    def _grads_in_storage_layout(self) -> tuple[torch.Tensor, list[bool]]:
+        if self.flat_param is not None:
+            grad = self.flat_param.grad
+            present = [grad is not None] * len(self.params)
+            return (grad if grad is not None else torch.zeros_like(self.shard_buffer)), present
+        buffer = torch.zeros_like(self.shard_buffer)
+        present = []
+        for index, param in enumerate(self.params):
+            grad = param.sharded_param.grad
+            present.append(grad is not None)
+            if grad is not None and grad._local_tensor.numel() > 0:
+                local = grad._local_tensor
+                self.storage_layout.region(buffer, index, param.orig_dtype)[: local.numel()].copy_(local.reshape(-1))
+        return buffer, present
+
+    @torch.no_grad()
+    def write_back(self, values: list[torch.Tensor]) -> None:
+        """Copies this rank's rows of full parameter values into the shards."""
+        rank = self.mesh_info.shard.rank
+        for index, (param, value) in enumerate(zip(self.params, values)):
+            if param.num_valid_rows == 0:
+                continue
+            rows = value.reshape(param.num_rows, -1)
+            mine = rows[rank * param.shard_rows : rank * param.shard_rows + param.num_valid_rows]
+            region = self.storage_layout.region(self.shard_buffer, index, param.orig_dtype)
+            region[: mine.numel()].copy_(mine.reshape(-1))
 
     @property
     def owner_name(self) -> str:

@@ -13,6 +13,7 @@ mesh (n, 1) therefore still all-reduces across its n replicas.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -87,14 +88,14 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the default group on the default accelerator (else CPU)."""
+def default_mesh(device_type: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over all ranks, on ``device_type`` (default: the accelerator, else CPU)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard expects torch.distributed to be initialized (call "
             "torch.distributed.init_process_group) or an explicit mesh"
         )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     # The mesh's rank tensor must be a real CPU tensor even under a
     # `with torch.device("meta")` model-construction context.
     with torch.device("cpu"):
@@ -128,3 +129,72 @@ def post_forward_group(mesh_info: MeshInfo, reshard_after_forward: int) -> Group
             sub_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
         cache[reshard_after_forward] = sub_mesh
     return GroupInfo.of_mesh_axis(sub_mesh, 1)
+
+
+def devices_per_node() -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else the local accelerator count.
+
+    Without either (plain CPU processes), every rank counts as one node.
+    """
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return dist.get_world_size()
+
+
+def hybrid_mesh(device_type: str, num_devices_per_node: int | None = None) -> DeviceMesh:
+    """A (nodes, ranks per node) mesh over all ranks: shard within a node, replicate across."""
+    world = dist.get_world_size()
+    per_node = num_devices_per_node or devices_per_node()
+    if per_node < 1 or world % per_node != 0:
+        raise ValueError(
+            f"hybrid sharding expects the world size {world} to be a multiple of the ranks per node "
+            f"{per_node} (set LOCAL_WORLD_SIZE or pass num_devices_per_node)"
+        )
+    with torch.device("cpu"):
+        return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+
+
+def mesh_from_groups(
+    shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None, device_type: str
+) -> DeviceMesh:
+    """A DeviceMesh over existing groups: 1D from one group, 2D (replicate, shard) from a pair.
+
+    For a pair, every rank contributes its shard group's ranks (one all-gather
+    of objects over the default group) so each rank knows the whole 2D layout.
+
+    Raises:
+        ValueError: the pair does not tile the world (sizes whose product is not
+            the world size, or groups that do not cross exactly at this rank).
+    """
+    with torch.device("cpu"):
+        if replicate_group is None:
+            return DeviceMesh.from_group(shard_group, device_type)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        shard_ranks = dist.get_process_group_ranks(shard_group)
+        replicate_ranks = dist.get_process_group_ranks(replicate_group)
+        if len(shard_ranks) * len(replicate_ranks) != world:
+            raise ValueError(
+                f"process_group expects a (shard, replicate) pair whose sizes multiply to the world size "
+                f"{world}, but got sizes {len(shard_ranks)} and {len(replicate_ranks)}"
+            )
+        if set(shard_ranks) & set(replicate_ranks) != {rank}:
+            raise ValueError(
+                f"process_group expects the shard group {shard_ranks} and the replicate group "
+                f"{replicate_ranks} to share exactly this rank ({rank})"
+            )
+        rows: list = [None] * world
+        dist.all_gather_object(rows, (replicate_ranks.index(rank), shard_ranks))
+        layout = [None] * len(replicate_ranks)
+        for replica, ranks in rows:
+            if layout[replica] not in (None, ranks):
+                raise ValueError(
+                    f"process_group pairs disagree across ranks: replica {replica} has shard groups "
+                    f"{layout[replica]} and {ranks}"
+                )
+            layout[replica] = ranks
+        return DeviceMesh.from_group(
+            [replicate_group, shard_group], device_type, mesh=torch.tensor(layout),
+            mesh_dim_names=("replicate", "shard"),
+        )

@@ -225,6 +225,19 @@ class ShardParam:
         self.aliases_shard = False
 
     # -- registration on modules ----------------------------------------------
+    def register(self, param: nn.Parameter) -> None:
+        """Registers ``param`` under this parameter's name on every module sharing it."""
+        self._register(param)
+
+    def full_form(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a full, TP-local tensor) as the user sees the full parameter."""
+        if self.tp_mesh is None:
+            return value
+        return DTensor.from_local(
+            value, self.tp_mesh, self.tp_placements, run_check=False,
+            shape=self.global_size, stride=self.global_stride,
+        )
+
     def _register(self, param: nn.Parameter) -> None:
         info = self.module_info
         set_module_param(info.module, info.param_name, param)

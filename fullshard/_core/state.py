@@ -146,6 +146,7 @@ class ModuleState:
         # Accelerator meshes: the step's root moves its inputs to the device (as DDP does).
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
+        self.summoned = False  # inside summon_full_params
         _STATES[module] = self
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, prepend=False)

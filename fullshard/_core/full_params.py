@@ -1,0 +1,72 @@
+"""Full parameters on demand, outside forward and backward (``summon_full_params``).
+
+Gathers in the parameters' own dtype (not the mixed-precision compute dtype)
+into fresh tensors, so nothing the training step relies on is touched; on exit
+changes are written back to the shards and the shards are registered again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .common import TrainingState
+from .group import ParamGroup
+from .state import ModuleState
+
+
+@contextlib.contextmanager
+def full_params(
+    states: list[ModuleState],
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """Registers every managed parameter of ``states`` unsharded for the block.
+
+    Raises:
+        ValueError: ``writeback`` with ``rank0_only`` (other ranks would have
+            nothing to write back).
+        RuntimeError: called during forward or backward.
+    """
+    if writeback and rank0_only:
+        raise ValueError(
+            "summon_full_params expects writeback=False with rank0_only=True: only rank 0 holds "
+            "the full parameters, so the other ranks could not write changes back"
+        )
+    groups = [state.group for state in states if state.group is not None]
+    for group in groups:
+        if group.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"summon_full_params expects no forward or backward in progress, but unit "
+                f"{group.owner_name} is in {group.training_state.name}"
+            )
+    keep = not rank0_only or dist.get_rank() == 0
+    summoned: list[tuple[ParamGroup, list[torch.Tensor]]] = []
+    try:
+        for group in groups:
+            group.reshard()  # drop a low-precision unsharded copy kept after forward
+            values = group.gather_full()
+            grads = group.gather_full(grads=True) if with_grads else [None] * len(values)
+            if not keep:
+                continue
+            if offload_to_cpu:
+                values = [v.cpu() for v in values]
+                grads = [g.cpu() if g is not None else None for g in grads]
+            for param, value, grad in zip(group.params, values, grads):
+                full = nn.Parameter(param.full_form(value), requires_grad=param.sharded_param.requires_grad)
+                full.grad = param.full_form(grad) if grad is not None else None
+                param.register(full)
+            summoned.append((group, values))
+        yield
+    finally:
+        for group, values in summoned:
+            if writeback:
+                group.write_back(values)
+            for param in group.params:
+                param.to_sharded()

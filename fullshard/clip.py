@@ -1,0 +1,93 @@
+"""Gradient clipping by the true global norm of sharded, replicated and mixed parameters.
+
+[Note: Counting each gradient element once]
+After reduction every element of every gradient lives on several ranks: on
+exactly one rank of each replica for sharded parameters, on every rank of a
+replicate group for NO_SHARD or HSDP replicas, on every rank of a TP group for
+a TP-replicated parameter. Each rank therefore adds |g|^p of the elements it
+"owns" -- its local shard, but only if it is the first rank (coordinate 0) of
+every mesh dimension the tensor is replicated over -- and one all-reduce over
+all ranks sums the owners. Plain tensors outside any unit are counted on rank
+0 only (they are expected to be equal everywhere).
+
+This works for any mix of meshes (1D FSDP, HSDP, FSDP x TP, the wrapper's flat
+parameters) with a single collective, where summing per-mesh norms would
+count replicas several times.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from ._core import comm
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _owned_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of ``param.grad`` if this rank owns it, else None.
+    See [Note: Counting each gradient element once]."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        coordinate = grad.device_mesh.get_coordinate()
+        for dim, placement in enumerate(grad.placements):
+            if isinstance(placement, Replicate) and coordinate[dim] != 0:
+                return None
+        return grad._local_tensor
+    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter
+    if unit is not None:
+        return grad if unit.mesh_info.replicate.rank == 0 else None
+    return grad if dist.get_rank() == 0 else None
+
+
+def _local_grads(param: torch.Tensor) -> torch.Tensor:
+    return param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scales gradients in place so their global norm is at most ``max_norm``.
+
+    Every rank of the default process group must call it (one all-reduce).
+
+    Args:
+        parameters: parameters of a ``fully_shard``/``replicate``/wrapper model,
+            possibly on different meshes, plus any plain parameters.
+        max_norm: the largest allowed norm.
+        norm_type: the p of the p-norm; ``inf`` for the largest magnitude.
+
+    Returns:
+        The total norm before clipping (the same on every rank).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    device = _local_grads(params[0]).device if params else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for param in params:
+        owned = _owned_local_grad(param)
+        if owned is None or owned.numel() == 0:
+            continue
+        owned = owned.to(device, torch.float32)
+        if math.isinf(norm_type):
+            local = torch.maximum(local, owned.abs().max())
+        else:
+            local += torch.linalg.vector_norm(owned, norm_type) ** norm_type
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    comm.all_reduce(local, dist.group.WORLD, op, async_op=False)
+    total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in params:
+        grad = _local_grads(param)
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total

@@ -1,0 +1,447 @@
+"""``FullyShardedDataParallel``: the FSDP1-compatible wrapper, on the same engine.
+
+Code written for ``torch.distributed.fsdp.FullyShardedDataParallel`` runs after
+an import swap::
+
+    torchrun --nproc-per-node 2 train.py
+
+    from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fullshard.wrap import ModuleWrapPolicy
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"))
+
+The wrapper is the unit: its hooks gather the parameters managed for it (its
+subtree minus nested wrappers) around its forward. Strategies map onto the
+engine (see DESIGN.md): FULL_SHARD and HYBRID_SHARD reshard after forward
+(except the root), SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep the parameters,
+NO_SHARD replicates. With ``use_orig_params=False`` the optimizer sees one
+flat parameter per unit (``_flat_param``, the unit's shard buffer itself);
+with True, the original parameters as DTensor shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._core.common import UnitConfig, module_class_name
+from ._core.full_params import full_params
+from ._core.init import get_managed_modules
+from ._core.manage import manage_module
+from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
+from ._core.state import ModuleState, get_state
+from .api import (
+    HYBRID_STRATEGIES,
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+from .clip import clip_grad_norm_
+from .wrap import Policy, PolicyFn, select_modules
+
+__all__ = ["FullyShardedDataParallel", "FSDP"]
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FLAT_PARAM = "_flat_param"
+_PREFIX = FSDP_WRAPPED_MODULE + "."
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards ``module`` (and, with an ``auto_wrap_policy``, its selected submodules).
+
+    Args:
+        module: the module to wrap.
+        process_group: the group to shard over, or for the hybrid strategies a
+            ``(shard_group, replicate_group)`` pair. Default: all ranks (hybrid:
+            ranks of a node, see ``devices_per_node``).
+        sharding_strategy: a ``ShardingStrategy`` (default FULL_SHARD).
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps shards and
+            gradients on the CPU.
+        auto_wrap_policy: a policy from ``fullshard.wrap``; selected submodules
+            are wrapped first, with the same arguments.
+        backward_prefetch: when to gather the next unit in backward (None: never).
+        mixed_precision: a ``MixedPrecision``.
+        ignored_modules: submodules left alone (not sharded, not reduced).
+        param_init_fn: called on the module to materialize meta-device
+            parameters (default: ``to_empty`` then ``reset_parameters``).
+        device_id: the compute device (``torch.device("cpu")``, an int, or a CUDA
+            device); default: the current accelerator, else CPU.
+        sync_module_states: start from rank 0's parameters and buffers, on every
+            rank and replica.
+        forward_prefetch: gather the next unit while the current one runs forward.
+        limit_all_gathers: accepted for compatibility; at most one all-gather is
+            ever prefetched, so the limit always holds.
+        use_orig_params: expose the original parameters (DTensor shards) instead
+            of one flat parameter per unit.
+        ignored_states: parameters or modules to ignore (instead of ``ignored_modules``).
+        device_mesh: a 1D mesh, or 2D ``(replicate, shard)`` for hybrid strategies.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: inconsistent process groups / meshes for the strategy (with
+            FSDP1's messages), ignored modules outside ``module``, or ``module``
+            already wrapped with another strategy.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Policy | PolicyFn | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Parameter | nn.Module] | None = None,
+        device_mesh: DeviceMesh | None = None,
+        _mesh_info: MeshInfo | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel expects an nn.Module but got {type(module).__name__}")
+        super().__init__()
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        _check_not_wrapped_differently(module, strategy)
+        ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
+        mesh_info = _mesh_info or _resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
+        settings = dict(
+            cpu_offload=cpu_offload, backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+        )
+        if auto_wrap_policy is not None:
+            roots_groups = (process_group, device_mesh, device_id)
+            _wrap_selected(module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info,
+                           settings, roots_groups)
+        self._fsdp_wrapped_module = module
+        self.sharding_strategy = strategy
+        self._fsdp_mesh_info = mesh_info
+        _materialize_meta(module, param_init_fn, mesh_info.device, ignored_mods)
+        config = _unit_config(strategy, settings)
+        state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
+        if config.flat_param and state.group is not None:
+            module.register_parameter(FLAT_PARAM, state.group.expose_flat_param())
+
+    # -- FSDP1 members -----------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def _state(self) -> ModuleState:
+        return get_state(self)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group parameters are sharded over (replicated over, for NO_SHARD)."""
+        info = self._fsdp_mesh_info
+        return info.replicate.group if info.shard_axis is None else info.shard.group
+
+    @property
+    def _inter_node_pg(self) -> dist.ProcessGroup | None:
+        """The group gradients are all-reduced over between replicas (hybrid strategies)."""
+        info = self._fsdp_mesh_info
+        return info.replicate.group if info.shard_axis is not None else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s; inside ``summon_full_params`` the wrapper prefixes are removed."""
+        clean = any(state.summoned for state in _states_below(self))
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (name.replace(_PREFIX, "") if clean else name), param
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._apply(*args, **kwargs)
+        group = self._state.group
+        if group is not None:
+            group.rebind_shards()
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of every parameter under this (root) wrapper by their
+        global norm across shards and replicas. Returns the norm before clipping."""
+        self._state.lazy_init()
+        if not self._state.is_root:
+            raise RuntimeError("clip_grad_norm_ expects to be called on the root FullyShardedDataParallel instance")
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally (no communication) inside the block."""
+        groups = [s.group for s in _states_below(self) if s.group is not None]
+        previous = [g.requires_gradient_sync for g in groups]
+        for group in groups:
+            group.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            for group, value in zip(groups, previous):
+                group.requires_gradient_sync = value
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Makes the full parameters of ``module``'s units visible for the block.
+
+        Args:
+            module: a wrapper (or any module containing wrappers / fully_shard modules).
+            recurse: also every unit below ``module`` (else ``module``'s own only).
+            writeback: copy changes back into the shards on exit.
+            rank0_only: only rank 0 keeps the full parameters (needs writeback=False).
+            offload_to_cpu: hand out CPU copies.
+            with_grads: also gather gradients into ``.grad``.
+        """
+        states = _states_below(module) if recurse else [s for s in [get_state(module)] if s is not None]
+        for state in states:
+            state.summoned = True
+        try:
+            with full_params(states, writeback, rank0_only, offload_to_cpu, with_grads):
+                yield
+        finally:
+            for state in states:
+                state.summoned = False
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """The wrappers in ``module``'s tree (only the outermost ones with ``root_only``)."""
+        wrappers = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return wrappers
+        nested = {id(inner) for w in wrappers for inner in w.module.modules() if inner is not w}
+        return [w for w in wrappers if id(w) not in nested]
+
+
+FSDP = FullyShardedDataParallel
+
+
+def _states_below(module: nn.Module) -> list[ModuleState]:
+    return [s for s in (get_state(m) for m in module.modules()) if s is not None]
+
+
+def _check_not_wrapped_differently(module: nn.Module, strategy: ShardingStrategy) -> None:
+    if isinstance(module, FullyShardedDataParallel) and module.sharding_strategy is not strategy:
+        raise ValueError(
+            f"FullyShardedDataParallel expects a module not already wrapped with another strategy, but "
+            f"{module_class_name(module.module)} is wrapped with {module.sharding_strategy.name} and "
+            f"{strategy.name} was requested; wrap the unwrapped module once"
+        )
+
+
+def _resolve_ignored(
+    module: nn.Module,
+    ignored_modules: Iterable[nn.Module] | None,
+    ignored_states: Iterable[nn.Parameter | nn.Module] | None,
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "FullyShardedDataParallel expects ignored_modules or ignored_states, not both; pass all "
+            "of them as ignored_states"
+        )
+    items = list(ignored_modules or ignored_states or ())
+    modules = {m for m in items if isinstance(m, nn.Module)}
+    params = {p for p in items if isinstance(p, nn.Parameter)}
+    own = set(module.modules())
+    for ignored in modules:
+        if ignored not in own:
+            raise ValueError(
+                f"FullyShardedDataParallel expects ignored modules to be submodules of "
+                f"{module_class_name(module)}, but {module_class_name(ignored)} is not"
+            )
+        if ignored is module:
+            raise ValueError(
+                f"FullyShardedDataParallel expects the wrapped module itself not to be ignored "
+                f"({module_class_name(module)}); ignore its submodules instead"
+            )
+    expanded = {m for ignored in modules for m in ignored.modules()}
+    params |= {p for m in expanded for p in m.parameters()}
+    return expanded, params
+
+
+def _device_type(device_id: int | torch.device | None) -> str:
+    if device_id is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device_id, int):
+        torch.cuda.set_device(device_id)
+        return "cuda"
+    device = torch.device(device_id)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device.type
+
+
+def _resolve_mesh(
+    process_group: Any,
+    device_mesh: DeviceMesh | None,
+    strategy: ShardingStrategy,
+    policy: Any,
+    device_id: int | torch.device | None,
+) -> MeshInfo:
+    """FSDP1's rules for which groups a unit shards and replicates over."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            "Cannot pass both process_group and device_mesh at the same time. "
+            "Please just pass only one of them."
+        )
+    device_type = _device_type(device_id)
+    if strategy in HYBRID_STRATEGIES:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise ValueError(f"Expected device_mesh to have ndim=2 but got {device_mesh.ndim}")
+            return MeshInfo.for_fully_shard(device_mesh)
+        if process_group is None:
+            if policy is None:
+                raise ValueError(
+                    f"Manual wrapping with {strategy} requires explicit specification of process "
+                    "group or device_mesh."
+                )
+            return MeshInfo.for_fully_shard(hybrid_mesh(device_type))
+        if not (
+            isinstance(process_group, tuple)
+            and len(process_group) == 2
+            and all(isinstance(g, dist.ProcessGroup) for g in process_group)
+        ):
+            raise ValueError(
+                "Expected process_group to be passed in as either None or "
+                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
+            )
+        shard_group, replicate_group = process_group
+        return MeshInfo.for_fully_shard(mesh_from_groups(shard_group, replicate_group, device_type))
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"{strategy.name} expects a 1D device_mesh but got {describe_mesh(device_mesh)}; "
+                "2D meshes are for the hybrid strategies"
+            )
+        mesh = device_mesh
+    elif process_group is not None:
+        if isinstance(process_group, tuple):
+            raise ValueError(
+                f"{strategy.name} expects one process group; a (shard, replicate) pair is for the hybrid strategies"
+            )
+        mesh = mesh_from_groups(process_group, None, device_type)
+    else:
+        mesh = default_mesh(device_type)
+    return MeshInfo.for_replicate(mesh) if strategy is ShardingStrategy.NO_SHARD else MeshInfo.for_fully_shard(mesh)
+
+
+def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitConfig:
+    precision: MixedPrecision = settings["mixed_precision"] or MixedPrecision()
+    offload: CPUOffload | None = settings["cpu_offload"]
+    reshard = {
+        ShardingStrategy.FULL_SHARD: None,  # resharded after forward, except the root
+        ShardingStrategy.HYBRID_SHARD: None,
+        ShardingStrategy.SHARD_GRAD_OP: False,
+        ShardingStrategy._HYBRID_SHARD_ZERO2: False,
+        ShardingStrategy.NO_SHARD: False,
+    }[strategy]
+    return UnitConfig(
+        reshard_after_forward=reshard,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=precision.param_dtype,
+            reduce_dtype=precision.reduce_dtype,
+            cast_forward_inputs=precision.cast_forward_inputs,
+        ),
+        offload_policy=CPUOffloadPolicy() if offload is not None and offload.offload_params else OffloadPolicy(),
+        forward_prefetch=settings["forward_prefetch"],
+        backward_prefetch=settings["backward_prefetch"],
+        cast_root_inputs=precision.param_dtype is not None,
+        keep_low_precision_grads=precision.keep_low_precision_grads,
+        buffer_dtype=precision.buffer_dtype,
+        flat_param=not settings["use_orig_params"],
+        sync_module_states=settings["sync_module_states"],
+    )
+
+
+def _wrap_selected(
+    module: nn.Module,
+    policy: Policy | PolicyFn,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    strategy: ShardingStrategy,
+    mesh_info: MeshInfo,
+    settings: dict[str, Any],
+    roots_groups: tuple[Any, DeviceMesh | None, Any],
+) -> None:
+    """Wraps the submodules ``policy`` selects (children first) in place.
+
+    They share the root's groups, unless a ``CustomPolicy`` override changes
+    the strategy or the groups; then they resolve their own like the root.
+    """
+    parents: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in module.modules():
+        for name, child in parent.named_children():
+            parents.setdefault(id(child), []).append((parent, name))
+    process_group, device_mesh, device_id = roots_groups
+    for child, overrides in select_modules(module, policy, ignored_modules):
+        child_strategy = overrides.get("sharding_strategy", strategy)
+        child_mesh = mesh_info
+        if {"sharding_strategy", "process_group", "device_mesh"} & set(overrides):
+            child_mesh = _resolve_mesh(
+                overrides.get("process_group", process_group), overrides.get("device_mesh", device_mesh),
+                child_strategy, policy, device_id,
+            )
+        below = set(child.modules())
+        ignored_below = [m for m in ignored_modules if m in below]
+        ignored_below += [p for p in ignored_params if any(p is q for q in child.parameters())]
+        kwargs = {
+            **settings,
+            **{k: v for k, v in overrides.items() if k not in ("process_group", "device_mesh")},
+            "sharding_strategy": child_strategy,
+            "ignored_states": ignored_below or None,
+            "_mesh_info": child_mesh,
+        }
+        wrapper = FullyShardedDataParallel(child, **kwargs)
+        for parent, name in parents.get(id(child), []):
+            setattr(parent, name, wrapper)
+
+
+def _materialize_meta(
+    module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, device: torch.device, ignored: set[nn.Module]
+) -> None:
+    """FSDP1: meta-device modules are initialized when wrapped."""
+    managed = get_managed_modules(module, ignored)
+    tensors = [t for m in managed for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    if not any(t.is_meta for t in tensors):
+        return
+    if param_init_fn is not None:
+        param_init_fn(module)
+        return
+    for submodule in managed:
+        submodule.to_empty(device=device, recurse=False)
+        if hasattr(submodule, "reset_parameters"):
+            submodule.reset_parameters()
