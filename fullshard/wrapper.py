@@ -136,7 +136,7 @@ class FullyShardedDataParallel(nn.Module):
         config = _unit_config(strategy, settings)
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
         if config.flat_param and state.group is not None:
-            module.register_parameter(FLAT_PARAM, state.group.expose_flat_param())
+            state.group.expose_flat_param(module, FLAT_PARAM)
 
     # -- FSDP1 members -----------------------------------------------------------------
     @property

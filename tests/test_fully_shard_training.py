@@ -18,6 +18,7 @@ from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, repli
 from fullshard._core import comm
 from fullshard.models import MLP, ModelArgs, Transformer
 from fullshard.testing import (
+    DataParallelReference,
     assert_params_equal,
     distributed,
     mean_over,
@@ -143,14 +144,14 @@ def test_parity_gradient_accumulation_mixed_precision():
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ref = make_transformer()
     model = shard_transformer(copy.deepcopy(ref), mp_policy=policy)
-    oracle = MixedPrecisionReference(ref, torch.bfloat16)
+    oracle = DataParallelReference(ref, lm_loss, torch.bfloat16)
     optim, ref_optim = adamw(model), adamw(ref)
     for batch in token_batches(5, batch=16):
         local = split_batch(batch, dist.get_rank(), 2)
         for index, micro in enumerate(zip(*(t.chunk(2) for t in local))):
             model.set_requires_gradient_sync(index == 1)
             (lm_loss(model, micro) / 2).backward()
-        oracle.accumulate(batch, num_ranks=2, num_microbatches=2)
+        oracle.backward([split_batch(batch, r, 2) for r in range(2)], num_microbatches=2)
         optim.step()
         optim.zero_grad()
         ref_optim.step()
@@ -186,33 +187,6 @@ def test_reshard_after_backward_false_keeps_parameters():
     assert_params_equal(model, ref)
 
 
-class MixedPrecisionReference:
-    """One process emulating data-parallel mixed precision: each rank's slice runs
-    on a bf16 copy, its gradients are cast to fp32 and averaged."""
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.model, self.dtype = model, dtype
-
-    def accumulate(self, batch, num_ranks: int, num_microbatches: int = 1) -> torch.Tensor:
-        losses = []
-        grads = None
-        for rank in range(num_ranks):
-            local = split_batch(batch, rank, num_ranks)
-            low = copy.deepcopy(self.model).to(self.dtype)
-            rank_grads = None
-            for micro in zip(*(t.chunk(num_microbatches) for t in local)):
-                loss = lm_loss(low, micro) / num_microbatches
-                loss.backward()
-                losses.append(loss.detach().float())
-                step_grads = [p.grad.float() for p in low.parameters()]
-                low.zero_grad()
-                rank_grads = step_grads if rank_grads is None else [a + b for a, b in zip(rank_grads, step_grads)]
-            grads = rank_grads if grads is None else [a + b for a, b in zip(grads, rank_grads)]
-        for param, grad in zip(self.model.parameters(), grads):
-            param.grad = grad / num_ranks
-        return torch.stack(losses).sum() / num_ranks
-
-
 @distributed(world_size=2)
 def test_parity_mixed_precision():
     """bf16 params and compute, fp32 reduction and optimizer.
@@ -233,7 +207,7 @@ def test_parity_mixed_precision():
     for layer in oracle_model.layers:
         torch_fully_shard(layer, mp_policy=torch_policy)
     torch_fully_shard(oracle_model, mp_policy=torch_policy)
-    emulated = MixedPrecisionReference(ref, torch.bfloat16)
+    emulated = DataParallelReference(ref, lm_loss, torch.bfloat16)
     optims = [adamw(m) for m in (model, oracle_model, ref)]
     rank = dist.get_rank()
     for step, batch in enumerate(token_batches(5)):
@@ -243,7 +217,7 @@ def test_parity_mixed_precision():
             loss = lm_loss(m, local)
             loss.backward()
             losses.append(mean_over(loss.float()))
-        ref_loss = emulated.accumulate(batch, num_ranks=2)
+        ref_loss = emulated.backward([split_batch(batch, r, 2) for r in range(2)])
         for optim in optims:
             optim.step()
             optim.zero_grad()

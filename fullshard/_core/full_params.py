@@ -3,6 +3,8 @@
 Gathers in the parameters' own dtype (not the mixed-precision compute dtype)
 into fresh tensors, so nothing the training step relies on is touched; on exit
 changes are written back to the shards and the shards are registered again.
+A wrapper's flat parameter is hidden meanwhile: ``named_parameters()`` then
+lists exactly the original model's parameters.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def full_params(
                 full = nn.Parameter(param.full_form(value), requires_grad=param.sharded_param.requires_grad)
                 full.grad = param.full_form(grad) if grad is not None else None
                 param.register(full)
+            if group.flat_param_home is not None:  # the full parameters stand in for it
+                home, name = group.flat_param_home
+                del home._parameters[name]
             summoned.append((group, values))
         yield
     finally:
@@ -70,3 +75,6 @@ def full_params(
                 group.write_back(values)
             for param in group.params:
                 param.to_sharded()
+            if group.flat_param_home is not None:
+                home, name = group.flat_param_home
+                home._parameters[name] = group.flat_param

@@ -74,6 +74,7 @@ class ParamGroup:
         self.mp_policy = config.mp_policy
         self.keep_low_precision_grads = config.keep_low_precision_grads
         self.flat_param: torch.nn.Parameter | None = None  # see expose_flat_param
+        self.flat_param_home: tuple[torch.nn.Module, str] | None = None  # where it is registered
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -164,8 +165,9 @@ class ParamGroup:
             self._build_shard_buffer([p.local_shard for p in self.params])
 
     # -- the FSDP1 flat parameter --------------------------------------------------
-    def expose_flat_param(self) -> torch.nn.Parameter:
-        """The shard buffer as one ``nn.Parameter`` (the optimizer steps it in place).
+    def expose_flat_param(self, module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+        """Registers the shard buffer as ``module.<name>``, one ``nn.Parameter`` the
+        optimizer steps in place.
 
         Raises:
             ValueError: the unit mixes dtypes or frozen and trainable parameters
@@ -189,6 +191,8 @@ class ParamGroup:
             )
         self.flat_param = torch.nn.Parameter(self.shard_buffer, requires_grad=requires_grad.pop())
         self.flat_param._fullshard_unit = self  # lets clip_grad_norm_ find its replicas
+        module.register_parameter(name, self.flat_param)
+        self.flat_param_home = (module, name)
         for param in self.params:
             param.register_sharded = False
             param.to_sharded()

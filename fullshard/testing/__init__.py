@@ -6,9 +6,17 @@
 """
 
 from .harness import RankFailure, RankTimeout, distributed, run_distributed
-from .parity import assert_params_equal, full_value, mean_over, split_batch, train_in_parity
+from .parity import (
+    DataParallelReference,
+    assert_params_equal,
+    full_value,
+    mean_over,
+    split_batch,
+    train_in_parity,
+)
 
 __all__ = [
+    "DataParallelReference",
     "RankFailure",
     "RankTimeout",
     "assert_params_equal",

@@ -8,6 +8,7 @@ losses and parameters must agree up to floating-point reordering.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -101,3 +102,51 @@ def train_in_parity(
         )
         losses.append(global_loss.item())
     return losses
+
+
+class DataParallelReference:
+    """One process doing what N data-parallel ranks do together.
+
+    ``backward`` runs every rank's batch through the reference model and
+    leaves the average gradient on it, which is what averaging gradients
+    across ranks gives the sharded model. With ``param_dtype``, each rank's
+    batch runs on a copy cast to that dtype and its gradients are cast back
+    before averaging: the arithmetic of mixed precision with a full-precision
+    reduction, reproduced in one process.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor],
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model, self.loss_fn, self.param_dtype = model, loss_fn, param_dtype
+
+    def backward(self, rank_batches: list[Sequence[torch.Tensor]], num_microbatches: int = 1) -> torch.Tensor:
+        """Returns the loss averaged over ranks (and summed over micro-batches).
+
+        In low precision, micro-batch gradients are summed in fp32, as the
+        engine accumulates unsynced gradients in the reduce dtype.
+        """
+        num_ranks = len(rank_batches)
+        total = torch.zeros(())
+        summed: list[torch.Tensor | None] | None = None
+        for batch in rank_batches:
+            replica = copy.deepcopy(self.model).to(self.param_dtype) if self.param_dtype else self.model
+            for micro in zip(*(t.chunk(num_microbatches) for t in batch)):
+                loss = self.loss_fn(replica, micro) / num_microbatches
+                total += loss.detach().float()
+                if not self.param_dtype:
+                    (loss / num_ranks).backward()
+                    continue
+                loss.backward()
+                grads = [p.grad.float() if p.grad is not None else None for p in replica.parameters()]
+                replica.zero_grad()
+                summed = grads if summed is None else [
+                    a + b if a is not None else None for a, b in zip(summed, grads)
+                ]
+        if summed is not None:
+            for param, grad in zip(self.model.parameters(), summed):
+                param.grad = grad / num_ranks if grad is not None else None
+        return total / num_ranks

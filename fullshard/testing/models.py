@@ -1,0 +1,58 @@
+"""Models the tests share, shaped like the ones PyTorch's FSDP tests use."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TransformerWithSharedParams(nn.Module):
+    """``nn.Transformer`` (2 encoder + 2 decoder layers) between a token embedding and
+    an output projection that share one weight, with a float and a long buffer and
+    an optional BatchNorm: shared parameters, buffers of two dtypes, and the
+    encoder/decoder layer classes for ``ModuleWrapPolicy``.
+
+    Args:
+        seed: parameters are drawn from ``torch.manual_seed(seed)``.
+        add_bn: include ``BatchNorm1d`` over the batch dimension.
+        dropout: the transformer's dropout (0 keeps training deterministic).
+    """
+
+    vocab_size = 23
+    batch_size = 2
+
+    def __init__(self, seed: int = 0, add_bn: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        d_model = 16
+        self.embed_tokens = nn.Embedding(self.vocab_size, d_model)
+        self.transformer = nn.Transformer(
+            d_model=d_model, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+            dim_feedforward=8, dropout=dropout,
+        )
+        self.output_proj = nn.Linear(d_model, self.vocab_size)
+        self.output_proj.weight = self.embed_tokens.weight  # shared
+        self.register_buffer("vocab_bias", torch.ones(d_model))
+        self.register_buffer("long_buffer", torch.zeros(d_model, dtype=torch.long))
+        self.bn = nn.BatchNorm1d(self.batch_size) if add_bn else nn.Identity()
+
+    def get_input(self, seed: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, target) token ids, sequence-first: (6, B) and (4, B)."""
+        generator = torch.Generator().manual_seed(seed)
+        src = torch.randint(self.vocab_size, (6, self.batch_size), generator=generator)
+        tgt = torch.randint(self.vocab_size, (4, self.batch_size), generator=generator)
+        return src.to(device), tgt.to(device)
+
+    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        src = self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
+        tgt = self.bn(self.embed_tokens(tgt_ids))
+        return self.output_proj(self.transformer(src, tgt))
+
+    @staticmethod
+    def get_loss(inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        _, tgt = inputs
+        return F.cross_entropy(output.reshape(-1, output.size(-1)), tgt.reshape(-1), reduction="sum")
+
+    def get_ignored_modules(self) -> list[nn.Module]:
+        return [self.transformer]
