@@ -10,6 +10,13 @@ every mesh dimension the tensor is replicated over -- and one all-reduce over
 all ranks sums the owners. Plain tensors outside any unit are counted on rank
 0 only (they are expected to be equal everywhere).
 
+A mesh may cover only part of the world: with FSDP x TP, a parameter that TP
+does not split lives on the data-parallel mesh of each TP rank, and those
+copies hold the same values. A rank therefore weighs what it owns on a mesh
+of M ranks by M / world_size: the copies together count once. (Parameters
+that differ between copies of a mesh -- pipeline stages -- need one clip per
+stage.)
+
 This works for any mix of meshes (1D FSDP, HSDP, FSDP x TP, the wrapper's flat
 parameters) with a single collective, where summing per-mesh norms would
 count replicas several times.
@@ -29,20 +36,23 @@ from ._core import comm
 __all__ = ["clip_grad_norm_"]
 
 
-def _owned_local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's part of ``param.grad`` if this rank owns it, else None.
+def _owned_local_grad(param: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    """(This rank's part of ``param.grad`` if it owns it, else None; its weight).
     See [Note: Counting each gradient element once]."""
     grad = param.grad
+    world = dist.get_world_size()
     if isinstance(grad, DTensor):
-        coordinate = grad.device_mesh.get_coordinate()
+        mesh = grad.device_mesh
+        coordinate = mesh.get_coordinate()
         for dim, placement in enumerate(grad.placements):
             if isinstance(placement, Replicate) and coordinate[dim] != 0:
-                return None
-        return grad._local_tensor
+                return None, 0.0
+        return grad._local_tensor, mesh.size() / world
     unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter
     if unit is not None:
-        return grad if unit.mesh_info.replicate.rank == 0 else None
-    return grad if dist.get_rank() == 0 else None
+        owned = unit.mesh_info.replicate.rank == 0
+        return (grad if owned else None), unit.mesh_info.mesh.size() / world
+    return (grad if dist.get_rank() == 0 else None), 1.0
 
 
 def _local_grads(param: torch.Tensor) -> torch.Tensor:
@@ -75,14 +85,14 @@ def clip_grad_norm_(
         device = torch.device("cuda", torch.cuda.current_device())
     local = torch.zeros((), dtype=torch.float32, device=device)
     for param in params:
-        owned = _owned_local_grad(param)
+        owned, weight = _owned_local_grad(param)
         if owned is None or owned.numel() == 0:
             continue
         owned = owned.to(device, torch.float32)
         if math.isinf(norm_type):
             local = torch.maximum(local, owned.abs().max())
         else:
-            local += torch.linalg.vector_norm(owned, norm_type) ** norm_type
+            local += weight * torch.linalg.vector_norm(owned, norm_type) ** norm_type
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     comm.all_reduce(local, dist.group.WORLD, op, async_op=False)
     total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)

@@ -53,7 +53,11 @@ class ParamModuleInfo:
 
 
 def module_class_name(module: nn.Module) -> str:
-    """The user's class name, also after fully_shard swapped the class."""
+    """The user's class name, also after fully_shard swapped the class or a
+    FullyShardedDataParallel wrapper stands in front of it."""
+    wrapped = getattr(module, "_modules", {}).get("_fsdp_wrapped_module")
+    if wrapped is not None:
+        return module_class_name(wrapped)
     cls = type(module)
     return getattr(cls, "_fullshard_original_class", cls).__name__
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
 from . import comm
-from .common import TrainingState, UnitConfig, module_class_name
+from .common import TrainingState, UnitConfig
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
@@ -64,8 +64,10 @@ class ParamGroup:
         device: torch.device,
         config: UnitConfig,
         reshard_after_forward: bool,
+        unit_name: str,
     ) -> None:
         self.params = params
+        self.unit_name = unit_name  # the managed module's class, for messages before lazy init
         self.mesh_info = mesh_info
         self.post_forward_group = post_forward  # None unless resharding to a smaller group
         self.device = device  # where compute and communication happen
@@ -92,6 +94,8 @@ class ParamGroup:
         self._build_shard_buffer([p.initial_shard for p in params])
         for param in params:
             param.initial_shard = None
+            if self.keep_low_precision_grads:
+                param.sharded_param.grad_dtype = self.reduce_dtype
 
     # -- buffers -----------------------------------------------------------------
     @property
@@ -191,6 +195,8 @@ class ParamGroup:
             )
         self.flat_param = torch.nn.Parameter(self.shard_buffer, requires_grad=requires_grad.pop())
         self.flat_param._fullshard_unit = self  # lets clip_grad_norm_ find its replicas
+        if self.keep_low_precision_grads:
+            self.flat_param.grad_dtype = self.reduce_dtype
         module.register_parameter(name, self.flat_param)
         self.flat_param_home = (module, name)
         for param in self.params:
@@ -256,7 +262,7 @@ class ParamGroup:
 
     @property
     def owner_name(self) -> str:
-        return self.module_fqn or module_class_name(self.params[0].module_info.module)
+        return self.module_fqn or self.unit_name
 
     # -- unshard / reshard -------------------------------------------------------
     @property

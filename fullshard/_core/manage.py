@@ -74,6 +74,13 @@ def manage_module(
     infos = get_param_module_infos(params, module)
     mp_policy = config.mp_policy
     shard_params = [ShardParam(p, info, mesh_info, mp_policy.param_dtype) for p, info in zip(params, infos)]
+    names = {id(p): name for name, p in module.named_parameters()}
+    for shard_param, param in zip(shard_params, params):
+        shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
     claim_params(params, module_class_name(module))
-    group = ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard) if shard_params else None
+    group = (
+        ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard, module_class_name(module))
+        if shard_params
+        else None
+    )
     return ModuleState(module, group, config, device, buffer_dtypes)

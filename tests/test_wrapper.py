@@ -1,0 +1,343 @@
+"""The FSDP1-compatible wrapper: parity for every strategy, its members, and bad input."""
+
+import copy
+import itertools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fullshard import (
+    FSDP,
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    hybrid_mesh,
+)
+from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
+from fullshard.testing import DataParallelReference, assert_params_equal, distributed, full_value, mean_over
+from fullshard.wrap import ModuleWrapPolicy
+
+CPU = torch.device("cpu")
+ARGS = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=16)
+BLOCKS = ModuleWrapPolicy({TransformerBlock})
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def make_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ARGS)
+
+
+def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(ARGS.vocab_size, (4, ARGS.max_seq_len), generator=generator)
+    return tokens, tokens.roll(-1, dims=1)
+
+
+def lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    tokens, targets = batch
+    return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+
+
+def hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    mesh = hybrid_mesh("cpu", num_devices_per_node=2)
+    return mesh.get_group("shard"), mesh.get_group("replicate")
+
+
+def torch_fsdp1(model: nn.Module, strategy: ShardingStrategy, use_orig_params: bool, mixed: bool, groups) -> nn.Module:
+    """The same configuration in torch's FSDP1 (CPU offload left off: FSDP1 needs an accelerator for it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    return TorchFSDP(
+        model,
+        sharding_strategy=TorchStrategy[strategy.name],
+        auto_wrap_policy=TorchPolicy({TransformerBlock}),
+        use_orig_params=use_orig_params,
+        mixed_precision=TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None,
+        process_group=groups,
+        device_id=CPU,
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy,use_orig_params,offload,mixed",
+    list(itertools.product(list(ShardingStrategy), [False, True], [False, True], [False, True])),
+)
+@distributed(world_size=4)
+def test_parity_matrix(strategy, use_orig_params, offload, mixed):
+    """5 AdamW steps against one process (``DataParallelReference``) and torch's FSDP1.
+
+    Tolerances: fp32 1e-5 relative. With mixed precision (bf16 compute, fp32
+    reduction) the reference reproduces the arithmetic on each rank's batch,
+    so only summation order differs: 1e-4.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = hybrid_groups() if strategy in HYBRID else None
+    ref = make_model()
+    model = FSDP(
+        copy.deepcopy(ref), sharding_strategy=strategy, auto_wrap_policy=BLOCKS, use_orig_params=use_orig_params,
+        cpu_offload=CPUOffload(offload_params=offload), device_id=CPU, process_group=groups,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None,
+    )
+    oracle = torch_fsdp1(copy.deepcopy(ref), strategy, use_orig_params, mixed, groups)
+    reference = DataParallelReference(ref, lm_loss, torch.bfloat16 if mixed else None)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, oracle, ref)]
+    tolerance = dict(rtol=1e-4, atol=1e-5) if mixed else dict(rtol=1e-5, atol=1e-6)
+    for step in range(5):
+        losses = []
+        for m in (model, oracle):
+            loss = lm_loss(m, batch_for(rank, step))
+            loss.backward()
+            losses.append(mean_over(loss))
+        ref_loss = reference.backward([batch_for(r, step) for r in range(world)])
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        torch.testing.assert_close(losses[0], ref_loss, **tolerance)
+        torch.testing.assert_close(losses[0], losses[1], **tolerance)
+    with FSDP.summon_full_params(model), type(oracle).summon_full_params(oracle):
+        assert_params_equal(model, ref, match_names=False, **tolerance)
+        # FSDP1 keeps its (now unsharded) flat parameters registered while summoned.
+        theirs = [p for name, p in oracle.named_parameters() if "flat_param" not in name]
+        assert len(theirs) == len(list(model.parameters()))
+        for mine, other in zip(model.parameters(), theirs):
+            torch.testing.assert_close(mine, other, **tolerance)
+
+
+# -- members ------------------------------------------------------------------------------------
+def wrapped(**kwargs) -> tuple[nn.Module, Transformer]:
+    ref = make_model()
+    return FSDP(copy.deepcopy(ref), auto_wrap_policy=BLOCKS, device_id=CPU, **kwargs), ref
+
+
+@distributed(world_size=2)
+def test_module_process_group_and_fsdp_modules():
+    model, _ = wrapped()
+    assert isinstance(model.module, Transformer)
+    assert model.process_group.size() == 2 and model._inter_node_pg is None
+    units = FSDP.fsdp_modules(model)
+    assert len(units) == 3 and units[0] is model
+    assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    names = [name for name, _ in model.named_parameters()]
+    assert names == [
+        "_fsdp_wrapped_module._flat_param",
+        "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._flat_param",
+        "_fsdp_wrapped_module.layers.1._fsdp_wrapped_module._flat_param",
+    ]
+    # Outside forward the original attributes show the shards (not as parameters).
+    assert model.module.layers[0].module.attention.wq.weight.to_local().shape == (8, 16)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=2)
+def test_no_sync_accumulates_without_communication(use_orig_params):
+    from fullshard._core import comm
+
+    model, ref = wrapped(use_orig_params=use_orig_params)
+    reference = DataParallelReference(ref, lm_loss)
+    rank = dist.get_rank()
+    with comm.record_comms() as records:
+        with model.no_sync():
+            (lm_loss(model, batch_for(rank, 0)) / 2).backward()
+        (lm_loss(model, batch_for(rank, 1)) / 2).backward()
+    assert sum(r.op == "reduce_scatter" for r in records) == 3  # only the last backward reduces
+    for step in (0, 1):
+        reference.backward([tuple(t for t in batch_for(r, step)) for r in range(2)], num_microbatches=1)
+    for param in ref.parameters():
+        param.grad /= 2
+    with FSDP.summon_full_params(model, with_grads=True):
+        assert_params_equal(model, ref, grads=True, match_names=False)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=2)
+def test_summon_full_params(use_orig_params):
+    model, ref = wrapped(use_orig_params=use_orig_params)
+    expected = dict(ref.named_parameters())
+    with FSDP.summon_full_params(model):
+        names = [name for name, _ in model.named_parameters()]
+        assert names == list(expected)  # clean names, no flat parameters
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param, expected[name])
+        with torch.no_grad():
+            model.module.norm.weight.add_(1.0)  # written back on exit
+    with FSDP.summon_full_params(model, writeback=False):
+        torch.testing.assert_close(model.module.norm.weight, expected["norm.weight"] + 1.0)
+        with torch.no_grad():
+            model.module.norm.weight.add_(1.0)  # dropped on exit
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False, offload_to_cpu=True):
+        weight = model.module.norm.weight
+        if dist.get_rank() == 0:
+            torch.testing.assert_close(weight, expected["norm.weight"] + 1.0)
+        else:
+            assert weight.to_local().numel() == 8  # rank 1 keeps its shard
+    with FSDP.summon_full_params(model.module.layers[0], recurse=False):
+        assert model.module.layers[0].module.attention.wq.weight.shape == (16, 16)
+        assert model.module.norm.weight.to_local().numel() == 8  # the root stayed sharded
+    with pytest.raises(ValueError, match="writeback=False with rank0_only=True"):
+        with FSDP.summon_full_params(model, rank0_only=True):
+            pass
+
+
+@distributed(world_size=2)
+def test_summon_full_params_with_grads_and_during_forward_error():
+    model, ref = wrapped(use_orig_params=True)
+    reference = DataParallelReference(ref, lm_loss)
+    lm_loss(model, batch_for(dist.get_rank(), 0)).backward()
+    reference.backward([batch_for(r, 0) for r in range(2)])
+    with FSDP.summon_full_params(model, with_grads=True):
+        assert_params_equal(model, ref, grads=True, match_names=False)
+
+    def summon_inside(module, args):
+        with FSDP.summon_full_params(module):
+            pass
+
+    model.module.layers[1].register_forward_pre_hook(summon_inside)
+    with pytest.raises(RuntimeError, match="expects no forward or backward in progress"):
+        lm_loss(model, batch_for(0, 0))
+
+
+@distributed(world_size=2)
+def test_sync_module_states():
+    torch.manual_seed(dist.get_rank())  # every rank starts from different values
+    model = FSDP(MLP(8, with_buffer=True), sync_module_states=True, use_orig_params=True, device_id=CPU)
+    with FSDP.summon_full_params(model):
+        for tensor in [*model.parameters(), *model.buffers()]:
+            gathered = [torch.empty_like(tensor) for _ in range(2)]
+            dist.all_gather(gathered, tensor.detach().contiguous())
+            torch.testing.assert_close(gathered[0], gathered[1])
+
+
+@distributed(world_size=2)
+def test_meta_device_init():
+    with torch.device("meta"):
+        default = MLP(8)
+        custom = MLP(8)
+
+    def init_to_ones(module: nn.Module) -> None:
+        module.to_empty(device=CPU)
+        for param in module.parameters():
+            nn.init.ones_(param)
+
+    default = FSDP(default, device_id=CPU, use_orig_params=True)  # to_empty + reset_parameters
+    custom = FSDP(custom, device_id=CPU, param_init_fn=init_to_ones, use_orig_params=True)
+    with FSDP.summon_full_params(default), FSDP.summon_full_params(custom):
+        assert not default.in_proj.weight.is_meta and default.in_proj.weight.abs().sum() > 0
+        assert (custom.in_proj.weight == 1).all()
+    default(torch.ones(2, 8)).sum().backward()
+
+
+@distributed(world_size=2)
+def test_ignored_modules_and_states():
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(4), MLP(4))
+    numel = sum(p.numel() for p in model[1].parameters())
+    wrapper = FSDP(model, ignored_modules=[model[0]], device_id=CPU)
+    assert all(not hasattr(p, "placements") for p in model[0].parameters())  # untouched, full
+    flat = [p for name, p in wrapper.named_parameters() if name.endswith("_flat_param")]
+    assert len(flat) == 1, [name for name, _ in wrapper.named_parameters()]
+    assert flat[0].numel() == numel // 2  # model[1] only, every dim even: no padding
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(4), MLP(4))
+    ignored_weight = model[1].out_proj.weight
+    wrapper = FSDP(model, ignored_states=[ignored_weight], use_orig_params=True, device_id=CPU)
+    assert model[1].out_proj.weight is ignored_weight and not hasattr(ignored_weight, "placements")
+    wrapper(torch.ones(2, 4) * (dist.get_rank() + 1)).sum().backward()
+    grads = [torch.empty_like(ignored_weight.grad) for _ in range(2)]
+    dist.all_gather(grads, ignored_weight.grad)
+    assert not torch.equal(grads[0], grads[1])  # not reduced
+
+
+@pytest.mark.parametrize(
+    "backward_prefetch,forward_prefetch",
+    [(None, False), (BackwardPrefetch.BACKWARD_POST, False), (BackwardPrefetch.BACKWARD_PRE, True)],
+)
+@distributed(world_size=2)
+def test_prefetch_settings_keep_parity(backward_prefetch, forward_prefetch):
+    model, ref = wrapped(backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    reference = DataParallelReference(ref, lm_loss)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    for step in range(3):
+        loss = mean_over(lm_loss(model, batch_for(dist.get_rank(), step)))
+        lm_loss(model, batch_for(dist.get_rank(), step)).backward()
+        ref_loss = reference.backward([batch_for(r, step) for r in range(2)])
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        torch.testing.assert_close(loss, ref_loss)
+
+
+@distributed(world_size=2)
+def test_keep_low_precision_grads_and_buffer_dtype():
+    precision = MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16,
+        keep_low_precision_grads=True,
+    )
+    model = FSDP(MLP(4, with_buffer=True), mixed_precision=precision, device_id=CPU)
+    assert model.module.buffer.dtype == torch.bfloat16
+    model(torch.ones(2, 4)).float().sum().backward()  # the root casts its inputs to bf16
+    flat = next(model.parameters())
+    assert flat.dtype == torch.float32 and flat.grad.dtype == torch.bfloat16
+
+
+@distributed(world_size=2)
+def test_flat_parameter_needs_uniform_dtype_and_requires_grad():
+    model = MLP(4)
+    model.in_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"share requires_grad, but MLP has frozen \['_fsdp_wrapped_module.in_proj.weight'\]"):
+        FSDP(model, device_id=CPU)
+    model = MLP(4)
+    model.out_proj.bias.data = model.out_proj.bias.data.double()
+    with pytest.raises(ValueError, match=r"use_orig_params=False expects one dtype per unit.*torch.float64"):
+        FSDP(model, device_id=CPU)
+    # use_orig_params=True supports both.
+    torch.manual_seed(0)
+    ref = MLP(4)
+    ref.in_proj.weight.requires_grad_(False)
+    model = FSDP(copy.deepcopy(ref), device_id=CPU, use_orig_params=True)
+    reference = DataParallelReference(ref, lambda m, b: m(b[0]).square().mean())
+    optims = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (model, ref)]
+    for step in range(3):
+        batches = [(torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + r)),) for r in range(2)]
+        model(batches[dist.get_rank()][0]).square().mean().backward()
+        reference.backward(batches)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    with FSDP.summon_full_params(model):
+        assert_params_equal(model, ref, match_names=False)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+@distributed(world_size=4)
+def test_bad_input():
+    with pytest.raises(TypeError, match=r"^FullyShardedDataParallel expects an nn.Module but got Tensor$"):
+        FSDP(torch.ones(2))
+    rank = dist.get_rank()
+    # new_group is collective: every rank creates every group, then picks its own.
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    uneven = [dist.new_group([0, 1, 2]), dist.new_group([3])]
+    with pytest.raises(ValueError, match=r"sizes multiply to the world size 4, but got sizes"):
+        FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU,
+             process_group=(nodes[rank // 2], uneven[0] if rank < 3 else uneven[1]))
+    same = nodes[rank // 2]
+    with pytest.raises(ValueError, match=r"to share exactly this rank"):
+        FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU, process_group=(same, same))
+    model = MLP(4)
+    with pytest.raises(ValueError, match=r"ignored modules to be submodules of MLP, but Linear is not"):
+        FSDP(model, ignored_modules=[nn.Linear(2, 2)], device_id=CPU)
+    with pytest.raises(ValueError, match=r"Cannot pass both process_group and device_mesh"):
+        FSDP(MLP(4), process_group=dist.group.WORLD, device_mesh=hybrid_mesh("cpu", 2), device_id=CPU)
+    inner = FSDP(MLP(4), device_id=CPU)
+    with pytest.raises(ValueError, match=r"wrapped with FULL_SHARD and SHARD_GRAD_OP was requested"):
+        FSDP(inner, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU)
+    with pytest.raises(ValueError, match=r"SHARD_GRAD_OP expects one process group; a \(shard, replicate\) pair"):
+        FSDP(MLP(4), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU, process_group=(same, same))
