@@ -56,3 +56,33 @@ class TransformerWithSharedParams(nn.Module):
 
     def get_ignored_modules(self) -> list[nn.Module]:
         return [self.transformer]
+
+
+class UnitModule(nn.Module):
+    """``l1 -> (relu, linear, relu) -> l2``: the unit ``ModuleWrapPolicy`` picks out."""
+
+    def __init__(self, dim: int = 16, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim, device=device)
+        self.seq = nn.Sequential(nn.ReLU(), nn.Linear(dim, dim, device=device), nn.ReLU())
+        self.l2 = nn.Linear(dim, dim, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.seq(self.l1(x)))
+
+
+class CompositeParamModel(nn.Module):
+    """A linear, two ``UnitModule``s, a bare parameter and a buffer: parameters at
+    every level of the tree."""
+
+    def __init__(self, dim: int = 16, device: torch.device | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l = nn.Linear(dim, dim, device=device)
+        self.u1 = UnitModule(dim, device)
+        self.u2 = UnitModule(dim, device)
+        self.p = nn.Parameter(torch.randn((dim, dim), device=device))
+        self.register_buffer("buffer", torch.randn((dim, dim), device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(self.u2(self.u1(self.l(x))), self.p) + self.buffer.sum()
