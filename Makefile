@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench: install
-	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

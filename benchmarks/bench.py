@@ -1,0 +1,336 @@
+"""fullshard next to PyTorch's FSDP2, FSDP1, DDP and a local run, on one workload, in one run.
+
+    python benchmarks/bench.py                                   # fully_shard vs FSDP2, 2 ranks
+    python benchmarks/bench.py --frameworks fullshard-wrapper,fsdp1 --strategy grad-op
+    python benchmarks/bench.py --nproc 4 --strategy hybrid --frameworks fullshard-wrapper,fsdp1
+    python benchmarks/bench.py --frameworks all --json results.json
+
+Every framework trains an identical copy of a GPT-like model (same init, same
+data) in the same rank processes; their steps alternate so that machine noise
+hits all alike. Reported per framework:
+
+- step time: median over the measured steps (forward, backward, optimizer);
+- peak memory per rank: resident memory at its highest during a step. The
+  kernel's high-water mark is reset before each step (/proc/self/clear_refs)
+  and read after it; the memory steps run in a second set of processes started
+  with glibc's mmap threshold fixed at 64 KiB, so freed tensors go back to the
+  OS at once and the high-water mark tracks live memory, not allocator caches.
+  Reported as the step's rise above the resident set before it, plus the
+  rank's persistent state (parameters, gradients, optimizer states);
+- bytes per step: data passed to all-gather, reduce-scatter, all-reduce and
+  broadcast (full buffers), counted by wrapping torch.distributed's functions,
+  which the FSDP implementations call, and through a DDP communication hook.
+  (On gloo, fullshard gathers with one broadcast per rank and reduce-scatters
+  with an in-place all-reduce; the bytes are the same. See [Note: Gloo
+  collectives] in fullshard/_core/comm.py.)
+
+Strategies: ``full`` reshards every unit after forward (fully_shard also the
+root; the FSDP1-style wrappers keep the root, as FSDP1 does); ``grad-op``
+keeps parameters after forward (ZeRO-2); ``hybrid`` shards within groups of
+nproc/2 ranks ("nodes") and replicates across them. The ideal for ``full`` is
+two all-gathers and one reduce-scatter of the padded parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fullshard.models import ModelArgs, Transformer, TransformerBlock
+
+ALL_FRAMEWORKS = ("fullshard", "fsdp2", "fullshard-wrapper", "fsdp1", "ddp", "local")
+COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--frameworks", default="fullshard,fsdp2",
+                        help=f"comma-separated, or 'all': {', '.join(ALL_FRAMEWORKS)}")
+    parser.add_argument("--strategy", choices=["full", "grad-op", "hybrid"], default="full")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=576)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per framework")
+    parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--phase", choices=["time", "memory"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.frameworks = ALL_FRAMEWORKS if args.frameworks == "all" else tuple(args.frameworks.split(","))
+    unknown = set(args.frameworks) - set(ALL_FRAMEWORKS)
+    if unknown:
+        parser.error(f"unknown frameworks {sorted(unknown)}; choose from {', '.join(ALL_FRAMEWORKS)}")
+    if args.strategy == "hybrid" and args.nproc % 2:
+        parser.error("--strategy hybrid needs an even --nproc (two 'nodes')")
+    return args
+
+
+# -- the frameworks (inside a rank) -------------------------------------------------------------
+class ByteCounter:
+    """Counts bytes through torch.distributed's collectives while installed."""
+
+    COUNTED = {"all_gather_single": "output_tensor", "reduce_scatter_single": "input",
+               "all_reduce": "tensor", "broadcast": "tensor",
+               "all_gather": "tensor_list"}  # FSDP1 gathers into a list on CPU
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def add(self, tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        for t in tensor if isinstance(tensor, list) else [tensor]:
+            self.nbytes += t.numel() * t.element_size()
+
+    @contextmanager
+    def installed(self) -> Iterator["ByteCounter"]:
+        originals = {name: getattr(dist, name) for name in self.COUNTED}
+
+        def counting(name: str) -> Callable:
+            signature = inspect.signature(originals[name])
+
+            def wrapper(*args, **kwargs):
+                self.add(signature.bind(*args, **kwargs).arguments[self.COUNTED[name]])
+                return originals[name](*args, **kwargs)
+
+            return wrapper
+
+        for name in self.COUNTED:
+            setattr(dist, name, counting(name))
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+def _hybrid_mesh(args: argparse.Namespace):
+    """Two "nodes": shard within each half of the ranks, replicate across the halves."""
+    from fullshard import hybrid_mesh
+
+    return hybrid_mesh("cpu", num_devices_per_node=dist.get_world_size() // 2)
+
+
+def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: list[ByteCounter]) -> nn.Module:
+    """``model`` prepared by framework ``name`` for ``args.strategy``."""
+    cpu = torch.device("cpu")
+    if name in ("fullshard", "fsdp2"):
+        if name == "fullshard":
+            from fullshard import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        mesh = _hybrid_mesh(args) if args.strategy == "hybrid" else None
+        reshard = args.strategy != "grad-op"
+        for layer in model.layers:
+            fully_shard(layer, reshard_after_forward=reshard, mesh=mesh)
+        return fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
+    if name in ("fullshard-wrapper", "fsdp1"):
+        if name == "fullshard-wrapper":
+            from fullshard import FSDP, ShardingStrategy
+            from fullshard.wrap import ModuleWrapPolicy
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import ShardingStrategy
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        strategy = {"full": "FULL_SHARD", "grad-op": "SHARD_GRAD_OP", "hybrid": "HYBRID_SHARD"}[args.strategy]
+        groups = None
+        if args.strategy == "hybrid":
+            mesh = _hybrid_mesh(args)
+            groups = (mesh.get_group("shard"), mesh.get_group("replicate"))
+        return FSDP(model, sharding_strategy=ShardingStrategy[strategy], process_group=groups,
+                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=cpu)
+    if name == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+
+        def counted_allreduce(state, bucket):
+            counter_box[0].add(bucket.buffer())
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counted_allreduce)
+        return ddp
+    return model  # local: this rank's batch, no communication
+
+
+def persistent_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    """This rank's parameters, gradients and optimizer states."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = sum(2 * local(p).numel() * local(p).element_size() for p in model.parameters())
+    for state in optim.state.values():
+        total += sum(local(v).numel() * local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def reset_peak_rss() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model_args = ModelArgs(n_layers=args.layers, vocab_size=256, max_seq_len=args.seq, dim=args.dim, n_heads=args.heads)
+    torch.manual_seed(0)
+    base = Transformer(model_args)
+    num_params = sum(p.numel() for p in base.parameters())
+    counter_box = [ByteCounter()]
+    models = {name: build(name, copy.deepcopy(base), args, counter_box) for name in args.frameworks}
+    del base
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    generator = torch.Generator().manual_seed(rank)
+
+    def step(name: str) -> None:
+        tokens = torch.randint(256, (args.batch, args.seq), generator=generator)
+        model = models[name]
+        logits = model(tokens)
+        nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        optims[name].step()
+        optims[name].zero_grad()
+
+    results: dict = {"num_params": num_params, "world_size": world}
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        steps = args.warmup + args.steps if args.phase == "time" else 1 + args.memory_steps
+        progress = tqdm(total=steps * len(args.frameworks), desc=f"{args.phase} ({args.strategy}, interleaved)")
+    if args.phase == "time":
+        times: dict[str, list[float]] = {name: [] for name in args.frameworks}
+        for index in range(args.warmup + args.steps):
+            for name in args.frameworks:
+                dist.barrier()
+                counter_box[0] = ByteCounter()
+                with counter_box[0].installed():
+                    start = time.perf_counter()
+                    step(name)
+                    elapsed = time.perf_counter() - start
+                if index >= args.warmup:
+                    times[name].append(elapsed)
+                results.setdefault(name, {})["bytes_per_step"] = counter_box[0].nbytes
+                if progress:
+                    progress.update()
+        for name in args.frameworks:
+            results[name]["step_s"] = statistics.median(times[name])
+    else:
+        peaks: dict[str, list[int]] = {name: [] for name in args.frameworks}
+        for index in range(1 + args.memory_steps):
+            for name in args.frameworks:
+                dist.barrier()
+                before = reset_peak_rss()
+                step(name)
+                if index > 0:  # the first step allocates optimizer states
+                    peaks[name].append(_status_bytes("VmHWM") - before)
+                if progress:
+                    progress.update()
+        for name in args.frameworks:
+            persistent = persistent_bytes(models[name], optims[name])
+            results[name] = {"peak_bytes": max(peaks[name]) + persistent, "persistent_bytes": persistent}
+    if progress:
+        progress.close()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+# -- launcher -----------------------------------------------------------------------------------
+def run_phase(args: argparse.Namespace, phase: str, out: str, env: dict[str, str]) -> list[dict]:
+    from fullshard.testing.harness import free_port
+
+    forwarded = [
+        f"--{key.replace('_', '-')}={','.join(value) if isinstance(value, tuple) else value}"
+        for key, value in vars(args).items()
+        if key not in ("nproc", "json", "phase", "out") and value is not None
+    ]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        __file__, *forwarded, f"--phase={phase}", f"--out={out}",
+    ]
+    subprocess.run(command, check=True, env={**os.environ, **env})
+    with open(out) as f:
+        return json.load(f)
+
+
+def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> dict:
+    num_params, world = timing[0]["num_params"], timing[0]["world_size"]
+    ideal = 3 * 4 * num_params
+    mib = 1024**2
+    rows = {}
+    for name in args.frameworks:
+        rows[name] = {
+            "step_s": statistics.median(r[name]["step_s"] for r in timing),
+            "peak_mib": max(r[name]["peak_bytes"] for r in memory) / mib,
+            "bytes_mib": timing[0][name]["bytes_per_step"] / mib,
+        }
+    print(f"\nGPT {num_params / 1e6:.1f}M params, {world} ranks (gloo, CPU), {args.batch}x{args.seq} "
+          f"tokens per rank, strategy {args.strategy}")
+    print(f"{'framework':<18} {'step (s)':>9} {'peak/rank (MiB)':>16} {'bytes/step (MiB)':>17} {'bytes/ideal':>12}")
+    for name, row in rows.items():
+        print(f"{name:<18} {row['step_s']:>9.3f} {row['peak_mib']:>16.1f} {row['bytes_mib']:>17.1f} "
+              f"{row['bytes_mib'] * mib / ideal:>12.4f}")
+    ratios = {}
+    for ours, theirs in COUNTERPART.items():
+        if ours in rows and theirs in rows:
+            ratios[f"{ours}/{theirs}"] = {
+                key: rows[ours][key] / rows[theirs][key] if rows[theirs][key] else None
+                for key in ("step_s", "peak_mib", "bytes_mib")
+            }
+            r = ratios[f"{ours}/{theirs}"]
+            print(f"{ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
+                  f"bytes {r['bytes_mib']:.4f}x")
+    print(f"(ideal bytes for full sharding: 3 x {4 * num_params / mib:.1f} MiB of fp32 parameters)")
+    return {"args": {k: v for k, v in vars(args).items() if k not in ("phase", "out")}, "rows": rows, "ratios": ratios}
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if args.phase is not None:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        timing = run_phase(args, "time", os.path.join(tmp, "time.json"), {})
+        # Fixed mmap threshold: freed tensors return to the OS, so peak RSS tracks live memory.
+        memory = run_phase(args, "memory", os.path.join(tmp, "memory.json"),
+                           {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
+    results = report(timing, memory, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
