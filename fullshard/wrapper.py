@@ -164,9 +164,12 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks come from the wrapped module (as in FSDP1)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:  # not set yet: do not recurse
+                raise
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: Any) -> Any:

@@ -2,7 +2,6 @@
 
 import copy
 import itertools
-import os
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from fullshard import (
     hybrid_mesh,
 )
 from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
-from fullshard.testing import DataParallelReference, assert_params_equal, distributed, full_value, mean_over
+from fullshard.testing import DataParallelReference, assert_params_equal, distributed, mean_over
 from fullshard.wrap import ModuleWrapPolicy
 
 CPU = torch.device("cpu")

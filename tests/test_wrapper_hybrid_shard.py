@@ -4,7 +4,6 @@
 would set on two 2-GPU nodes): shard within a node, replicate across nodes.
 """
 
-import copy
 import enum
 import os
 from collections import Counter

@@ -113,7 +113,7 @@ class ParamGroup:
         buffer = torch.zeros(self.storage_layout.total, dtype=self.storage_layout.dtype, device=device)
         if self._pin_memory and not on_meta:
             buffer = buffer.pin_memory()
-        for index, (param, shard) in enumerate(zip(self.params, shards)):
+        for index, shard in enumerate(shards):
             if not on_meta and shard.numel() > 0:
                 region = self.storage_layout.region(buffer, index, shard.dtype)
                 region[: shard.numel()].view_as(shard).copy_(shard)
