@@ -12,11 +12,22 @@ from .api import (
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
 )
 from .clip import clip_grad_norm_
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .replicate import ReplicateModule, replicate
+from .state_dict import full_state_dict
 from .wrapper import FSDP, FullyShardedDataParallel
 
 __all__ = [
@@ -25,14 +36,25 @@ __all__ = [
     "CPUOffloadPolicy",
     "FSDP",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "OptimStateDictConfig",
     "ReplicateModule",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
     "UnshardHandle",
     "clip_grad_norm_",
+    "full_state_dict",
     "fully_shard",
     "hybrid_mesh",
     "register_fsdp_forward_method",

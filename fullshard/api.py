@@ -11,10 +11,20 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "OptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
 ]
 
 
@@ -109,3 +119,62 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` returns for a sharded model (and its optimizer)."""
+
+    FULL_STATE_DICT = enum.auto()  # full tensors, keyed like the unsharded model
+    LOCAL_STATE_DICT = enum.auto()  # the wrapper's flat local shards, as they are
+    SHARDED_STATE_DICT = enum.auto()  # one DTensor per parameter, keyed like the unsharded model
+
+
+@dataclass
+class StateDictConfig:
+    """``offload_to_cpu``: hand out CPU tensors."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only``: only rank 0 keeps the full tensors (others get an empty dict)."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class OptimStateDictConfig:
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    pass
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    pass
+
+
+@dataclass
+class StateDictSettings:
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

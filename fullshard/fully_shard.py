@@ -25,7 +25,8 @@ from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
 from ._core.init import validate_dtensor_meshes, validate_module
-from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
+from .state_dict import default_settings, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -219,7 +220,8 @@ def fully_shard(
                 ignored_modules=[m for m in ignored if m in below],
             )
     config = UnitConfig(reshard_after_forward, mp_policy, offload_policy)
-    manage_module(module, mesh_info, config, ignored_params, ignored)
+    state = manage_module(module, mesh_info, config, ignored_params, ignored)
+    install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     swap_class(module, FSDPModule, "FSDP")
     return module
 

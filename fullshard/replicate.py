@@ -14,8 +14,9 @@ from ._core.common import UnitConfig
 from ._core.init import validate_dtensor_meshes, validate_module
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from .api import MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from .fully_shard import FSDPModule, swap_class
+from .state_dict import default_settings, install_state_dict_hooks
 
 __all__ = ["replicate", "ReplicateModule"]
 
@@ -45,6 +46,7 @@ def replicate(
         raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
     validate_dtensor_meshes(module, mesh.device_type)
     config = UnitConfig(False, mp_policy, offload_policy)
-    manage_module(module, MeshInfo.for_replicate(mesh), config, ignored_params)
+    state = manage_module(module, MeshInfo.for_replicate(mesh), config, ignored_params)
+    install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     swap_class(module, ReplicateModule, "Replicate")
     return module

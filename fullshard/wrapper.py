@@ -44,8 +44,11 @@ from .api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
+    StateDictType,
 )
 from .clip import clip_grad_norm_
+from . import state_dict as state_dicts
+from .state_dict import default_settings, install_flat_param_hooks, install_prefix_hooks, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
@@ -135,8 +138,11 @@ class FullyShardedDataParallel(nn.Module):
         _materialize_meta(module, param_init_fn, mesh_info.device, ignored_mods)
         config = _unit_config(strategy, settings)
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
+        install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
+        install_prefix_hooks(self)
         if config.flat_param and state.group is not None:
             state.group.expose_flat_param(module, FLAT_PARAM)
+            install_flat_param_hooks(state)
 
     # -- FSDP1 members -----------------------------------------------------------------
     @property
@@ -238,6 +244,29 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for state in states:
                 state.summoned = False
+
+    # -- state dicts (see fullshard.state_dict) ------------------------------------------
+    state_dict_type = staticmethod(state_dicts.state_dict_type)
+    set_state_dict_type = staticmethod(state_dicts.set_state_dict_type)
+    get_state_dict_type = staticmethod(state_dicts.get_state_dict_type)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
+                         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """``optim``'s state keyed by parameter FQN, full or sharded like the model's
+        state dict (see ``fullshard.state_dict.optim_state_dict``)."""
+        return state_dicts.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                                 is_named_optimizer: bool = False, load_directly: bool = False,
+                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """The FQN-keyed ``optim_state_dict`` in the form ``optim.load_state_dict`` takes
+        (loaded right away with ``load_directly``)."""
+        result = state_dicts.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:

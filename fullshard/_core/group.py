@@ -249,6 +249,22 @@ class ParamGroup:
         return buffer, present
 
     @torch.no_grad()
+    def write_shard(self, index: int, local: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        """Copies parameter ``index``'s local rows into the shard buffer (or ``into``,
+        a tensor in the same layout, e.g. a flat optimizer state)."""
+        target = self.shard_buffer if into is None else into
+        param = self.params[index]
+        region = self.storage_layout.region(target, index, param.orig_dtype if into is None else target.dtype)
+        region[: local.numel()].copy_(local.reshape(-1))
+
+    def param_view_of_flat(self, index: int, flat: torch.Tensor, full: bool) -> torch.Tensor:
+        """Parameter ``index``'s part of a tensor laid out like the shard buffer
+        (a flat optimizer state): its DTensor shard, or the full tensor."""
+        region = self.storage_layout.region(flat, index, flat.dtype)
+        shard = self.params[index].sharded_dtensor(region)
+        return shard.full_tensor() if full else shard
+
+    @torch.no_grad()
     def write_back(self, values: list[torch.Tensor]) -> None:
         """Copies this rank's rows of full parameter values into the shards."""
         rank = self.mesh_info.shard.rank

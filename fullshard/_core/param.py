@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .common import ParamModuleInfo, module_class_name, set_module_param, set_module_tensor
@@ -130,16 +130,10 @@ class ShardParam:
     # -- sharded form -------------------------------------------------------
     def bind_shard(self, padded_shard: torch.Tensor) -> None:
         """Points the sharded parameter at ``padded_shard`` (its region of the buffer)."""
-        local = padded_shard[: self.num_valid_rows * self.row_numel].view(
-            self.num_valid_rows, *self.unsharded_size[1:]
-        )
+        local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
         if self.sharded_param is None:
-            dtensor = DTensor.from_local(
-                local, self.spmd_mesh, self.placements, run_check=False,
-                shape=self.global_size, stride=self.global_stride,
-            )
-            self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+            self.sharded_param = nn.Parameter(self.sharded_dtensor_of(local), requires_grad=self.requires_grad)
             self.to_sharded()
             return
         self.sharded_param._local_tensor = local
@@ -155,13 +149,33 @@ class ShardParam:
 
     def sharded_dtensor(self, padded_shard: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter over another padded region (a gradient)."""
-        local = padded_shard[: self.num_valid_rows * self.row_numel].view(
+        return self.sharded_dtensor_of(self._unpadded(padded_shard))
+
+    def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
+        return padded_shard[: self.num_valid_rows * self.row_numel].view(
             self.num_valid_rows, *self.unsharded_size[1:]
         )
+
+    def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor:
+        """A DTensor like the sharded parameter around an (unpadded) local tensor."""
         return DTensor.from_local(
             local, self.spmd_mesh, self.placements, run_check=False,
             shape=self.global_size, stride=self.global_stride,
         )
+
+    def shard_of(self, value: torch.Tensor) -> DTensor:
+        """``value`` (the full parameter, or a DTensor of any layout) as this
+        parameter's shard: a DTensor laid out like the sharded parameter."""
+        if isinstance(value, DTensor):
+            if value.device_mesh == self.spmd_mesh and tuple(value.placements) == tuple(self.placements):
+                return value
+            value = value.full_tensor()
+        if tuple(value.shape) != tuple(self.global_size):
+            raise ValueError(
+                f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}"
+            )
+        device = self.local_shard.device if self.local_shard.device.type != "cpu" else value.device
+        return distribute_tensor(value.to(device), self.spmd_mesh, self.placements, src_data_rank=None)
 
     def module_registration(self) -> torch.Tensor | None:
         info = self.module_info

@@ -147,6 +147,8 @@ class ModuleState:
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
         self.summoned = False  # inside summon_full_params
+        self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
+        self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
         _STATES[module] = self
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, prepend=False)

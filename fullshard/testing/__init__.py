@@ -9,6 +9,7 @@ from .harness import RankFailure, RankTimeout, distributed, run_distributed
 from .parity import (
     DataParallelReference,
     assert_params_equal,
+    clone_tree,
     full_value,
     mean_over,
     split_batch,
@@ -20,6 +21,7 @@ __all__ = [
     "RankFailure",
     "RankTimeout",
     "assert_params_equal",
+    "clone_tree",
     "distributed",
     "full_value",
     "mean_over",

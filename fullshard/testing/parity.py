@@ -9,7 +9,7 @@ losses and parameters must agree up to floating-point reordering.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,22 @@ def assert_params_equal(
             assert (param.grad is None) == (ref_param.grad is None), f"{name}: grad presence differs"
             if param.grad is not None:
                 torch.testing.assert_close(full_value(param.grad), full_value(ref_param.grad), rtol=rtol, atol=atol, msg=lambda m: f"{name}.grad: {m}")
+
+
+def clone_tree(tree: Any) -> Any:
+    """Every tensor in a nested dict/list cloned (a deep copy of a state dict).
+
+    ``copy.deepcopy`` fails on DTensors whose local tensor is a view at a
+    non-zero storage offset (torch >= 2.10, PR 167597), as sharded parameters
+    living in a unit's flat buffer are; ``clone`` works.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {key: clone_tree(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(clone_tree(value) for value in tree)
+    return copy.deepcopy(tree)
 
 
 def mean_over(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

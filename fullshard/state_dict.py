@@ -1,0 +1,442 @@
+"""Model and optimizer state dicts: full, sharded and local, for both front ends.
+
+[Note: State dict hooks]
+``module.state_dict()`` walks the module tree; hooks make each unit answer in
+the requested form without any special entry point:
+  - a pre-save hook on the unit's module reshards it and, for FULL, gathers the
+    unit's parameters once (one all-gather per unit, so a full state dict is
+    built unit by unit: rank 0 never holds more than the full model plus one
+    unit);
+  - a post-save hook on every module holding managed parameters writes each
+    of them under its own name (a DTensor for SHARDED, the full tensor for
+    FULL), so tied parameters appear under every name, like nn.Module's;
+  - the wrapper's flat parameter appears only in LOCAL state dicts, cast
+    buffers in their original dtype;
+  - load pre-hooks do the reverse: a parameter's value (full or DTensor, any
+    layout) becomes this rank's rows, written into the unit's shard buffer.
+The FSDP1 wrapper additionally removes (and on load re-inserts) its
+``_fsdp_wrapped_module.`` prefix: keys look like the unsharded model's.
+
+Optimizer state dicts are keyed by parameter FQN. Per-parameter states follow
+the model's state-dict type; the wrapper's flat parameters are split into the
+original parameters' states (and joined back for loading).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ._core.group import ParamGroup
+from ._core.param import ShardParam
+from ._core.state import ModuleState, get_state
+from .api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+__all__ = [
+    "full_state_dict",
+    "get_state_dict_type",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "set_state_dict_type",
+    "state_dict_type",
+]
+
+WRAPPER_PREFIX = "_fsdp_wrapped_module."
+_DEFAULT_CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
+    config, optim_config = _DEFAULT_CONFIGS[state_dict_type]
+    return StateDictSettings(state_dict_type, config(), optim_config())
+
+
+# -- settings -----------------------------------------------------------------------------------
+def _states_below(module: nn.Module) -> list[ModuleState]:
+    return [s for s in (get_state(m) for m in module.modules()) if s is not None]
+
+
+def set_state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> StateDictSettings:
+    """Sets what ``state_dict()`` (and ``optim_state_dict``) return for every unit in
+    ``module``'s tree, for ``fully_shard`` modules and wrappers alike.
+
+    Returns:
+        The previous settings (of the first unit found).
+
+    Raises:
+        ValueError: ``module`` contains no unit, or a config does not match the type.
+    """
+    states = _states_below(module)
+    if not states:
+        raise ValueError(
+            f"set_state_dict_type expects a module containing fully_shard or FullyShardedDataParallel "
+            f"units, but {type(module).__name__} has none"
+        )
+    expected_config, expected_optim = _DEFAULT_CONFIGS[state_dict_type]
+    config = state_dict_config or expected_config()
+    optim_config = optim_state_dict_config or expected_optim()
+    if not isinstance(config, expected_config) or not isinstance(optim_config, expected_optim):
+        raise ValueError(
+            f"set_state_dict_type expects a {expected_config.__name__} and a {expected_optim.__name__} "
+            f"for {state_dict_type.name} but got {type(config).__name__} and {type(optim_config).__name__}"
+        )
+    if state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        for state in states:
+            if state.group is not None and state.group.flat_param is None:
+                raise NotImplementedError(
+                    "LOCAL_STATE_DICT is not yet supported with per-parameter shards (fully_shard or "
+                    "use_orig_params=True): it is the flat shard of use_orig_params=False; use "
+                    "SHARDED_STATE_DICT, whose DTensors carry their layout"
+                )
+    previous = states[0].state_dict_settings
+    for state in states:
+        state.state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings of the first unit in ``module``'s tree."""
+    states = _states_below(module)
+    if not states:
+        raise ValueError(f"get_state_dict_type expects a module containing units, but {type(module).__name__} has none")
+    return states[0].state_dict_settings
+
+
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> Iterator[None]:
+    """``set_state_dict_type`` for the block, then the previous settings again."""
+    previous = {id(s): s.state_dict_settings for s in _states_below(module)}
+    set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        for state in _states_below(module):
+            state.state_dict_settings = previous.get(id(state), state.state_dict_settings)
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = False, offload_to_cpu: bool = False) -> dict[str, Any]:
+    """The full (unsharded) state dict of a sharded model, keyed like the unsharded model.
+
+    A collective: every rank must call it. With ``rank0_only``, the other ranks get ``{}``.
+    """
+    config = FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
+    with state_dict_type(module, StateDictType.FULL_STATE_DICT, config):
+        return module.state_dict()
+
+
+# -- model state dict hooks ----------------------------------------------------------------------
+def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) -> None:
+    """Registers the hooks of [Note: State dict hooks] for one unit."""
+    state.state_dict_settings = settings
+    group = state.group
+    if group is not None:
+        state.module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
+        by_module: dict[nn.Module, list[tuple[str, int]]] = {}
+        for index, param in enumerate(group.params):
+            info = param.module_info
+            for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                by_module.setdefault(module, []).append((name, index))
+        for module, entries in by_module.items():
+            module.register_state_dict_post_hook(functools.partial(_save_params, state, entries))
+            module.register_load_state_dict_pre_hook(functools.partial(_load_params, state, entries))
+        # After the hooks above: the unit module's own parameters are written
+        # before its gathered values are dropped.
+        state.module.register_state_dict_post_hook(functools.partial(_release_unit, state))
+    if state.buffer_dtypes:
+        for module in state.module.modules():
+            if any(id(b) in state.buffer_dtypes for b in module._buffers.values() if b is not None):
+                module.register_state_dict_post_hook(functools.partial(_save_buffers_in_original_dtype, state))
+
+
+def install_flat_param_hooks(state: ModuleState) -> None:
+    """The wrapper's flat parameter appears in LOCAL state dicts only."""
+    home, _ = state.group.flat_param_home
+    home.register_state_dict_post_hook(functools.partial(_save_flat_param, state))
+    home.register_load_state_dict_pre_hook(functools.partial(_load_flat_param, state))
+
+
+def install_prefix_hooks(wrapper: nn.Module) -> None:
+    """Keys of the wrapper's subtree without (and, loading, with) ``_fsdp_wrapped_module.``."""
+    wrapper.register_state_dict_post_hook(_strip_wrapper_prefix)
+    wrapper.register_load_state_dict_pre_hook(_add_wrapper_prefix)
+
+
+def _settings(state: ModuleState) -> StateDictSettings:
+    return state.state_dict_settings
+
+
+def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    group = state.group
+    if group.training_state.name == "IDLE":
+        group.reshard()
+    if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
+        state.full_values = group.gather_full()
+
+
+def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    state.full_values = None
+    settings = _settings(state)
+    if (
+        settings.state_dict_type is StateDictType.FULL_STATE_DICT
+        and settings.state_dict_config.rank0_only
+        and dist.get_rank() != 0
+    ):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
+
+
+def _save_params(
+    state: ModuleState, entries: list[tuple[str, int]], module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+) -> None:
+    settings = _settings(state)
+    kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
+    for name, index in entries:
+        key = prefix + name
+        param = state.group.params[index]
+        if kind is StateDictType.LOCAL_STATE_DICT:
+            state_dict.pop(key, None)
+            continue
+        if kind is StateDictType.SHARDED_STATE_DICT:
+            value = param.sharded_param.detach()
+            if offload:
+                value = param.sharded_dtensor_of(value._local_tensor.cpu())
+        else:
+            value = param.full_form(state.full_values[index])
+            if isinstance(value, DTensor):  # tensor parallel: the global tensor
+                value = value.full_tensor()
+            if offload:
+                value = value.cpu()
+        state_dict[key] = value
+
+
+def _save_buffers_in_original_dtype(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    for name, buffer in module._buffers.items():
+        key = prefix + name
+        if buffer is not None and id(buffer) in state.buffer_dtypes and key in state_dict:
+            state_dict[key] = buffer.detach().to(state.buffer_dtypes[id(buffer)])
+
+
+def _save_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    key = prefix + state.group.flat_param_home[1]
+    settings = _settings(state)
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        value = state.group.flat_param.detach()
+        state_dict[key] = value.cpu() if settings.state_dict_config.offload_to_cpu else value
+    else:
+        state_dict.pop(key, None)
+
+
+def _load_params(
+    state: ModuleState,
+    entries: list[tuple[str, int]],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    if _settings(state).state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return  # the flat parameter carries the values
+    group = state.group
+    for name, index in entries:
+        key = prefix + name
+        param = group.params[index]
+        if key not in state_dict:
+            if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
+                missing_keys.append(key)
+            continue
+        shard = param.shard_of(state_dict[key])
+        if param.register_sharded:
+            state_dict[key] = shard  # nn.Module copies it into the registered shard
+        else:
+            group.write_shard(index, shard._local_tensor)
+            del state_dict[key]
+
+
+def _load_flat_param(
+    state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, *args: Any
+) -> None:
+    key = prefix + state.group.flat_param_home[1]
+    if _settings(state).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+        # The original parameters' keys carry the values; keep nn.Module from
+        # reporting the flat parameter missing (a copy onto itself).
+        state_dict[key] = state.group.flat_param.detach()
+
+
+def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    inner = prefix + WRAPPER_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    inner = prefix + WRAPPER_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+# -- optimizer state dicts ---------------------------------------------------------------------------
+def _clean(name: str) -> str:
+    return name.replace(WRAPPER_PREFIX, "")
+
+
+def _param_entries(model: nn.Module) -> dict[int, list[tuple[str, ShardParam | None, ParamGroup | None]]]:
+    """id(parameter the optimizer sees) -> [(FQN, ShardParam or None, its unit or None)].
+
+    A flat parameter maps to all the original parameters it holds; any other
+    parameter to itself (with its ShardParam when it is one's sharded form).
+    """
+    module_paths = {id(m): _clean(n) for n, m in model.named_modules()}
+    by_sharded: dict[int, tuple[ShardParam, ParamGroup]] = {}
+    entries: dict[int, list[tuple[str, ShardParam | None, ParamGroup | None]]] = {}
+    for state in _states_below(model):
+        group = state.group
+        if group is None:
+            continue
+        for param in group.params:
+            by_sharded[id(param.sharded_param)] = (param, group)
+        if group.flat_param is not None:
+            entries[id(group.flat_param)] = [
+                (_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name), p, group)
+                for p in group.params
+            ]
+    for name, param in model.named_parameters():
+        if id(param) not in entries:
+            shard_param, group = by_sharded.get(id(param), (None, None))
+            entries[id(param)] = [(_clean(name), shard_param, group)]
+    return entries
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optim``'s state keyed by parameter FQN, full or sharded like the model's state dict.
+
+    Per-parameter states (``exp_avg``, ``momentum_buffer``, ...) are DTensor
+    shards for SHARDED, full tensors for FULL (``rank0_only``: other ranks get
+    ``{}``); a flat parameter's states are split into its original parameters'.
+    A collective for FULL: every rank must call it.
+    """
+    settings = get_state_dict_type(model)
+    full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+    offload = settings.optim_state_dict_config.offload_to_cpu
+    entries = _param_entries(model)
+    saved = optim.state_dict()
+    state: dict[str, dict[str, Any]] = {}
+    param_groups = []
+    for saved_group, group in zip(saved["param_groups"], optim.param_groups):
+        fqns = []
+        for index, param in zip(saved_group["params"], group["params"]):
+            for fqn, shard_param, unit in entries.get(id(param), [(str(index), None, None)]):
+                fqns.append(fqn)
+                if index in saved["state"]:
+                    state[fqn] = _split_state(saved["state"][index], param, shard_param, unit, full, offload)
+        param_groups.append({**saved_group, "params": fqns})
+    if full and settings.optim_state_dict_config.rank0_only and dist.get_rank() != 0:
+        return {}
+    return {"state": state, "param_groups": param_groups}
+
+
+def _split_state(
+    values: dict[str, Any], param: torch.Tensor, shard_param: ShardParam | None, unit: ParamGroup | None,
+    full: bool, offload: bool,
+) -> dict[str, Any]:
+    """One parameter's optimizer states in the requested form."""
+    result = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if unit is not None and unit.flat_param is not None and param is unit.flat_param:
+                value = unit.param_view_of_flat(unit.params.index(shard_param), value, full=full)
+            elif isinstance(value, DTensor) and full:
+                value = value.full_tensor()
+            if offload:
+                value = value.cpu()
+        result[key] = value
+    return result
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Turns an FQN-keyed optimizer state dict (full or sharded, any layout) into one
+    that ``optim.load_state_dict`` accepts for ``model``'s current parameters."""
+    entries = _param_entries(model)
+    saved_state = optim_state_dict["state"]
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    index = 0
+    for saved_group, group in zip(optim_state_dict["param_groups"], optim.param_groups):
+        indices = []
+        for param in group["params"]:
+            owned = entries[id(param)]
+            per_param = [(shard_param, saved_state.get(fqn)) for fqn, shard_param, _ in owned]
+            if any(values is not None for _, values in per_param):
+                state[index] = _join_state(param, owned[0][2], per_param)
+            indices.append(index)
+            index += 1
+        param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _join_state(
+    param: torch.Tensor, unit: ParamGroup | None, per_param: list[tuple[ShardParam | None, dict[str, Any] | None]]
+) -> dict[str, Any]:
+    """The states of ``param`` (a flat parameter joins its originals') from saved values."""
+    first = next(values for _, values in per_param if values is not None)
+    result: dict[str, Any] = {}
+    for key, value in first.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            result[key] = value
+            continue
+        if unit is not None and unit.flat_param is not None and param is unit.flat_param:
+            flat = torch.zeros_like(unit.flat_param)
+            for shard_param, values in per_param:
+                if values is not None:
+                    local = shard_param.shard_of(values[key])._local_tensor
+                    unit.write_shard(unit.params.index(shard_param), local, into=flat)
+            result[key] = flat
+        elif isinstance(param, DTensor):
+            shard_param = per_param[0][0]
+            result[key] = shard_param.shard_of(value) if shard_param is not None else _like(param, value)
+        else:
+            result[key] = value.full_tensor() if isinstance(value, DTensor) else value
+    return result
+
+
+def _like(param: DTensor, value: torch.Tensor) -> DTensor:
+    """``value`` laid out like ``param`` (a DTensor outside any unit)."""
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
