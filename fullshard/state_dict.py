@@ -352,7 +352,8 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
     ``{}``); a flat parameter's states are split into its original parameters'.
     A collective for FULL: every rank must call it.
     """
-    settings = get_state_dict_type(model)
+    # A model without units (plain tensors) has nothing to gather or split.
+    settings = get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     offload = settings.optim_state_dict_config.offload_to_cpu
     entries = _param_entries(model)

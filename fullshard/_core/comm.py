@@ -160,3 +160,19 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> 
     if _listeners:
         _notify("broadcast", group, tensor, [tensor])
     dist.broadcast(tensor, group_src=src_rank, group=group)
+
+
+def broadcast_object(obj: object, src_rank: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """``obj`` from ``src_rank`` (a global rank) on every rank of ``group`` (pickled)."""
+    _check_alive(group)
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src_rank, group=group)
+    return holder[0]
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's ``obj``, in rank order (pickled)."""
+    _check_alive(group)
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

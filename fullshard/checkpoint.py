@@ -1,0 +1,243 @@
+"""Checkpoints on disk through ``torch.distributed.checkpoint``: sharded, atomic, reshardable.
+
+    torchrun --nproc-per-node 4 train.py     # fullshard.checkpoint.save("ckpt", model, optim, extra={"step": 100})
+    torchrun --nproc-per-node 2 resume.py    # extra = fullshard.checkpoint.load("ckpt", model, optim)
+    python plain.py                          # the same call on an unsharded model, no process group
+
+[Note: Checkpoint layout]
+    <path>/LATEST                the name of the newest complete version (one line)
+    <path>/<version>/            one DCP checkpoint: .metadata, __<rank>_<n>.distcp
+                     manifest.json   format, world size, and each file's size and CRC-32
+                     extra.pt        the caller's ``extra`` (written by rank 0)
+Every rank writes only its own shards (DCP). A save goes into a new version
+folder; only once every rank has finished and the manifest is written does
+``LATEST`` move to it, by an atomic ``os.replace``. A crash at any point
+before that leaves ``LATEST`` on the previous version, which stays loadable;
+the next successful save removes the leftovers. Loading checks every file
+against the manifest first (ranks share the work), so a truncated or damaged
+file is reported by name instead of surfacing as an unpickling error.
+
+The model and optimizer are saved in their sharded form (DTensors keyed by
+parameter FQN, see fullshard.state_dict); DCP reads them back into whatever
+layout the loading model has: another world size, another strategy, or a plain
+unsharded model in a single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from ._core import comm
+from ._core.state import get_state
+from .api import StateDictType
+from .state_dict import optim_state_dict, optim_state_dict_to_load, state_dict_type
+
+__all__ = ["CheckpointError", "load", "save"]
+
+FORMAT_VERSION = 1
+LATEST = "LATEST"
+MANIFEST = "manifest.json"
+EXTRA = "extra.pt"
+_CHUNK = 16 * 1024 * 1024
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged; the message names the piece."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(get_state(m) is not None for m in model.modules())
+
+
+def _sharded_form(model: nn.Module) -> contextlib.AbstractContextManager:
+    if _is_sharded(model):
+        return state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    return contextlib.nullcontext()
+
+
+def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The model (and optimizer) in their sharded, FQN-keyed form (views, no copies)."""
+    with _sharded_form(model):
+        states: dict[str, Any] = {"model": model.state_dict()}
+        if optimizer is not None:
+            states["optim"] = optim_state_dict(model, optimizer)
+    return states
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None) -> str:
+    """Saves ``model`` (and ``optimizer``, and any picklable ``extra``) under ``path``.
+
+    A collective when distributed: every rank calls it with the same ``path``.
+
+    Returns:
+        The version folder written (``path``/<version>).
+    """
+    path = os.fspath(path)
+    version = f"v{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    if _distributed():
+        version = comm.broadcast_object(version)
+    folder = os.path.join(path, version)
+    if _rank() == 0:
+        os.makedirs(folder, exist_ok=False)
+    if _distributed():
+        dist.barrier()
+    dcp.save(_states(model, optimizer), checkpoint_id=folder, no_dist=not _distributed())
+    mine = {
+        name: {"size": os.path.getsize(os.path.join(folder, name)), "crc32": _crc32(os.path.join(folder, name))}
+        for name in os.listdir(folder)
+        if name.startswith(f"__{_rank()}_")
+    }
+    every = comm.all_gather_objects(mine) if _distributed() else [mine]
+    if _rank() == 0:
+        if extra is not None:
+            torch.save(extra, os.path.join(folder, EXTRA))
+        files = {name: info for part in every for name, info in part.items()}
+        for name in (".metadata", EXTRA):
+            if os.path.exists(os.path.join(folder, name)):
+                full = os.path.join(folder, name)
+                files[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
+        manifest = {"format": FORMAT_VERSION, "world_size": len(every), "files": files}
+        with open(os.path.join(folder, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _point_latest_to(path, version)
+        _remove_other_versions(path, keep=version)
+    if _distributed():
+        dist.barrier()
+    return folder
+
+
+def _point_latest_to(path: str, version: str) -> None:
+    """Atomically makes ``version`` the one ``load`` finds."""
+    staging = os.path.join(path, f".{LATEST}.{version}")
+    with open(staging, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, os.path.join(path, LATEST))
+
+
+def _remove_other_versions(path: str, keep: str) -> None:
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name != keep and name != LATEST and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+
+
+def _resolve(path: str) -> str:
+    """The version folder to load: ``path`` itself, or the one ``path``/LATEST names."""
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if not os.path.exists(latest):
+        raise CheckpointError(
+            f"no complete checkpoint in {path}: {LATEST} is missing (a save never finished there, "
+            "or this is not a fullshard checkpoint folder)"
+        )
+    with open(latest) as f:
+        version = f.read().strip()
+    folder = os.path.join(path, version)
+    if not os.path.exists(os.path.join(folder, MANIFEST)):
+        raise CheckpointError(f"checkpoint {path}: {LATEST} names {version}, whose {MANIFEST} is missing")
+    return folder
+
+
+def _verify(folder: str) -> None:
+    """Checks the files against the manifest, spread over the ranks; raises on every rank."""
+    with open(os.path.join(folder, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {folder}: format {manifest.get('format')} is not {FORMAT_VERSION}")
+    world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
+    problems = []
+    for index, (name, info) in enumerate(sorted(manifest["files"].items())):
+        if index % world != rank:
+            continue
+        full = os.path.join(folder, name)
+        if not os.path.exists(full):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(full) != info["size"]:
+            problems.append(f"{name} is truncated or altered ({os.path.getsize(full)} of {info['size']} bytes)")
+        elif _crc32(full) != info["crc32"]:
+            problems.append(f"{name} is corrupt (CRC-32 mismatch)")
+    if _distributed():
+        problems = [p for part in comm.all_gather_objects(problems) for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+
+
+def _init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the optimizer's states (DCP loads into existing tensors) without
+    changing any parameter: one step with zero gradients and zero learning rates."""
+    if optimizer.state:
+        return
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, learning_rates):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Loads the newest complete checkpoint under ``path`` into ``model`` (and ``optimizer``).
+
+    Works at any world size and strategy, and for a plain model in a single
+    process. A collective when distributed.
+
+    Returns:
+        The ``extra`` object saved with it (None if there was none).
+
+    Raises:
+        CheckpointError: no complete checkpoint, or a missing / truncated /
+            corrupt file (named in the message).
+    """
+    folder = _resolve(os.fspath(path))
+    _verify(folder)
+    if optimizer is not None:
+        _init_optimizer_states(optimizer)
+    states = _states(model, optimizer)
+    try:
+        dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())
+    except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint named
+        raise CheckpointError(f"checkpoint {folder} does not fit this model: {exc}") from exc
+    with _sharded_form(model):
+        model.load_state_dict(states["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(optim_state_dict_to_load(model, optimizer, states["optim"]))
+    extra_path = os.path.join(folder, EXTRA)
+    return torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else None
