@@ -16,6 +16,7 @@ from .api import (
 )
 from .clip import clip_grad_norm_
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .grad_scaler import ShardedGradScaler
 from .replicate import ReplicateModule, replicate
 from .wrapper import FSDP, FullyShardedDataParallel
 
@@ -30,6 +31,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReplicateModule",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "UnshardHandle",
     "clip_grad_norm_",
