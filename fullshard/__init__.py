@@ -26,6 +26,7 @@ from .api import (
 )
 from .clip import clip_grad_norm_
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .grad_scaler import ShardedGradScaler
 from .replicate import ReplicateModule, replicate
 from .state_dict import full_state_dict
 from .wrapper import FSDP, FullyShardedDataParallel
@@ -46,6 +47,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "ReplicateModule",
+    "ShardedGradScaler",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",

@@ -145,6 +145,17 @@ def reduce_scatter(
     return _finish(_Pending([work], then=lambda: output.copy_(mine)), async_op)
 
 
+def device_for(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where a tensor now on ``device`` must be for a collective over ``group``.
+
+    NCCL takes no CPU tensors, so those go to the current CUDA device; gloo (and
+    a mixed ``cpu:gloo,cuda:nccl`` group) takes them where they are.
+    """
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, async_op: bool
 ) -> dist.Work | None:
