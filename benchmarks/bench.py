@@ -39,7 +39,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fullshard.models import ModelArgs, Transformer, TransformerBlock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the benchmarks folder is not a package)
 
 ALL_FRAMEWORKS = ("fullshard", "fsdp2", "fullshard-wrapper", "fsdp1", "ddp", "local")
 COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1"}
@@ -182,20 +184,6 @@ def persistent_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
     return total
 
 
-def reset_peak_rss() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -247,10 +235,10 @@ def worker(args: argparse.Namespace) -> None:
         for index in range(1 + args.memory_steps):
             for name in args.frameworks:
                 dist.barrier()
-                before = reset_peak_rss()
+                before = common.reset_peak_rss()
                 step(name)
                 if index > 0:  # the first step allocates optimizer states
-                    peaks[name].append(_status_bytes("VmHWM") - before)
+                    peaks[name].append(common.peak_rise(before))
                 if progress:
                     progress.update()
         for name in args.frameworks:
@@ -268,21 +256,12 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- launcher -----------------------------------------------------------------------------------
 def run_phase(args: argparse.Namespace, phase: str, out: str, env: dict[str, str]) -> list[dict]:
-    from fullshard.testing.harness import free_port
-
     forwarded = [
         f"--{key.replace('_', '-')}={','.join(value) if isinstance(value, tuple) else value}"
         for key, value in vars(args).items()
         if key not in ("nproc", "json", "phase", "out") and value is not None
     ]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        __file__, *forwarded, f"--phase={phase}", f"--out={out}",
-    ]
-    subprocess.run(command, check=True, env={**os.environ, **env})
-    with open(out) as f:
-        return json.load(f)
+    return common.run_ranks(__file__, args.nproc, [*forwarded, f"--phase={phase}"], out, env)
 
 
 def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> dict:
@@ -324,8 +303,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         timing = run_phase(args, "time", os.path.join(tmp, "time.json"), {})
         # Fixed mmap threshold: freed tensors return to the OS, so peak RSS tracks live memory.
-        memory = run_phase(args, "memory", os.path.join(tmp, "memory.json"),
-                           {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
+        memory = run_phase(args, "memory", os.path.join(tmp, "memory.json"), common.MEMORY_ENV)
     results = report(timing, memory, args)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,9 +13,21 @@ Every rank writes only its own shards (DCP). A save goes into a new version
 folder; only once every rank has finished and the manifest is written does
 ``LATEST`` move to it, by an atomic ``os.replace``. A crash at any point
 before that leaves ``LATEST`` on the previous version, which stays loadable;
-the next successful save removes the leftovers. Loading checks every file
-against the manifest first (ranks share the work), so a truncated or damaged
-file is reported by name instead of surfacing as an unpickling error.
+the next successful save removes the leftovers.
+
+Checksums cost no extra pass over the data: each file's CRC-32 is computed
+while DCP writes it. Loading checks every file's size first (a truncated file
+is named at once); the CRC pass, which reads everything again, runs when DCP
+fails to load (to name the broken file) or on request (``verify=True``, which
+also catches damage that still unpickles).
+
+[Note: Exactly-sized tensors for DCP]
+DCP clones every CPU tensor whose storage is larger than the tensor (so that
+``torch.save`` does not write the whole storage) and keeps the clones of a
+file alive until the file is done. Our shards are views into a unit's flat
+buffer, so that would copy every shard. We hand DCP aliases over the same
+memory whose storage is exactly the tensor (``torch.frombuffer``): nothing is
+copied on save, and loads land directly in the shard buffers.
 
 The model and optimizer are saved in their sharded form (DTensors keyed by
 parameter FQN, see fullshard.state_dict); DCP reads them back into whatever
@@ -32,12 +44,15 @@ import shutil
 import time
 import uuid
 import zlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.tensor import DTensor
 
 from ._core import comm
 from ._core.state import get_state
@@ -50,7 +65,7 @@ FORMAT_VERSION = 1
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 EXTRA = "extra.pt"
-_CHUNK = 16 * 1024 * 1024
+_CHUNK = 1024 * 1024
 
 
 class CheckpointError(RuntimeError):
@@ -85,11 +100,76 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
 
 
 def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+    crc, chunk = 0, bytearray(_CHUNK)
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(view):
+            crc = zlib.crc32(view[:count], crc)
     return crc
+
+
+class _ChecksummedStream:
+    """A write stream that keeps the CRC-32 and size of what passes through it."""
+
+    def __init__(self, stream: Any, record: dict[str, int]) -> None:
+        self._stream, self._record = stream, record
+
+    def write(self, data: Any) -> int:
+        written = self._stream.write(data)
+        self._record["crc32"] = zlib.crc32(data, self._record["crc32"])
+        self._record["size"] += memoryview(data).nbytes
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's file system, recording each written file's checksum as it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, int]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            record = self.records[os.path.basename(os.fspath(path))] = {"crc32": 0, "size": 0}
+            yield _ChecksummedStream(stream, record)
+
+
+def _exactly_sized(tensor: torch.Tensor) -> torch.Tensor:
+    """An alias of a contiguous CPU view whose storage is exactly its bytes.
+    See [Note: Exactly-sized tensors for DCP]."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or storage.nbytes() == tensor.nbytes or not tensor.is_contiguous():
+        return tensor
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    alias = torch.frombuffer(
+        memoryview(whole.numpy()), dtype=tensor.dtype, count=tensor.numel(),
+        offset=tensor.storage_offset() * tensor.element_size(),
+    )
+    return alias.view(tensor.shape)
+
+
+def _for_dcp(tree: Any) -> Any:
+    """``tree`` with every tensor exactly sized (DTensors keep their layout)."""
+    if isinstance(tree, DTensor):
+        local = _exactly_sized(tree._local_tensor)
+        if local is tree._local_tensor:
+            return tree
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        return _exactly_sized(tree)
+    if isinstance(tree, dict):
+        return {key: _for_dcp(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_for_dcp(value) for value in tree]
+    return tree
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -110,18 +190,16 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         os.makedirs(folder, exist_ok=False)
     if _distributed():
         dist.barrier()
-    dcp.save(_states(model, optimizer), checkpoint_id=folder, no_dist=not _distributed())
-    mine = {
-        name: {"size": os.path.getsize(os.path.join(folder, name)), "crc32": _crc32(os.path.join(folder, name))}
-        for name in os.listdir(folder)
-        if name.startswith(f"__{_rank()}_")
-    }
+    writer = FileSystemWriter(folder)
+    writer.fs = _ChecksummingFileSystem()
+    dcp.save(_for_dcp(_states(model, optimizer)), storage_writer=writer, no_dist=not _distributed())
+    mine = {name: info for name, info in writer.fs.records.items() if name.startswith("__")}
     every = comm.all_gather_objects(mine) if _distributed() else [mine]
     if _rank() == 0:
         if extra is not None:
             torch.save(extra, os.path.join(folder, EXTRA))
         files = {name: info for part in every for name, info in part.items()}
-        for name in (".metadata", EXTRA):
+        for name in (".metadata", EXTRA):  # small: read back
             if os.path.exists(os.path.join(folder, name)):
                 full = os.path.join(folder, name)
                 files[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
@@ -172,8 +250,9 @@ def _resolve(path: str) -> str:
     return folder
 
 
-def _verify(folder: str) -> None:
-    """Checks the files against the manifest, spread over the ranks; raises on every rank."""
+def _verify(folder: str, checksums: bool) -> None:
+    """Checks the files against the manifest (sizes; CRC-32 too with ``checksums``),
+    spread over the ranks; raises on every rank."""
     with open(os.path.join(folder, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT_VERSION:
@@ -188,7 +267,7 @@ def _verify(folder: str) -> None:
             problems.append(f"{name} is missing")
         elif os.path.getsize(full) != info["size"]:
             problems.append(f"{name} is truncated or altered ({os.path.getsize(full)} of {info['size']} bytes)")
-        elif _crc32(full) != info["crc32"]:
+        elif checksums and _crc32(full) != info["crc32"]:
             problems.append(f"{name} is corrupt (CRC-32 mismatch)")
     if _distributed():
         problems = [p for part in comm.all_gather_objects(problems) for p in part]
@@ -213,11 +292,19 @@ def _init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, verify: bool = False
+) -> Any:
     """Loads the newest complete checkpoint under ``path`` into ``model`` (and ``optimizer``).
 
     Works at any world size and strategy, and for a plain model in a single
     process. A collective when distributed.
+
+    Args:
+        path: the checkpoint folder given to ``save`` (or one version in it).
+        model, optimizer: what to load into (the optimizer may be fresh).
+        verify: check every file's CRC-32 before loading (reads the data
+            twice); sizes are always checked.
 
     Returns:
         The ``extra`` object saved with it (None if there was none).
@@ -227,13 +314,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             corrupt file (named in the message).
     """
     folder = _resolve(os.fspath(path))
-    _verify(folder)
+    _verify(folder, checksums=verify)
     if optimizer is not None:
         _init_optimizer_states(optimizer)
-    states = _states(model, optimizer)
+    states = _for_dcp(_states(model, optimizer))
     try:
         dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())
-    except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint named
+    except (Exception, CheckpointException) as exc:  # DCP's derives from BaseException
+        _verify(folder, checksums=True)  # names a damaged file, if one is the cause
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {exc}") from exc
     with _sharded_form(model):
         model.load_state_dict(states["model"])

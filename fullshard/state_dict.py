@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._core.common import WRAPPER_PREFIX, clean_fqn
 from ._core.group import ParamGroup
 from ._core.param import ShardParam
 from ._core.state import ModuleState, get_state
@@ -58,7 +59,6 @@ __all__ = [
     "state_dict_type",
 ]
 
-WRAPPER_PREFIX = "_fsdp_wrapped_module."
 _DEFAULT_CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
@@ -309,17 +309,13 @@ def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args:
 
 
 # -- optimizer state dicts ---------------------------------------------------------------------------
-def _clean(name: str) -> str:
-    return name.replace(WRAPPER_PREFIX, "")
-
-
 def _param_entries(model: nn.Module) -> dict[int, list[tuple[str, ShardParam | None, ParamGroup | None]]]:
     """id(parameter the optimizer sees) -> [(FQN, ShardParam or None, its unit or None)].
 
     A flat parameter maps to all the original parameters it holds; any other
     parameter to itself (with its ShardParam when it is one's sharded form).
     """
-    module_paths = {id(m): _clean(n) for n, m in model.named_modules()}
+    module_paths = {id(m): clean_fqn(n) for n, m in model.named_modules()}
     by_sharded: dict[int, tuple[ShardParam, ParamGroup]] = {}
     entries: dict[int, list[tuple[str, ShardParam | None, ParamGroup | None]]] = {}
     for state in _states_below(model):
@@ -336,7 +332,7 @@ def _param_entries(model: nn.Module) -> dict[int, list[tuple[str, ShardParam | N
     for name, param in model.named_parameters():
         if id(param) not in entries:
             shard_param, group = by_sharded.get(id(param), (None, None))
-            entries[id(param)] = [(_clean(name), shard_param, group)]
+            entries[id(param)] = [(clean_fqn(name), shard_param, group)]
     return entries
 
 

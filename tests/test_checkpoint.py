@@ -126,10 +126,10 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     assert len(first) == 1  # a finished save removes older versions
 
 
-def _load(path: str) -> object:
+def _load(path: str, verify: bool = False) -> object:
     model = make_model()
     fully_shard(model)
-    return ckpt.load(path, model, adamw(model))
+    return ckpt.load(path, model, adamw(model), verify=verify)
 
 
 def test_truncated_or_corrupt_file_is_named(tmp_path):
@@ -144,9 +144,15 @@ def test_truncated_or_corrupt_file_is_named(tmp_path):
     with pytest.raises(RankFailure, match=r"CheckpointError: checkpoint .* is damaged: __1_0.distcp is truncated or altered"):
         run_distributed(_load, 2, path)
     with open(shard, "wb") as f:
-        f.write(data[:-8] + bytes(8))  # same size, different bytes
+        f.write(bytes(64) + data[64:])  # same size; the first record no longer unpickles
     with pytest.raises(RankFailure, match=r"__1_0.distcp is corrupt \(CRC-32 mismatch\)"):
         run_distributed(_load, 2, path)
+    middle = len(data) // 2
+    with open(shard, "wb") as f:
+        f.write(data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1 :])  # one flipped bit
+    assert run_distributed(_load, 2, path) == [{"step": 2}] * 2  # may go unnoticed by default...
+    with pytest.raises(RankFailure, match=r"__1_0.distcp is corrupt \(CRC-32 mismatch\)"):
+        run_distributed(_load, 2, path, True)  # ...but not with verify=True
     with open(shard, "wb") as f:
         f.write(data)
     assert run_distributed(_load, 2, path) == [{"step": 2}] * 2

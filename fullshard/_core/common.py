@@ -52,6 +52,15 @@ class ParamModuleInfo:
     shared_param_names: list[str] = field(default_factory=list)
 
 
+WRAPPER_PREFIX = "_fsdp_wrapped_module."
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name as in the unwrapped model (FullyShardedDataParallel
+    wrappers add ``_fsdp_wrapped_module.`` segments)."""
+    return name.replace(WRAPPER_PREFIX, "")
+
+
 def module_class_name(module: nn.Module) -> str:
     """The user's class name, also after fully_shard swapped the class or a
     FullyShardedDataParallel wrapper stands in front of it."""

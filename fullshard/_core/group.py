@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
 from . import comm
-from .common import TrainingState, UnitConfig
+from .common import TrainingState, UnitConfig, clean_fqn
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
@@ -327,6 +327,25 @@ class ParamGroup:
             work = comm.all_gather(output, source, group.group, async_op=async_op)
         self._all_gather = _AllGatherInFlight(work, source, output, layout, group.size)
 
+    def unshard_needs_collective(self) -> bool:
+        """Whether ``unshard()`` would issue an all-gather now."""
+        if self.is_unsharded or self._all_gather is not None or not self.params:
+            return False
+        if self._post_forward_shard is not None:
+            return self.post_forward_group.size > 1
+        return self.mesh_info.shard.size > 1
+
+    def join_all_gather(self) -> None:
+        """Takes part in another rank's all-gather of this unit, into scratch
+        (execution-order validation, see [Note: Execution order])."""
+        if self._post_forward_shard is not None:
+            source, group = self._post_forward_shard[0], self.post_forward_group
+        else:
+            source, group = self._all_gather_input(), self.mesh_info.shard
+        if group.size > 1:
+            scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
+            comm.all_gather(scratch, source, group.group, async_op=False)
+
     def _alias_unsharded(self) -> None:
         for index, param in enumerate(self.params):
             param.alias_unsharded(self.storage_layout.region(self.shard_buffer, index, param.orig_dtype))
@@ -437,6 +456,28 @@ class ParamGroup:
             self.reshard()
         if not params:
             return
+        validator = self.ctx.validator
+        agreed = validator.gate("reduce", self, params=params) if validator is not None else None
+        if agreed is None:
+            self._submit_reduction(params, grads)
+            return
+        for group, names in agreed:  # the same order on every rank: see [Note: Execution order]
+            if group is self and names == [clean_fqn(p.fqn) for p in params]:
+                self._submit_reduction(params, grads)
+            else:
+                group.join_reduction(names)
+
+    def join_reduction(self, names: list[str]) -> None:
+        """Takes part in another rank's reduction of this unit's parameters ``names``
+        with zero gradients (execution-order validation); the averaged result is
+        this rank's gradient too, as DDP does for unused parameters."""
+        params = [p for p in self.params if clean_fqn(p.fqn) in names]
+        grads = [torch.zeros(p.unsharded_size, dtype=p.param_dtype, device=self.device) for p in params]
+        if self.training_state is TrainingState.IDLE:
+            self.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
+        self._submit_reduction(params, grads)
+
+    def _submit_reduction(self, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
         self.ctx.reductions.make_room()
         reduction = GradReduction(
             grads,

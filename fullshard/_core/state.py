@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..api import BackwardPrefetch
 from .common import TrainingState, UnitConfig, cast_floating, map_tensors
+from .exec_order import ExecOrderValidator, validation_enabled
 from .group import ParamGroup
 from .reduction import ReductionQueue
 
@@ -53,9 +54,12 @@ class IterationContext:
         self.post_forward_order: list[ParamGroup] = []
         self.prefetched: set[ParamGroup] = set()
         self.end_of_backward_queued = False
+        self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
 
     def begin_iteration(self, root: "ModuleState") -> None:
         self.iteration_root = root
+        if self.validator is not None:
+            self.validator.begin_iteration()
         self.previous_forward_order, self.forward_order = self.forward_order, []
         self.post_forward_order.clear()
         for state in self.all_states:
@@ -80,6 +84,8 @@ class IterationContext:
         return None
 
     def prefetch(self, group: ParamGroup) -> None:
+        if self.validator is not None:
+            return  # every gather passes the order check instead; see [Note: Execution order]
         if group.is_unsharded or group.training_state is TrainingState.POST_BACKWARD:
             return
         self.prefetched.add(group)
@@ -177,6 +183,8 @@ class ModuleState:
             state.ctx = self.ctx
             if state.group is not None:
                 state.group.ctx = self.ctx
+        if validation_enabled():
+            self.ctx.validator = ExecOrderValidator([s.group for s in states if s.group is not None])
         if self.config.reshard_after_forward is None and self.group is not None:
             # Backward needs the root's parameters first: keep them.
             self.group.reshard_after_forward = False
@@ -222,6 +230,9 @@ class ModuleState:
             return args, kwargs
         group.training_state = TrainingState.FORWARD
         self.ctx.prefetched.discard(group)
+        if self.ctx.validator is not None:
+            agreed = self.ctx.validator.gate_forward(group, group.unshard_needs_collective())
+            run_agreed_all_gathers(agreed, group)
         # Finish this unit's gather before starting the next one's: at most one
         # all-gather output is alive (its own was usually prefetched already).
         group.unshard()
@@ -282,7 +293,12 @@ class ModuleState:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
-        if group is None or not group.begin_backward():
+        if group is None:
+            return
+        if self.ctx.validator is not None and group.training_state is not TrainingState.PRE_BACKWARD:
+            agreed = self.ctx.validator.gate("backward", group, group.unshard_needs_collective())
+            run_agreed_all_gathers(agreed, group)
+        if not group.begin_backward():
             return
         group.wait_for_unshard()  # before prefetching: see pre_forward
         group.expect_grads()
@@ -297,3 +313,14 @@ class ModuleState:
             return
         for target in targets:
             self.ctx.prefetch(target)
+
+
+def run_agreed_all_gathers(agreed: list[tuple[ParamGroup, list[str]]] | None, mine: ParamGroup) -> None:
+    """Runs the all-gathers the ranks agreed on (see [Note: Execution order]):
+    this rank's own for real, the others' into scratch."""
+    for group, _ in agreed or []:
+        if group is mine and group.unshard_needs_collective():
+            group.unshard()
+            group.wait_for_unshard()
+        else:
+            group.join_all_gather()
