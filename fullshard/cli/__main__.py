@@ -1,0 +1,51 @@
+"""The ``fullshard`` command line.
+
+    fullshard plan --model gpt-7b --world-size 8 64 1024
+    fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png
+    fullshard plan --model gpt-30m --world-size 1 2 4 --batch 2 --device cpu
+    python -m fullshard plan --model gpt-tiny        # the same, without the console script
+
+Each subcommand is one module of this package with ``HELP``, ``add_arguments(parser)``
+and ``run(args) -> int`` (the exit status); ``SUBCOMMANDS`` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import plan
+
+# `fullshard train` (issue 6) joins here as one more module with the same three names.
+SUBCOMMANDS = {"plan": plan}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fullshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        subparser = subparsers.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(subparser)
+        subparser.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses ``argv`` (default: the process's arguments) and runs the subcommand.
+
+    Returns:
+        The exit status.
+    """
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""``fullshard plan``: per-rank memory and bytes per step of training a model, before running it.
+
+    fullshard plan --model gpt-7b --world-size 8 64 1024 --mixed-precision bf16
+    fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png --memory-limit 80
+    fullshard plan --model gpt-30m --world-size 1 2 4 --batch 2 --device cpu
+    fullshard plan --model gpt-125m --layers 6 --seq 512 --world-size 16 --strategy hybrid --ranks-per-node 8
+
+For each strategy and world size: this rank's sharded parameters, gradients
+and optimizer states (AdamW), the largest gathered unit (one transformer block,
+or the root: embeddings, final norm, tied head), the activations forward keeps
+for backward, the peak of one training step, and the bytes its collectives move
+(full buffers, as fullshard counts them). A single configuration also gets the
+breakdown of its peak. Numbers come from ``fullshard.plan.estimate`` (arithmetic,
+no processes started); see [Note: Plan model] in fullshard/plan/replay.py for
+what is and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import ModuleType
+
+import torch
+
+from ..models import PRESETS, ModelArgs, get_preset
+from ..plan import STRATEGIES, Plan, PlanConfig, estimate
+
+HELP = "predict per-rank memory and bytes per step for a model, world sizes and strategies"
+
+_MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PLOT_WORLD_SIZES = "1-16384"
+
+
+def world_sizes(text: str) -> list[int]:
+    """``"64"`` -> [64]; ``"1-1024"`` -> powers of two from 1 to 1024 (``"8-100"``: 8, 16, 32, 64, 100)."""
+    low, _, high = text.partition("-")
+    try:
+        first, last = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a world size N or a range A-B but got {text!r}") from None
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"expects 1 <= A <= B but got {text!r}")
+    sizes = [first]
+    while sizes[-1] * 2 <= last:
+        sizes.append(sizes[-1] * 2)
+    return sizes if sizes[-1] == last else sizes + [last]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a preset, optionally changed)")
+    model.add_argument("--model", choices=list(PRESETS), default="gpt-tiny")
+    model.add_argument("--layers", type=int, help="number of transformer blocks")
+    model.add_argument("--dim", type=int, help="model width")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    model.add_argument("--seq", type=int, help="sequence length (max_seq_len, and the tokens per sequence)")
+    setup = parser.add_argument_group("training setup")
+    setup.add_argument("--world-size", type=world_sizes, nargs="+", metavar="N|A-B",
+                       help=f"ranks: values and/or power-of-two ranges (default 8; with --plot {_PLOT_WORLD_SIZES})")
+    setup.add_argument("--strategy", nargs="+", choices=[*STRATEGIES, "all"], default=None,
+                       help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), hybrid; "
+                            "default full (all with --plot)")
+    setup.add_argument("--ranks-per-node", type=int, default=8, help="hybrid: shard within groups of this size")
+    setup.add_argument("--batch", type=int, default=1, help="sequences per rank and step")
+    setup.add_argument("--mixed-precision", choices=list(_MIXED_PRECISION), default="none",
+                       help="compute (and all-gather) dtype; gradients are reduced in fp32")
+    setup.add_argument("--cpu-offload", action="store_true", help="shards, gradients and optimizer states on the host")
+    setup.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                       help="where the step runs: some kernels' temporaries differ (AdamW, gradient padding)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--memory-limit", type=float, metavar="GIB", help="device memory: mark what fits")
+    output.add_argument("--plot", metavar="PATH", help="draw peak memory against world size per strategy "
+                                                     "(needs matplotlib: pip install 'fullshard[plot]')")
+
+
+def run(args: argparse.Namespace) -> int:
+    pyplot = load_pyplot() if args.plot else None  # before any work: a missing extra fails at once
+    model = get_preset(
+        args.model, n_layers=args.layers, dim=args.dim, n_heads=args.heads,
+        vocab_size=args.vocab, max_seq_len=args.seq,
+    )
+    plans, skipped = build_plans(args, model)
+    if skipped:
+        print(f"(hybrid skips world sizes that are not multiples of {args.ranks_per_node}: "
+              f"{', '.join(map(str, skipped))})")
+    if not plans:
+        raise SystemExit("fullshard plan: nothing to estimate")
+    print(describe_setup(args, plans[0].config))
+    print(format_table(plans, args.memory_limit))
+    if len(plans) == 1:
+        print(format_breakdown(plans[0]))
+    if pyplot is not None:
+        plot(pyplot, plans, args.plot, args.memory_limit, title=f"{args.model}: {describe_model(model)}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan], list[int]]:
+    """A plan per (strategy, world size), and the world sizes hybrid cannot split into nodes."""
+    strategies = args.strategy or (["all"] if args.plot else ["full"])
+    strategies = list(STRATEGIES) if "all" in strategies else list(dict.fromkeys(strategies))
+    sizes = sorted({size for group in args.world_size or [world_sizes(_PLOT_WORLD_SIZES if args.plot else "8")]
+                    for size in group})
+    compute = _MIXED_PRECISION[args.mixed_precision]
+    plans, skipped = [], []
+    for strategy in strategies:
+        for size in sizes:
+            if strategy == "hybrid" and size % min(args.ranks_per_node, size):
+                skipped.append(size)
+                continue
+            try:
+                config = PlanConfig(
+                    model, size, strategy, ranks_per_node=args.ranks_per_node, batch_size=args.batch,
+                    param_dtype=compute, reduce_dtype=torch.float32 if compute else None,
+                    cpu_offload=args.cpu_offload, device=args.device,
+                )
+            except ValueError as exc:
+                raise SystemExit(f"fullshard plan: {exc}") from None
+            plans.append(estimate(config))
+    return plans, skipped
+
+
+def human_bytes(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        nbytes /= 1024
+        if nbytes < 1024 or unit == "TiB":
+            break
+    return f"{nbytes:.2f} {unit}"
+
+
+def describe_model(model: ModelArgs) -> str:
+    count = model.num_params
+    count_text = f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
+    return (f"{count_text} parameters ({model.n_layers} blocks, dim {model.dim}, {model.n_heads} heads, "
+            f"vocab {model.vocab_size}, seq {model.max_seq_len})")
+
+
+def describe_setup(args: argparse.Namespace, config: PlanConfig) -> str:
+    precision = "fp32 compute" if config.param_dtype is None else f"{args.mixed_precision} compute, fp32 reduce"
+    offload = ", CPU offload" if config.cpu_offload else ""
+    return (f"{args.model}: {describe_model(config.model)}\n"
+            f"{config.batch_size} x {config.tokens_per_sequence} tokens per rank; fp32 parameters and AdamW "
+            f"states, {precision}{offload}; step on {config.device}\n")
+
+
+def format_table(plans: list[Plan], memory_limit: float | None) -> str:
+    header = ["strategy", "world", "params", "grads", "optim", "largest unit", "activations",
+              "peak/rank", "comm/step"]
+    rows = []
+    for plan in plans:
+        row = [plan.config.strategy, str(plan.config.world_size)] + [
+            human_bytes(n) for n in (plan.params, plan.grads, plan.optimizer_states, plan.largest_unit,
+                                     plan.activations, plan.peak, plan.comm_bytes)
+        ]
+        if memory_limit is not None:
+            row.append("yes" if plan.peak <= memory_limit * 2**30 else "no")
+        rows.append(row)
+    if memory_limit is not None:
+        header.append(f"fits {memory_limit:g} GiB")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def format_breakdown(plan: Plan) -> str:
+    lines = [f"\npeak {human_bytes(plan.peak)} per rank, during {plan.peak_phase}:"]
+    for category, nbytes in sorted(plan.peak_breakdown.items(), key=lambda item: -item[1]):
+        lines.append(f"  {category:<24}{human_bytes(nbytes):>12}")
+    if plan.host:
+        lines.append(f"host memory (CPU offload): {human_bytes(plan.host)}")
+    collectives = ", ".join(
+        f"{op} {plan.comm_calls[op]} x = {human_bytes(nbytes)}" for op, nbytes in plan.comm.items()
+    )
+    lines.append(f"collectives per step: {collectives or 'none'}")
+    return "\n".join(lines)
+
+
+def load_pyplot() -> ModuleType:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        from matplotlib import pyplot
+    except ImportError:
+        raise SystemExit("fullshard plan --plot needs matplotlib: pip install 'fullshard[plot]'") from None
+    return pyplot
+
+
+def plot(pyplot: ModuleType, plans: list[Plan], path: str, memory_limit: float | None, title: str) -> None:
+    """Peak memory per rank against world size (log scales), one line per strategy."""
+    figure, axes = pyplot.subplots(figsize=(8, 5))
+    for strategy in dict.fromkeys(p.config.strategy for p in plans):
+        points = [(p.config.world_size, p.peak / 2**30) for p in plans if p.config.strategy == strategy]
+        axes.plot(*zip(*points), marker="o", markersize=3, label=strategy)
+    if memory_limit is not None:
+        axes.axhline(memory_limit, color="gray", linestyle="--", label=f"{memory_limit:g} GiB device")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("world size (ranks)")
+    axes.set_ylabel("peak memory per rank (GiB)")
+    axes.set_title(title, fontsize=9)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    pyplot.close(figure)

@@ -1,0 +1,315 @@
+"""Peak memory of one training step, replayed allocation by allocation.
+
+[Note: Plan model]
+``StepReplay`` walks one steady-state step of one rank (forward, loss,
+backward, ``optimizer.step()``, ``zero_grad()``) and records every allocation
+and free that really happens, in order, on a ``Tape``; the peak is the largest
+live total, and what was alive then is the breakdown. It follows:
+- the engine (``fullshard/_core``): the padded shard buffers; an all-gather's
+  output (and a staged input when it casts or comes from host memory) alive
+  from issue to the copy-out into the unsharded parameters; one unit
+  prefetched ahead in forward (the order of the previous step) and in backward;
+  autograd's gradients of a unit's unsharded parameters until its
+  post-backward, which reshards, finishes older reductions, then copies the
+  gradients (cast to the reduce dtype first) into one reduce-scatter input (the
+  padded unit) that lives until the next unit's post-backward finishes that
+  collective; on CPU, ``torch._chunk_cat`` first pads a copy of every gradient
+  whose rows do not split evenly (CUDA's kernel pads in place). With a shard
+  group of one and no cast or offload the unsharded parameters are the shards.
+- the model (``fullshard/models/transformer.py``): what autograd saves in each
+  block and in the head, and the order in which backward creates and frees
+  gradients, op by op as the CPU kernels do (the attention is the fused
+  ``scaled_dot_product_attention``, which keeps no attention matrix).
+- the optimizer: AdamW. torch's default on accelerators is the foreach kernel,
+  whose square root makes one temporary the size of all states; on CPU it runs
+  one parameter at a time (two temporaries of that parameter's size).
+
+The step is measured against the real engine at world sizes 1, 2 and 4 in
+``tests/test_plan.py`` (the profiler's allocator events): it matches to within a
+few hundred bytes. Not modelled: allocator caching and fragmentation (the CUDA
+caching allocator rounds and keeps blocks), the collective libraries' own
+buffers (NCCL, gloo), kernel workspaces (cuBLAS, oneDNN), the CUDA context.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .config import PlanConfig
+from .units import Unit
+
+# What is alive, by category (the keys of Plan.peak_breakdown).
+PARAMS, GRADS, OPTIM = "sharded params", "sharded grads", "optimizer states"
+UNSHARDED, GATHER = "unsharded params", "all-gather buffers"
+UNSHARDED_GRADS, REDUCE = "unsharded grads", "reduce buffers"
+ACTIVATIONS, OPTIM_TEMP = "activations", "optimizer temporaries"
+
+
+class Tape:
+    """Live bytes by category; remembers the largest total and what made it up."""
+
+    def __init__(self) -> None:
+        self.live: Counter[str] = Counter()
+        self.phase = ""
+        self.peak, self.peak_phase, self.at_peak = 0, "", {}
+
+    def alloc(self, category: str, nbytes: int) -> None:
+        self.live[category] += nbytes
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.peak_phase, self.at_peak = total, self.phase, dict(self.live)
+
+    def free(self, category: str, nbytes: int) -> None:
+        self.live[category] -= nbytes
+
+
+@dataclass
+class Reduction:
+    """A unit's gradients between post-backward and acceptance into ``.grad``."""
+
+    rs_input: int  # bytes of the reduce-scatter input, freed once that collective is done
+    output: int  # bytes of the reduced shard
+    direct: bool  # the output becomes ``.grad`` as is (else: a cast or host copy, then freed)
+    stages: list[str]  # collectives still to issue
+    current: str | None = None  # the collective in flight
+
+
+class StepReplay:
+    """One steady-state training step of one rank, replayed onto a ``Tape``. See [Note: Plan model]."""
+
+    def __init__(self, config: PlanConfig, units: list[Unit]) -> None:
+        self.config, self.tape = config, Tape()
+        self.root, self.blocks = units[0], units[1:]
+        args = config.model
+        self.c = config.compute_dtype.itemsize
+        self.orig = config.dtype.itemsize
+        self.red = config.gradient_reduce_dtype.itemsize
+        self.cast = config.compute_dtype != config.dtype
+        # A shard group of one without cast or offload: the unsharded parameters are the shards.
+        self.alias = config.shard_size == 1 and not self.cast and not config.cpu_offload
+        tokens = config.batch_size * config.tokens_per_sequence
+        self.td = tokens * args.dim * self.c  # one (batch, seq, dim) activation
+        self.tf = 4 * self.td  # one MLP hidden activation
+        self.stat = tokens * self.c  # a LayerNorm mean or rstd
+        self.lse = tokens * args.n_heads * 4  # the attention's log-sum-exp (fp32)
+        self.pos = config.tokens_per_sequence * args.dim * self.c
+        self.logits = tokens * args.vocab_size * self.c
+        self.logits32 = tokens * args.vocab_size * 4  # the loss works in fp32
+        self.embedding_grad = args.vocab_size * args.dim * self.c
+        self.in_flight: dict[str, int] = {}  # unit -> bytes of its all-gather buffers
+        self.unsharded: set[str] = set()
+        self.reductions: list[Reduction] = []
+        self.activations = 0
+
+    def run(self) -> None:
+        t, units = self.tape, [self.root, *self.blocks]
+        if not self.config.cpu_offload:
+            t.alloc(PARAMS, sum(u.shard_numel for u in units) * self.orig)
+            t.alloc(OPTIM, sum(u.shard_numel for u in units) * self.orig * self.config.optimizer_states)
+        t.phase = "forward"
+        self.forward()
+        self.activations = t.live[ACTIVATIONS]
+        t.phase = "backward"
+        self.backward()
+        t.phase = "optimizer step"
+        self.optimizer_step(units)
+
+    # -- the engine ------------------------------------------------------------------
+    def gather(self, unit: Unit) -> None:
+        """``unshard()``: issue the all-gather; its buffers live until the copy-out."""
+        if unit.name in self.unsharded or unit.name in self.in_flight:
+            return
+        if self.alias:
+            self.unsharded.add(unit.name)
+            return
+        staged = 0  # the all-gather input when it is not the shard buffer itself
+        if self.cast:
+            staged = unit.shard_numel * self.c
+        elif self.config.cpu_offload and self.config.device == "cuda":  # the shards, copied from the host
+            staged = unit.shard_numel * self.orig
+        output = unit.gathered_numel * self.c if self.config.shard_size > 1 else 0
+        self.in_flight[unit.name] = staged + output
+        self.tape.alloc(GATHER, staged + output)
+
+    def wait(self, unit: Unit) -> None:
+        """``wait_for_unshard()``: copy-out into the unsharded parameters, then drop the buffers."""
+        nbytes = self.in_flight.pop(unit.name, None)
+        if nbytes is None:
+            return
+        self.tape.alloc(UNSHARDED, unit.gathered_numel * self.c)
+        self.tape.free(GATHER, nbytes)
+        self.unsharded.add(unit.name)
+
+    def reshard(self, unit: Unit) -> None:
+        if unit.name in self.unsharded:
+            self.unsharded.remove(unit.name)
+            if not self.alias:
+                self.tape.free(UNSHARDED, unit.gathered_numel * self.c)
+
+    def pre_backward(self, unit: Unit, prefetch: Unit | None) -> None:
+        self.gather(unit)
+        self.wait(unit)
+        if prefetch is not None:
+            self.gather(prefetch)
+
+    def post_backward(self, unit: Unit) -> None:
+        """Reshard, advance older reductions, copy the gradients into this unit's reduction."""
+        t, config = self.tape, self.config
+        self.reshard(unit)
+        self.reductions = [r for r in self.reductions if not self._advance(r)]
+        converted = unit.numel * self.red if self.red != self.c else 0
+        direct = self.red == self.orig and not config.cpu_offload
+        reduction = Reduction(
+            rs_input=unit.gathered_numel * self.red if config.shard_size > 1 else 0,
+            output=unit.shard_numel * self.red,
+            direct=direct,
+            stages=["reduce_scatter"] * (config.shard_size > 1) + ["all_reduce"] * (config.replicate_size > 1),
+        )
+        t.alloc(REDUCE, converted)
+        t.alloc(GRADS if direct else REDUCE, reduction.output)
+        t.alloc(REDUCE, reduction.rs_input)
+        # torch._chunk_cat on CPU pads each unevenly split gradient in a copy first.
+        padded = unit.uneven_padded_numel * self.red if config.device == "cpu" else 0
+        t.alloc(REDUCE, padded)
+        t.free(REDUCE, padded + converted)
+        t.free(UNSHARDED_GRADS, unit.numel * self.c)
+        if not self._advance(reduction):
+            self.reductions.append(reduction)
+
+    def _advance(self, reduction: Reduction) -> bool:
+        """Finish the collective in flight, start the next; True once accepted into ``.grad``."""
+        if reduction.current == "reduce_scatter":
+            self.tape.free(REDUCE, reduction.rs_input)
+        if reduction.stages:
+            reduction.current = reduction.stages.pop(0)
+            return False
+        if not reduction.direct:
+            if not self.config.cpu_offload:
+                self.tape.alloc(GRADS, reduction.output // self.red * self.orig)
+            self.tape.free(REDUCE, reduction.output)
+        return True
+
+    # -- the model -------------------------------------------------------------------
+    def forward(self) -> None:
+        t, root, blocks = self.tape, self.root, self.blocks
+        self.gather(root)
+        self.wait(root)
+        if blocks:
+            self.gather(blocks[0])  # implicit forward prefetch: the order of the previous step
+        t.alloc(ACTIVATIONS, self.td + self.pos + self.td)  # token and position embeddings, their sum
+        t.free(ACTIVATIONS, self.td + self.pos)
+        for i, block in enumerate(blocks):
+            self.wait(block)
+            if i + 1 < len(blocks):
+                self.gather(blocks[i + 1])
+            self._block_forward()
+            if self.config.reshard_after_forward:
+                self.reshard(block)
+        t.alloc(ACTIVATIONS, self.td + 2 * self.stat)  # final norm
+        t.alloc(ACTIVATIONS, self.logits)
+        if self.config.reshard_after_forward:
+            self.reshard(root)
+        # Transformer.loss: fp32 logits, log_softmax (saved); the logits die with the call.
+        if self.c != 4:
+            t.alloc(ACTIVATIONS, self.logits32)
+        t.alloc(ACTIVATIONS, self.logits32)
+        t.free(ACTIVATIONS, self.logits + (self.logits32 if self.c != 4 else 0))
+
+    def _block_forward(self) -> None:
+        t, td = self.tape, self.td
+        t.alloc(ACTIVATIONS, td + 2 * self.stat)  # attention_norm output (saved by wq, wk, wv)
+        t.alloc(ACTIVATIONS, 3 * td)  # q, k, v (saved by attention)
+        t.alloc(ACTIVATIONS, td + self.lse)  # attention output (saved by attention and wo)
+        t.alloc(ACTIVATIONS, 2 * td)  # wo output, residual sum h (saved by ffn_norm)
+        t.free(ACTIVATIONS, td)
+        t.alloc(ACTIVATIONS, td + 2 * self.stat)  # ffn_norm output (saved by w1)
+        t.alloc(ACTIVATIONS, 2 * self.tf)  # w1 output (saved by GELU), GELU output (saved by w2)
+        t.alloc(ACTIVATIONS, 2 * td)  # w2 output, block output
+        t.free(ACTIVATIONS, td)
+
+    def backward(self) -> None:
+        t, td, args = self.tape, self.td, self.config.model
+        t.alloc(ACTIVATIONS, 2 * self.logits32)  # gradients of nll_loss and log_softmax
+        t.free(ACTIVATIONS, 2 * self.logits32)  # nll's gradient, the saved log_softmax
+        if self.c != 4:
+            t.alloc(ACTIVATIONS, self.logits)  # cast back to the compute dtype
+            t.free(ACTIVATIONS, self.logits32)
+        self.pre_backward(self.root, self.blocks[-1] if self.blocks else None)
+        # Output projection: its weight gradient waits for the tied embedding's until the end.
+        t.alloc(UNSHARDED_GRADS, self.embedding_grad)
+        t.alloc(ACTIVATIONS, td)
+        t.free(ACTIVATIONS, self.logits + td)
+        t.alloc(ACTIVATIONS, td)  # final norm
+        t.alloc(UNSHARDED_GRADS, 2 * args.dim * self.c)
+        t.free(ACTIVATIONS, 2 * td + 2 * self.stat)
+        for i in reversed(range(len(self.blocks))):
+            self.pre_backward(self.blocks[i], self.blocks[i - 1] if i > 0 else None)
+            self._block_backward()
+            self.post_backward(self.blocks[i])
+        t.alloc(ACTIVATIONS, self.pos)  # position embedding: the batch sum, then its weight gradient
+        t.alloc(UNSHARDED_GRADS, args.max_seq_len * args.dim * self.c)
+        t.free(ACTIVATIONS, self.pos)
+        t.alloc(UNSHARDED_GRADS, self.embedding_grad)  # token embedding
+        t.free(ACTIVATIONS, td)
+        if args.weight_tying:  # summed out of place with the output projection's
+            t.alloc(UNSHARDED_GRADS, self.embedding_grad)
+            t.free(UNSHARDED_GRADS, 2 * self.embedding_grad)
+        self.post_backward(self.root)
+        for reduction in self.reductions:  # the end-of-backward callback
+            while not self._advance(reduction):
+                pass
+        self.reductions = []
+
+    def _block_backward(self) -> None:
+        """Op by op: each makes its gradients, then frees what it saved and the gradient it consumed."""
+        t, td, tf, dim, c = self.tape, self.td, self.tf, self.config.model.dim, self.c
+        square = dim * dim * c  # one (dim, dim) weight's gradient
+        # w2: grad of the GELU output, weight and bias grads; the GELU output is freed.
+        t.alloc(ACTIVATIONS, tf)
+        t.alloc(UNSHARDED_GRADS, 4 * square + dim * c)
+        t.free(ACTIVATIONS, tf)
+        # GELU: grad of the w1 output; the grad above and the w1 output are freed.
+        t.alloc(ACTIVATIONS, tf)
+        t.free(ACTIVATIONS, 2 * tf)
+        # w1: grad of the ffn_norm output, weight and bias grads; the GELU grad and norm output are freed.
+        t.alloc(ACTIVATIONS, td)
+        t.alloc(UNSHARDED_GRADS, 4 * square + 4 * dim * c)
+        t.free(ACTIVATIONS, tf + td)
+        # ffn_norm: grad of h, summed in place into the residual's; h, its stats and two grads are freed.
+        t.alloc(ACTIVATIONS, td)
+        t.alloc(UNSHARDED_GRADS, 2 * dim * c)
+        t.free(ACTIVATIONS, 3 * td + 2 * self.stat)
+        # wo: its weight grad and the grad of the attention output.
+        t.alloc(UNSHARDED_GRADS, square)
+        t.alloc(ACTIVATIONS, td)
+        # attention: grads of q, k, v; q, k, v, the output, its grad and the log-sum-exp are freed.
+        t.alloc(ACTIVATIONS, 3 * td)
+        t.free(ACTIVATIONS, 5 * td + self.lse)
+        # wv, wk, wq: a weight grad and an input grad each (freeing the grad of v, k, q); the first two
+        # input grads are summed out of place, the third joins the sum in place.
+        for projection in ("v", "k", "q"):
+            t.alloc(UNSHARDED_GRADS, square)
+            t.alloc(ACTIVATIONS, td)
+            t.free(ACTIVATIONS, td)
+            if projection == "k":
+                t.alloc(ACTIVATIONS, td)
+                t.free(ACTIVATIONS, 2 * td)
+        t.free(ACTIVATIONS, 2 * td)  # the attention_norm output, the third input grad
+        # attention_norm: grad of the block input, summed in place into the residual's; the norm's
+        # input grad, the block input, its stats and one grad are freed.
+        t.alloc(ACTIVATIONS, td)
+        t.alloc(UNSHARDED_GRADS, 2 * dim * c)
+        t.free(ACTIVATIONS, 3 * td + 2 * self.stat)
+
+    # -- the optimizer -----------------------------------------------------------------
+    def optimizer_step(self, units: list[Unit]) -> None:
+        t = self.tape
+        if not self.config.cpu_offload:  # under offload the optimizer steps in host memory
+            if self.config.device == "cpu":
+                temporary = 2 * max(u.largest_param_shard_numel for u in units) * self.orig
+            else:
+                temporary = sum(u.shard_numel for u in units) * self.orig
+            t.alloc(OPTIM_TEMP, temporary)
+            t.free(OPTIM_TEMP, temporary)
+        t.free(GRADS, t.live[GRADS])  # zero_grad(set_to_none=True)

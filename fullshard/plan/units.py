@@ -1,0 +1,87 @@
+"""The reference Transformer's units, their padded shards, and what each collective moves.
+
+``fully_shard(block)`` for every block, then ``fully_shard(model)``: the root
+unit holds the token and position embeddings, the final norm and (tied to the
+token embedding, so counted once) the output weight. Each parameter is split on
+dim 0 into chunks of ``ceil(rows / shard size)`` rows, padded; a unit's chunks
+sit back to back in one shard buffer (see [Note: Unit buffers] in
+``fullshard/_core/layout.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..models.transformer import ModelArgs
+from .config import PlanConfig
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit: its parameters as (rows, elements per row), sharded on dim 0 over ``shard_size`` ranks."""
+
+    name: str
+    shapes: tuple[tuple[int, int], ...]
+    shard_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        """This rank's shard buffer: every parameter's padded chunk."""
+        return sum(-(-rows // self.shard_size) * row for rows, row in self.shapes)
+
+    @property
+    def gathered_numel(self) -> int:
+        """The all-gather output, the unsharded parameters, the reduce-scatter input (padded)."""
+        return self.shard_size * self.shard_numel
+
+    @property
+    def numel(self) -> int:
+        """Unpadded: what autograd's gradients of the unsharded parameters hold."""
+        return sum(rows * row for rows, row in self.shapes)
+
+    @property
+    def uneven_padded_numel(self) -> int:
+        """The padded size of the parameters whose rows do not split evenly."""
+        return sum(-(-rows // self.shard_size) * self.shard_size * row for rows, row in self.shapes
+                   if rows % self.shard_size)
+
+    @property
+    def largest_param_shard_numel(self) -> int:
+        return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
+
+
+def model_units(args: ModelArgs, shard_size: int) -> list[Unit]:
+    """The root unit, then one unit per block, with ``Transformer``'s parameter shapes."""
+    dim, hidden = args.dim, 4 * args.dim
+    root = [(args.vocab_size, dim), (args.max_seq_len, dim), (dim, 1), (dim, 1)]
+    if not args.weight_tying:
+        root.append((args.vocab_size, dim))
+    norm = [(dim, 1), (dim, 1)]
+    block = norm + [(dim, dim)] * 4 + norm + [(hidden, dim), (hidden, 1), (dim, hidden), (dim, 1)]
+    return [Unit("root", tuple(root), shard_size)] + [
+        Unit(f"layers.{i}", tuple(block), shard_size) for i in range(args.n_layers)
+    ]
+
+
+def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes, calls) per step by collective, counted as ``comm.record_comms()`` counts them.
+
+    An all-gather counts its output and a reduce-scatter its input (the padded
+    unit), an all-reduce its tensor (the shard). Groups of one issue nothing.
+    """
+    nbytes: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    compute = config.compute_dtype.itemsize
+    reduce = config.gradient_reduce_dtype.itemsize
+    gathers = 2 if config.reshard_after_forward else 1  # again in backward when resharded after forward
+    for unit in units:
+        if config.shard_size > 1:
+            nbytes["all_gather"] += gathers * unit.gathered_numel * compute
+            calls["all_gather"] += gathers
+            nbytes["reduce_scatter"] += unit.gathered_numel * reduce
+            calls["reduce_scatter"] += 1
+        if config.replicate_size > 1:
+            nbytes["all_reduce"] += unit.shard_numel * reduce
+            calls["all_reduce"] += 1
+    return dict(nbytes), dict(calls)

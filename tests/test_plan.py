@@ -1,0 +1,326 @@
+"""``fullshard plan``: the estimator's arithmetic, the CLI, and the prediction against measured steps.
+
+The measured comparison runs the real engine (one unit per block plus the
+root, as in test_fully_shard_comm.py) at world sizes 1, 2 and 4 and checks the
+predicted peak memory per rank within 10% and the bytes per step exactly.
+"""
+
+import contextlib
+import ctypes
+import gc
+import itertools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import tomllib
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import fullshard
+from fullshard import MixedPrecisionPolicy, fully_shard, hybrid_mesh, replicate
+from fullshard._core import comm
+from fullshard.cli import plan as plan_cli
+from fullshard.cli.__main__ import main
+from fullshard.models import PRESETS, ModelArgs, Transformer, get_preset
+from fullshard.plan import STRATEGIES, PlanConfig, estimate
+from fullshard.plan.units import model_units
+from fullshard.testing import run_distributed
+
+# 66 and 253 rows do not split evenly over 4 ranks: padding is part of what is checked.
+ARGS = ModelArgs(n_layers=3, dim=66, n_heads=6, vocab_size=253, max_seq_len=30)
+BATCH = 2
+RANKS_PER_NODE = 2  # hybrid at world size 4: two "nodes" of two
+
+
+def meta_model(args: ModelArgs) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def padded_bytes(model: torch.nn.Module, shard_size: int) -> int:
+    """Bytes of all parameters, each padded to a multiple of shard_size rows (as fullshard pads)."""
+    total = 0
+    for param in model.parameters():
+        rows = param.shape[0]
+        total += -(-rows // shard_size) * shard_size * (param.numel() // rows) * param.element_size()
+    return total
+
+
+# -- the arithmetic ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("tied", [True, False])
+def test_units_are_the_models_parameters(name, tied):
+    args = get_preset(name, weight_tying=tied)
+    model = meta_model(args)
+    units = model_units(args, shard_size=1)
+    assert sum(u.numel for u in units) == args.num_params == sum(p.numel() for p in model.parameters())
+
+    def shapes(params):
+        return sorted((p.shape[0], p.numel() // p.shape[0]) for p in params)
+
+    root = [p for n, p in model.named_parameters() if not n.startswith("layers.")]
+    assert sorted(units[0].shapes) == shapes(root)
+    assert all(sorted(u.shapes) == shapes(model.layers[0].parameters()) for u in units[1:])
+    assert len(units) == args.n_layers + 1
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 7, 64, 10_000])
+def test_bytes_per_step_are_padded_parameter_multiples(world_size):
+    model = meta_model(ARGS)
+    padded, params = padded_bytes(model, world_size), padded_bytes(model, 1)
+
+    def comm_of(strategy, **kwargs):
+        return estimate(PlanConfig(ARGS, world_size, strategy, **kwargs)).comm
+
+    # Full sharding: all-gather in forward and backward, reduce-scatter once.
+    assert comm_of("full") == {"all_gather": 2 * padded, "reduce_scatter": padded}
+    assert comm_of("grad-op") == {"all_gather": padded, "reduce_scatter": padded}
+    assert comm_of("no-shard") == {"all_reduce": params}
+    hybrid = comm_of("hybrid", ranks_per_node=world_size)  # one node: plain full sharding
+    assert hybrid == comm_of("full")
+    # bf16 gathers move half the bytes; gradients are still reduced in fp32.
+    mixed = comm_of("full", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert mixed == {"all_gather": padded, "reduce_scatter": padded}
+
+
+def test_hybrid_reduces_within_nodes_and_all_reduces_across():
+    model = meta_model(ARGS)
+    plan = estimate(PlanConfig(ARGS, 64, "hybrid", ranks_per_node=8))
+    assert plan.comm == {
+        "all_gather": 2 * padded_bytes(model, 8),
+        "reduce_scatter": padded_bytes(model, 8),
+        "all_reduce": padded_bytes(model, 8) // 8,
+    }
+    assert plan.comm_calls == {"all_gather": 8, "reduce_scatter": 4, "all_reduce": 4}
+    with pytest.raises(ValueError, match="multiple of ranks_per_node for hybrid, but got 12 and 8"):
+        PlanConfig(ARGS, 12, "hybrid", ranks_per_node=8)
+
+
+def test_sharded_state_shrinks_with_world_size():
+    args = get_preset("gpt-125m")
+    sizes = [1, 2, 3, 4, 8, 16, 100, 512, 768, 1000, 4096, 10_000]
+    plans = [estimate(PlanConfig(args, size)) for size in sizes]
+    assert plans[0].params == plans[0].grads == 4 * args.num_params
+    assert plans[0].optimizer_states == 2 * plans[0].params
+    for before, after in itertools.pairwise(plans):
+        assert after.params <= before.params and after.optimizer_states <= before.optimizer_states
+    # The peak falls while every parameter has at least one row per rank (dim = 768 rows) ...
+    upto_dim = [p.peak for p in plans if p.config.world_size <= args.dim]
+    assert upto_dim == sorted(upto_dim, reverse=True)
+    # ... beyond that each (768, x) weight is padded to world-size rows: gathered units grow.
+    at_dim = plans[sizes.index(args.dim)]
+    assert plans[-1].largest_unit > at_dim.largest_unit and plans[-1].comm_bytes > 5 * at_dim.comm_bytes
+    no_shard = [estimate(PlanConfig(args, size, "no-shard")).peak for size in sizes]
+    assert no_shard == [no_shard[0]] * len(sizes)
+
+
+def test_ten_thousand_ranks_is_instant():
+    start = time.perf_counter()
+    for strategy in STRATEGIES:
+        plan = estimate(PlanConfig(get_preset("gpt-175b"), 10_000, strategy, ranks_per_node=8))
+        assert plan.peak > 0
+    assert time.perf_counter() - start < 1.0
+
+
+def test_mixed_precision_and_offload():
+    args = get_preset("gpt-1.3b")
+    fp32 = estimate(PlanConfig(args, 64))
+    bf16 = estimate(PlanConfig(args, 64, param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert bf16.largest_unit * 2 == fp32.largest_unit
+    assert bf16.activations < fp32.activations and bf16.peak < fp32.peak
+    assert bf16.params == fp32.params  # the shards and optimizer states stay fp32
+    offload = estimate(PlanConfig(args, 64, cpu_offload=True))
+    assert offload.host == fp32.params + fp32.grads + fp32.optimizer_states
+    assert offload.peak < fp32.peak and fp32.host == 0
+    assert not {"sharded params", "sharded grads", "optimizer states"} & set(offload.peak_breakdown)
+
+
+def test_breakdown_adds_up():
+    plan = estimate(PlanConfig(get_preset("gpt-7b"), 64, batch_size=2))
+    assert sum(plan.peak_breakdown.values()) == plan.peak
+    assert plan.peak_phase == "backward"
+    assert plan.peak_breakdown["optimizer states"] == plan.optimizer_states
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="strategy in"):
+        PlanConfig(ARGS, 2, "zero-3")
+    with pytest.raises(ValueError, match=r"seq_len in \[1, 30\] but got 31"):
+        PlanConfig(ARGS, 2, seq_len=31)
+    with pytest.raises(ValueError, match="get_preset expects one of gpt-tiny"):
+        get_preset("gpt-5")
+    assert get_preset("gpt-30m", n_layers=2, dim=None).n_layers == 2
+    assert round(get_preset("gpt-30m").num_params / 1e6, 1) == 32.1  # benchmarks/bench.py's model
+
+
+# -- the command line -------------------------------------------------------------------------
+def run_cli(*args: str) -> str:
+    root = os.path.dirname(os.path.dirname(fullshard.__file__))  # this checkout, also for the child
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "fullshard", *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_cli_table():
+    out = run_cli("plan", "--model", "gpt-tiny", "--world-size", "1-4", "--batch", "2", "--device", "cpu")
+    rows = [line.split() for line in out.splitlines() if line.startswith("full ")]
+    assert [row[1] for row in rows] == ["1", "2", "4"]
+    for row in rows:
+        plan = estimate(PlanConfig(get_preset("gpt-tiny"), int(row[1]), batch_size=2, device="cpu"))
+        assert " ".join(row[-4:]) == plan_cli.human_bytes(plan.peak) + " " + plan_cli.human_bytes(plan.comm_bytes)
+
+
+def test_cli_single_configuration_shows_its_peak(capsys):
+    assert main(["plan", "--model", "gpt-7b", "--world-size", "64", "--mixed-precision", "bf16",
+                 "--memory-limit", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "6.66B parameters (32 blocks, dim 4096" in out
+    assert "peak" in out and "during backward:" in out and "activations" in out
+    assert "all_gather 66 x" in out and "reduce_scatter 33 x" in out
+    assert out.splitlines()[4].split()[-1] == "yes"  # fits 80 GiB
+    main(["plan", "--strategy", "hybrid", "--world-size", "4", "12", "--ranks-per-node", "8"])
+    assert "(hybrid skips world sizes that are not multiples of 8: 12)" in capsys.readouterr().out
+
+
+def test_cli_world_size_ranges():
+    assert plan_cli.world_sizes("1-10") == [1, 2, 4, 8, 10]
+    assert plan_cli.world_sizes("64") == [64]
+    with pytest.raises(Exception, match="expects 1 <= A <= B"):
+        plan_cli.world_sizes("8-2")
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts["fullshard"] == "fullshard.cli.__main__:main"
+
+
+def test_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    main(["plan", "--model", "gpt-125m", "--world-size", "1-1024", "--plot", str(path), "--memory-limit", "24"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SystemExit, match=r"needs matplotlib: pip install 'fullshard\[plot\]'"):
+        main(["plan", "--plot", str(tmp_path / "plan.png")])
+
+
+# -- against the real engine ------------------------------------------------------------------
+@contextlib.contextmanager
+def _allocator_tracks_every_thread():
+    """Sets c10's FLAGS_caffe2_report_cpu_memory_usage for the block (see _measure_step)."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = False
+
+
+def _storage_bytes(tensors) -> int:
+    storages = {}
+    for tensor in tensors:
+        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _profiled_step_peak(step) -> tuple[int, list]:
+    """(peak bytes above the start, collective records) of one call of ``step``."""
+    with (
+        comm.record_comms() as records,
+        _allocator_tracks_every_thread(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        step()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == torch._C._profiler._EventType.Allocation:
+            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
+    events.sort()
+    start_total = events[0][2] - events[0][1]
+    return max(total for _, _, total in events) - start_total, records
+
+
+def _measure_step(strategy: str, bf16: bool) -> dict:
+    """Peak bytes allocated on this rank during a training step, and what a step communicated.
+
+    The profiler (``profile_memory=True``) records every CPU allocation and
+    free with the allocator's running total of live bytes; a step's peak is
+    the largest total minus the total before the step, plus what was alive
+    before it (shards and optimizer states, counted from their storages). The
+    allocator's reporter only hears frees on threads the profiler follows, and
+    gloo's worker threads sometimes drop the last reference to a collective's
+    tensors: FLAGS_caffe2_report_cpu_memory_usage makes it track every thread.
+    That late release is also why we keep the least peak of three steps: when
+    gloo's thread lets go of a finished collective's buffer after the engine
+    did, the step's peak can rise by up to one unit-sized buffer (timing, not
+    the engine's allocation pattern). Two warm-up steps come first (optimizer
+    states; the forward order that prefetch follows).
+    """
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    mesh = hybrid_mesh("cpu", RANKS_PER_NODE) if strategy == "hybrid" else None
+    for module in [*model.layers, model]:
+        if strategy == "no-shard":
+            replicate(module, mp_policy=mp)
+        else:
+            fully_shard(module, mesh=mesh, reshard_after_forward=strategy != "grad-op", mp_policy=mp)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(ARGS.vocab_size, (BATCH, ARGS.max_seq_len), generator=generator)
+
+    def step():
+        model.loss(tokens, tokens).backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    step()
+    gc.collect()
+    states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    before = _storage_bytes([*model.parameters(), *states])
+    peaks, records = zip(*(_profiled_step_peak(step) for _ in range(3)))
+    comm_bytes: dict[str, int] = {}
+    for record in records[0]:
+        comm_bytes[record.op] = comm_bytes.get(record.op, 0) + record.nbytes
+    return {
+        "peak": before + min(peaks),
+        "late_release": max(peaks) - min(peaks),
+        "comm": comm_bytes,
+        "shard_numels": [fully_shard.state(m).group.shard_buffer.numel() for m in [model, *model.layers]],
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy, world_size, bf16",
+    [("full", 1, False), ("full", 2, False), ("full", 4, False), ("grad-op", 2, False),
+     ("no-shard", 2, False), ("hybrid", 4, False), ("full", 4, True)],
+)
+def test_prediction_matches_measured_step(strategy, world_size, bf16):
+    measured = run_distributed(_measure_step, world_size, strategy, bf16)
+    config = PlanConfig(
+        ARGS, world_size, strategy, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None, device="cpu",
+    )
+    plan = estimate(config)
+    peak = max(rank["peak"] for rank in measured)  # rank 0: with padding it holds the most rows
+    late = max(rank["late_release"] for rank in measured)
+    print(f"{strategy} world {world_size}{' bf16' if bf16 else ''}: measured {peak} B (up to {late} B more when "
+          f"gloo releases late), predicted {plan.peak} B ({plan.peak / peak - 1:+.4%}); bytes/step measured "
+          f"{sum(measured[0]['comm'].values())}, predicted {plan.comm_bytes}")
+    assert measured[0]["shard_numels"] == [u.shard_numel for u in model_units(ARGS, config.shard_size)]
+    assert measured[0]["comm"] == plan.comm
+    assert plan.peak == pytest.approx(peak, rel=0.10)
