@@ -59,7 +59,7 @@ from ._core.state import get_state
 from .api import StateDictType
 from .state_dict import optim_state_dict, optim_state_dict_to_load, state_dict_type
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "exists", "load", "read_extra", "save"]
 
 FORMAT_VERSION = 1
 LATEST = "LATEST"
@@ -327,5 +327,30 @@ def load(
         model.load_state_dict(states["model"])
     if optimizer is not None:
         optimizer.load_state_dict(optim_state_dict_to_load(model, optimizer, states["optim"]))
+    return _read_extra(folder)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a complete checkpoint (one ``load`` would find)."""
+    try:
+        _resolve(os.fspath(path))
+    except CheckpointError:
+        return False
+    return True
+
+
+def read_extra(path: str | os.PathLike) -> Any:
+    """The ``extra`` of the newest complete checkpoint under ``path``, without loading any tensor.
+
+    Lets a program check what it is about to resume (a step, a configuration)
+    before it builds the model. Not a collective.
+
+    Raises:
+        CheckpointError: no complete checkpoint under ``path``.
+    """
+    return _read_extra(_resolve(os.fspath(path)))
+
+
+def _read_extra(folder: str) -> Any:
     extra_path = os.path.join(folder, EXTRA)
     return torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else None

@@ -25,6 +25,7 @@ from fullshard import MixedPrecisionPolicy, fully_shard, hybrid_mesh, replicate
 from fullshard._core import comm
 from fullshard.cli import plan as plan_cli
 from fullshard.cli.__main__ import main
+from fullshard.cli.text import human_bytes
 from fullshard.models import PRESETS, ModelArgs, Transformer, get_preset
 from fullshard.plan import STRATEGIES, PlanConfig, estimate
 from fullshard.plan.units import model_units
@@ -174,7 +175,7 @@ def test_cli_table():
     assert [row[1] for row in rows] == ["1", "2", "4"]
     for row in rows:
         plan = estimate(PlanConfig(get_preset("gpt-tiny"), int(row[1]), batch_size=2, device="cpu"))
-        assert " ".join(row[-4:]) == plan_cli.human_bytes(plan.peak) + " " + plan_cli.human_bytes(plan.comm_bytes)
+        assert " ".join(row[-4:]) == human_bytes(plan.peak) + " " + human_bytes(plan.comm_bytes)
 
 
 def test_cli_single_configuration_shows_its_peak(capsys):

@@ -1,9 +1,11 @@
 """The ``fullshard`` command line.
 
+    fullshard train                                  # a small GPT on 2 CPU ranks, with progress and summary
+    fullshard train --nproc 4 --strategy hybrid --shard-size 2 --checkpoint-dir ckpt
     fullshard plan --model gpt-7b --world-size 8 64 1024
     fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png
     fullshard plan --model gpt-30m --world-size 1 2 4 --batch 2 --device cpu
-    python -m fullshard plan --model gpt-tiny        # the same, without the console script
+    python -m fullshard train                        # the same, without the console script
 
 Each subcommand is one module of this package with ``HELP``, ``add_arguments(parser)``
 and ``run(args) -> int`` (the exit status); ``SUBCOMMANDS`` lists them.
@@ -14,10 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import plan
+from . import plan, train
 
-# `fullshard train` (issue 6) joins here as one more module with the same three names.
-SUBCOMMANDS = {"plan": plan}
+SUBCOMMANDS = {"train": train, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:

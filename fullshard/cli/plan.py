@@ -24,6 +24,7 @@ import torch
 
 from ..models import PRESETS, ModelArgs, get_preset
 from ..plan import STRATEGIES, Plan, PlanConfig, estimate
+from .text import align, describe_model, human_bytes
 
 HELP = "predict per-rank memory and bytes per step for a model, world sizes and strategies"
 
@@ -120,23 +121,6 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
     return plans, skipped
 
 
-def human_bytes(nbytes: float) -> str:
-    if nbytes < 1024:
-        return f"{nbytes:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        nbytes /= 1024
-        if nbytes < 1024 or unit == "TiB":
-            break
-    return f"{nbytes:.2f} {unit}"
-
-
-def describe_model(model: ModelArgs) -> str:
-    count = model.num_params
-    count_text = f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
-    return (f"{count_text} parameters ({model.n_layers} blocks, dim {model.dim}, {model.n_heads} heads, "
-            f"vocab {model.vocab_size}, seq {model.max_seq_len})")
-
-
 def describe_setup(args: argparse.Namespace, config: PlanConfig) -> str:
     precision = "fp32 compute" if config.param_dtype is None else f"{args.mixed_precision} compute, fp32 reduce"
     offload = ", CPU offload" if config.cpu_offload else ""
@@ -159,10 +143,7 @@ def format_table(plans: list[Plan], memory_limit: float | None) -> str:
         rows.append(row)
     if memory_limit is not None:
         header.append(f"fits {memory_limit:g} GiB")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-             for r in [header, *rows]]
-    return "\n".join(lines)
+    return align([header, *rows])
 
 
 def format_breakdown(plan: Plan) -> str:

@@ -1,0 +1,124 @@
+"""``fullshard train``: train a GPT preset on the embedded corpus over N ranks, launched by torchrun.
+
+    fullshard train                                       # gpt-tiny, 2 ranks, FULL_SHARD, 200 steps
+    fullshard train --nproc 4 --strategy hybrid --shard-size 2 --mixed-precision bf16
+    fullshard train --steps 1000 --checkpoint-dir ckpt    # Ctrl-C saves; then add --resume to go on
+    fullshard train --model gpt-30m --nproc 2 --batch 8 --metrics run.jsonl --sample 200
+    # two machines (run on each, node rank 0 and 1):
+    fullshard train --nnodes 2 --node-rank 0 --nproc 8 --master-addr host0 --master-port 29500
+
+The ranks are started by torchrun's own launcher (``torch.distributed.run``):
+gloo on CPUs, NCCL on GPUs. Rank 0 shows a progress bar (loss, tokens/s, each
+rank's peak memory) and ends with a summary table; ``--metrics`` also writes
+JSON lines. The model is built on the meta device and initialised shard by
+shard, with values that do not depend on the world size: the same seed gives
+the same loss curve on any number of ranks (up to float rounding), and
+``--resume`` continues it exactly, at any world size or strategy.
+
+Ctrl-C stops every rank after the same step and saves a checkpoint (with
+``--checkpoint-dir``); a second Ctrl-C, or a rank that dies, stops the others
+at once, and the newest complete checkpoint stays loadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.run import parse_args as parse_torchrun_args, run as torchrun
+
+from ..training.config import TrainConfig, add_arguments as add_training_arguments
+from ..training.resume import check_checkpoint_dir, saved_step
+
+HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
+
+__all__ = ["HELP", "add_arguments", "run", "torchrun_arguments"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    launch = parser.add_argument_group("launch (torchrun's options, passed through)")
+    launch.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=2,
+                        help="ranks on this machine (default 2)")
+    launch.add_argument("--nnodes", default="1", help="machines, or MIN:MAX for an elastic job")
+    launch.add_argument("--node-rank", type=int, default=0, help="this machine's index (static rendezvous)")
+    launch.add_argument("--master-addr", help="rank 0's machine (static rendezvous)")
+    launch.add_argument("--master-port", type=int, help="a free port on that machine")
+    launch.add_argument("--rdzv-backend", help="rendezvous backend, e.g. c10d")
+    launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous")
+    launch.add_argument("--rdzv-id", help="a job id shared by all machines")
+    add_training_arguments(parser)
+
+
+def torchrun_arguments(args: argparse.Namespace, config: TrainConfig) -> list[str]:
+    """torchrun's command line: the launch options, then this package's rank program and the config."""
+    options = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank)]
+    for flag in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+        value = getattr(args, flag)
+        if value is not None:
+            options += ["--" + flag.replace("_", "-"), str(value)]
+    return [*options, "--module", "fullshard.training", config.to_json()]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = TrainConfig.from_args(args)
+        if args.nproc < 1:
+            raise ValueError(f"--nproc expects at least 1 rank but got {args.nproc}")
+        if args.nnodes == "1":
+            config.validate_world(args.nproc)
+        check_checkpoint_dir(config)
+    except ValueError as exc:
+        print(f"fullshard train: {exc}", file=sys.stderr)
+        return 2
+    # torchrun would set 1 thread per rank (and warn); the ranks set their own count.
+    os.environ.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // args.nproc)))
+    try:
+        torchrun(parse_torchrun_args(torchrun_arguments(args, config)))
+    except ChildFailedError as exc:
+        print(_describe_failure(exc, config), file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        print(f"\nfullshard train: stopped by {exc.sigval.name}; every rank has exited."
+              + _checkpoint_hint(config), file=sys.stderr)
+        return 130
+    return 0
+
+
+def _root_cause(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that started it: a rank killed from outside (not by the launcher's own
+    SIGTERM), else the first rank that raised, else the first failure seen."""
+
+    def rank_of_cause(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
+        rank, failure = item
+        if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
+            kind = 0
+        else:
+            kind = 1 if failure.exitcode > 0 else 2
+        return kind, failure.timestamp, rank
+
+    return min(exc.failures.items(), key=rank_of_cause)
+
+
+def _describe_failure(exc: ChildFailedError, config: TrainConfig) -> str:
+    """Which rank failed and why, in a few lines."""
+    rank, failure = _root_cause(exc)
+    if failure.exitcode < 0:
+        why = f"was killed by {failure.signal_name()}"
+    else:
+        message = failure.message
+        text = (message.get("message", "") if isinstance(message, dict) else str(message)).strip()
+        why = f"exited with code {failure.exitcode}" + (f": {text.splitlines()[-1]}" if text else "")
+    return (f"\nfullshard train: rank {rank} (pid {failure.pid}) {why}\n"
+            "The other ranks were stopped." + _checkpoint_hint(config))
+
+
+def _checkpoint_hint(config: TrainConfig) -> str:
+    step = saved_step(config)
+    if step is None:
+        return ""
+    return (f"\nThe newest complete checkpoint (step {step}) is in {config.checkpoint_dir}: "
+            "run the same command with --resume to continue.")

@@ -1,0 +1,136 @@
+"""What one ``fullshard train`` run does: the flags, parsed once by the launcher, read by every rank.
+
+The launcher turns the flags into a ``TrainConfig`` and hands it to the ranks as
+JSON (one argument), so every rank runs exactly the configuration the user
+typed, validated once before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from ..models import PRESETS, ModelArgs, get_preset
+from .corpus import VOCAB_SIZE
+
+__all__ = ["MIXED_PRECISION", "STRATEGIES", "TrainConfig", "add_arguments"]
+
+STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
+MIXED_PRECISION = ("none", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run of a GPT preset on the embedded corpus.
+
+    ``batch`` is the global number of sequences per step (split evenly over the
+    ranks), so the loss curve does not depend on the world size.
+    """
+
+    model: str = "gpt-tiny"
+    layers: int | None = None
+    dim: int | None = None
+    heads: int | None = None
+    seq: int | None = None
+    strategy: str = "full"
+    shard_size: int | None = None
+    mixed_precision: str = "none"
+    cpu_offload: bool = False
+    steps: int = 200
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 20
+    clip: float = 1.0
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    resume: bool = False
+    metrics: str | None = None
+    sample: int = 0
+    threads: int | None = None
+
+    def model_args(self) -> ModelArgs:
+        """The preset with the overrides and the corpus's byte vocabulary."""
+        return get_preset(self.model, n_layers=self.layers, dim=self.dim, n_heads=self.heads,
+                          max_seq_len=self.seq, vocab_size=VOCAB_SIZE)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag for settings no rank could run."""
+        if self.model not in PRESETS:
+            raise ValueError(f"--model expects one of {', '.join(PRESETS)} but got {self.model!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy expects one of {', '.join(STRATEGIES)} but got {self.strategy!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"--mixed-precision expects one of {', '.join(MIXED_PRECISION)}")
+        for flag, value in (("--steps", self.steps), ("--batch", self.batch), ("--checkpoint-every",
+                            self.checkpoint_every)):
+            if value < 1:
+                raise ValueError(f"{flag} expects a positive number but got {value}")
+        if self.lr <= 0 or self.warmup < 0 or self.clip < 0 or self.sample < 0:
+            raise ValueError("--lr must be positive; --warmup, --clip and --sample must not be negative")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir (the folder to resume from)")
+        args = self.model_args()
+        if args.dim % args.n_heads:
+            raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.n_heads}")
+
+    def validate_world(self, world_size: int) -> None:
+        """Raises ValueError for settings that do not fit ``world_size`` ranks."""
+        if self.batch % world_size:
+            raise ValueError(f"--batch {self.batch} must be divisible by the number of ranks {world_size}")
+        if self.strategy == "hybrid":
+            shard = self.shard_size or world_size
+            if world_size % shard:
+                raise ValueError(f"--shard-size {shard} must divide the number of ranks {world_size}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
+        """The config from parsed flags (``add_arguments``), validated."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        config = cls(**{name: value for name, value in vars(args).items() if name in names})
+        config.validate()
+        return config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training flags, with ``TrainConfig``'s defaults."""
+    defaults = TrainConfig()
+    model = parser.add_argument_group("model (a preset, optionally changed; byte vocabulary)")
+    model.add_argument("--model", choices=list(PRESETS), default=defaults.model)
+    model.add_argument("--layers", type=int, help="number of transformer blocks")
+    model.add_argument("--dim", type=int, help="model width")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--seq", type=int, help="tokens per sequence")
+    sharding = parser.add_argument_group("sharding")
+    sharding.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
+                          help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), "
+                               "hybrid (shard within groups of --shard-size ranks, replicate across)")
+    sharding.add_argument("--shard-size", type=int,
+                          help="hybrid: ranks per shard group (default: ranks per node)")
+    sharding.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=defaults.mixed_precision,
+                          help="compute dtype; gradients are reduced in fp32 (fp16 adds a ShardedGradScaler)")
+    sharding.add_argument("--cpu-offload", action="store_true", help="shards, gradients and optimizer on the host")
+    training = parser.add_argument_group("training")
+    training.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in total")
+    training.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step, over all ranks")
+    training.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
+    training.add_argument("--warmup", type=int, default=defaults.warmup, help="linear warm-up steps, then cosine")
+    training.add_argument("--clip", type=float, default=defaults.clip, help="gradient norm clip (0: off)")
+    training.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order")
+    training.add_argument("--threads", type=int, help="CPU threads per rank (default: cores / local ranks)")
+    state = parser.add_argument_group("checkpoints and output")
+    state.add_argument("--checkpoint-dir", help="save sharded checkpoints here (and on Ctrl-C)")
+    state.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every, help="steps between saves")
+    state.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    state.add_argument("--metrics", help="append one JSON line per step (and a summary line) to this file")
+    state.add_argument("--sample", type=int, default=defaults.sample, metavar="BYTES",
+                       help="at the end, print this many bytes the model writes after a prompt")

@@ -1,0 +1,76 @@
+"""The model of a ``fullshard train`` run: built on the meta device, sharded, then initialised shard by shard.
+
+No rank ever holds the whole model. Each parameter is initialised from its
+own generator, seeded by (seed, parameter name): the rank draws the full
+tensor of that one parameter and keeps its rows. The values therefore do not
+depend on the world size or the strategy, and ``initialize(plain_model)``
+gives a single process the very same model (the parity reference).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from .._core.mesh import hybrid_mesh
+from ..fully_shard import fully_shard
+from ..models import Transformer, TransformerBlock
+from ..wrap import ModuleWrapPolicy
+from .config import TrainConfig
+
+__all__ = ["build_sharded_model", "initialize"]
+
+_INIT_STD = 0.02  # GPT-2's
+_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
+               "no-shard": ShardingStrategy.NO_SHARD}
+
+
+def _full_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """GPT-2 initialisation of one parameter: N(0, 0.02) matrices, unit norm scales, zero biases."""
+    if len(shape) >= 2:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=generator) * _INIT_STD
+    return torch.ones(shape) if name.endswith("norm.weight") else torch.zeros(shape)
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, seed: int) -> None:
+    """Gives every parameter of ``model`` (sharded or not) its deterministic initial value."""
+    for name, param in model.named_parameters():
+        full = _full_value(name, param.shape, seed)
+        if isinstance(param, DTensor):
+            mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(mine.to_local())
+        else:
+            param.copy_(full)
+
+
+def mixed_precision_policy(config: TrainConfig) -> MixedPrecisionPolicy:
+    """Compute in the chosen dtype, reduce gradients in fp32."""
+    dtype = _DTYPES[config.mixed_precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+
+
+def build_sharded_model(config: TrainConfig, device: torch.device) -> Transformer:
+    """The configured Transformer, one unit per block plus the root, initialised on ``device``."""
+    with torch.device("meta"):
+        model = Transformer(config.model_args())
+    if config.strategy == "hybrid":
+        sharding = {"mesh": hybrid_mesh(device.type, config.shard_size)}
+    else:
+        sharding = {"strategy": _STRATEGIES[config.strategy]}
+    fully_shard(
+        model,
+        policy=ModuleWrapPolicy({TransformerBlock}),
+        mp_policy=mixed_precision_policy(config),
+        offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+        **sharding,
+    )
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    initialize(model, config.seed)
+    return model

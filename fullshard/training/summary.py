@@ -1,0 +1,152 @@
+"""The record of a ``fullshard train`` run: progress-bar text, the closing table, the JSON summary.
+
+The table puts each rank's memory next to the unsharded model's: the model
+states (parameters, gradients, AdamW states) one process would hold, and the
+peak ``fullshard plan`` predicts for one process with the same per-rank batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cli.text import align, describe_model, human_bytes
+from ..plan import PlanConfig, estimate
+from .config import TrainConfig
+
+__all__ = ["RunResult", "print_summary"]
+
+_LOSS_WINDOW = 10  # steps averaged into the reported final loss
+_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    """What a run did, the same on every rank (statistics are agreed on every step)."""
+
+    config: TrainConfig
+    world_size: int
+    start_step: int
+    steps_done: int
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    model_states: list[int] = field(default_factory=list)
+    comm: dict[str, int] = field(default_factory=dict)
+    checkpoint_step: int | None = None
+    interrupted: bool = False
+    validation_loss: float | None = None
+    sample: str | None = None
+
+    def record_step(self, loss: float, seconds: float, peaks: list[int], model_states: list[int]) -> None:
+        """One finished step; ``peaks`` and ``model_states`` hold every rank's bytes."""
+        self.losses.append(loss)
+        self.step_seconds.append(seconds)
+        self.peaks, self.model_states = peaks, model_states
+        self.steps_done += 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch * self.config.model_args().max_seq_len
+
+    def tokens_per_second(self) -> float:
+        """Over the steps after the first (which pays for warm-up)."""
+        timed = self.step_seconds[1:] or self.step_seconds
+        return self.tokens_per_step * len(timed) / max(sum(timed), 1e-9)
+
+    def final_loss(self) -> float:
+        window = self.losses[-_LOSS_WINDOW:]
+        return sum(window) / len(window)
+
+    def progress_text(self) -> str:
+        if not any(self.peaks):
+            memory = "(measured in step 2)"
+        elif len(self.peaks) <= 4:
+            memory = "/".join(human_bytes(p) for p in self.peaks)
+        else:
+            memory = f"max {human_bytes(max(self.peaks))}"
+        recent = self.step_seconds[-_LOSS_WINDOW:]
+        speed = self.tokens_per_step * len(recent) / max(sum(recent), 1e-9)
+        return f"loss {self.losses[-1]:.4f}, {speed:,.0f} tok/s, peak mem {memory}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config), "world_size": self.world_size,
+            "start_step": self.start_step, "steps_done": self.steps_done, "interrupted": self.interrupted,
+            "final_loss": self.final_loss() if self.losses else None, "validation_loss": self.validation_loss,
+            "tokens_per_s": self.tokens_per_second() if self.step_seconds else None,
+            "peak_memory": self.peaks, "model_state_bytes": self.model_states, "comm_bytes_per_step": self.comm,
+            "unsharded_model_state_bytes": unsharded_model_state_bytes(self.config),
+            "checkpoint_step": self.checkpoint_step,
+        }
+
+
+def unsharded_model_state_bytes(config: TrainConfig) -> int:
+    """fp32 parameters, gradients and AdamW's two states of the whole model, in one process."""
+    return config.model_args().num_params * 4 * 4
+
+
+def _predicted_peaks(result: RunResult) -> tuple[int, int]:
+    """``fullshard plan``'s peak per rank for this run, and for one unsharded process."""
+    config = result.config
+    compute = _DTYPES[config.mixed_precision]
+    common = {"batch_size": config.batch // result.world_size, "param_dtype": compute,
+              "reduce_dtype": torch.float32 if compute else None, "cpu_offload": config.cpu_offload,
+              "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    sharded = PlanConfig(config.model_args(), result.world_size, config.strategy,
+                         ranks_per_node=config.shard_size or result.world_size, **common)
+    alone = PlanConfig(config.model_args(), 1, "no-shard", **common)
+    return estimate(sharded).peak, estimate(alone).peak
+
+
+def print_summary(result: RunResult) -> None:
+    config = result.config
+    precision = "fp32" if config.mixed_precision == "none" else f"{config.mixed_precision} compute, fp32 reduce"
+    offload = ", CPU offload" if config.cpu_offload else ""
+    lines = [
+        "",
+        f"{config.model}: {describe_model(config.model_args())}",
+        f"{result.world_size} ranks, strategy {config.strategy}, {precision}{offload}; "
+        f"{config.batch} x {config.model_args().max_seq_len} tokens per step",
+    ]
+    if result.interrupted:
+        lines.append(f"interrupted (Ctrl-C) after step {result.steps_done} of {config.steps}")
+    ran = result.steps_done - result.start_step
+    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+    rows = [["steps", f"{result.steps_done}{resumed}"]]
+    if ran:
+        rows += [
+            ["final loss", f"{result.final_loss():.4f} (mean of the last {min(ran, _LOSS_WINDOW)} steps)"],
+            ["throughput", f"{result.tokens_per_second():,.0f} tokens/s"],
+            ["comm per step and rank", human_bytes(sum(result.comm.values())) + "".join(
+                f", {op} {human_bytes(n)}" for op, n in sorted(result.comm.items()))],
+        ]
+    if result.validation_loss is not None:
+        rows.append(["validation loss", f"{result.validation_loss:.4f}"])
+    if result.checkpoint_step is not None:
+        rows.append(["checkpoint", f"{config.checkpoint_dir} (step {result.checkpoint_step})"])
+    width = max(len(label) for label, _ in rows) + 2
+    lines += [""] + [f"{label:<{width}}{value}" for label, value in rows]
+    if ran:
+        lines += ["", _memory_table(result)]
+    if result.sample is not None:
+        lines += ["", "sample: " + repr(result.sample)]
+    print("\n".join(lines), flush=True)
+
+
+def _memory_table(result: RunResult) -> str:
+    predicted, predicted_alone = _predicted_peaks(result)
+    rows = [["memory", "model states", "peak, measured", "peak, predicted"]]
+    ranks = range(result.world_size) if result.world_size <= 8 else [0, result.world_size - 1]
+    for rank in ranks:
+        rows.append([f"rank {rank}", human_bytes(result.model_states[rank]), human_bytes(result.peaks[rank]),
+                     human_bytes(predicted)])
+    rows.append(["one process, unsharded", human_bytes(unsharded_model_state_bytes(result.config)), "-",
+                 human_bytes(predicted_alone)])
+    return align(rows) + (
+        "\n(model states: parameters, gradients and AdamW states; peak: the most a step holds at once"
+        + ("" if torch.cuda.is_available() else ", measured in step 2 on CPU") + "; predictions: fullshard plan)"
+    )
