@@ -31,7 +31,7 @@ from .resume import resume, save
 from .stop import StopRequest
 from .summary import RunResult, print_summary
 
-__all__ = ["learning_rate", "train"]
+__all__ = ["learning_rate", "make_optimizer", "train"]
 
 _MIN_LR_FRACTION = 0.1
 _VALIDATION_BATCHES = 4
@@ -75,6 +75,11 @@ def _device() -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with GPT-style betas and weight decay (the learning rate is set every step)."""
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, scaler: ShardedGradScaler | None,
@@ -135,7 +140,7 @@ def train(config: TrainConfig) -> RunResult:
     memory = PeakMemory(device)
     corpus = Corpus()
     model = build_sharded_model(config, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(model, config)
     scaler = ShardedGradScaler(device=device.type) if config.mixed_precision == "fp16" else None
     start = resume(config, model, optimizer, scaler)
     metrics = MetricsFile(config.metrics if rank == 0 else None, resumed_at=start)
