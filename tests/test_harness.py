@@ -1,4 +1,5 @@
-"""The multi-process harness: results, failures with rank and traceback, hangs, crashes."""
+"""The multi-process harness: results, failures with rank and traceback, hangs, crashes;
+and the one-process parity reference."""
 
 import os
 import time
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard.testing import RankFailure, RankTimeout, distributed, run_distributed
+from fullshard.testing import DataParallelReference, RankFailure, RankTimeout, distributed, run_distributed
 
 
 def _rank_and_sum():
@@ -71,3 +72,19 @@ def test_local_functions_are_rejected():
 def test_decorator_forwards_parameters(value):
     assert value in (3, 5) and dist.get_world_size() == 2
     assert torch.get_num_threads() == 1
+
+
+def test_reference_casts_parameters_not_buffers():
+    """Mixed precision casts parameters only: so must the one-process reference
+    (a bf16 rotary ``inv_freq`` buffer made Llama's reference diverge)."""
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("scale", torch.ones(2))
+    seen = []
+
+    def loss_fn(module, batch):
+        seen.append((module.weight.dtype, module.scale.dtype))
+        return (module(batch[0].to(module.weight.dtype)) * module.scale).sum()
+
+    DataParallelReference(model, loss_fn, torch.bfloat16).backward([(torch.ones(1, 2),)] * 2)
+    assert seen == [(torch.bfloat16, torch.float32)] * 2
+    assert model.weight.dtype == model.weight.grad.dtype == model.scale.dtype == torch.float32

@@ -128,7 +128,8 @@ class DataParallelReference:
     across ranks gives the sharded model. With ``param_dtype``, each rank's
     batch runs on a copy cast to that dtype and its gradients are cast back
     before averaging: the arithmetic of mixed precision with a full-precision
-    reduction, reproduced in one process.
+    reduction, reproduced in one process. Buffers keep their dtype, as mixed
+    precision leaves them (Llama's rotary ``inv_freq`` must stay fp32).
     """
 
     def __init__(
@@ -149,7 +150,7 @@ class DataParallelReference:
         total = torch.zeros(())
         summed: list[torch.Tensor | None] | None = None
         for batch in rank_batches:
-            replica = copy.deepcopy(self.model).to(self.param_dtype) if self.param_dtype else self.model
+            replica = low_precision_copy(self.model, self.param_dtype) if self.param_dtype else self.model
             for micro in zip(*(t.chunk(num_microbatches) for t in batch)):
                 loss = self.loss_fn(replica, micro) / num_microbatches
                 total += loss.detach().float()
@@ -166,3 +167,16 @@ class DataParallelReference:
             for param, grad in zip(self.model.parameters(), summed):
                 param.grad = grad / num_ranks if grad is not None else None
         return total / num_ranks
+
+
+def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` with its floating parameters (not buffers) cast to ``dtype``.
+
+    ``model.to(dtype)`` would cast floating buffers too, which neither
+    ``MixedPrecisionPolicy`` nor ``MixedPrecision`` without ``buffer_dtype`` does.
+    """
+    replica = copy.deepcopy(model)
+    for param in replica.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return replica
