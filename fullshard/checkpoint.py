@@ -43,6 +43,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 import zlib
 from typing import Any, Iterator
 
@@ -78,6 +79,15 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silences DCP's warning that it assumes a single process: without a process group, we mean it."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -192,7 +202,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         dist.barrier()
     writer = FileSystemWriter(folder)
     writer.fs = _ChecksummingFileSystem()
-    dcp.save(_for_dcp(_states(model, optimizer)), storage_writer=writer, no_dist=not _distributed())
+    with _single_process_is_intended():
+        dcp.save(_for_dcp(_states(model, optimizer)), storage_writer=writer, no_dist=not _distributed())
     mine = {name: info for name, info in writer.fs.records.items() if name.startswith("__")}
     every = comm.all_gather_objects(mine) if _distributed() else [mine]
     if _rank() == 0:
@@ -319,7 +330,8 @@ def load(
         _init_optimizer_states(optimizer)
     states = _for_dcp(_states(model, optimizer))
     try:
-        dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())
+        with _single_process_is_intended():
+            dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # DCP's derives from BaseException
         _verify(folder, checksums=True)  # names a damaged file, if one is the cause
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {exc}") from exc

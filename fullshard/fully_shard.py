@@ -201,6 +201,7 @@ def fully_shard(
             an ignored parameter/module is not in the module.
     """
     validate_module(module, "fully_shard")
+    requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
     mesh, replicate_only, reshard_after_forward = _resolve_strategy(module, mesh, strategy, reshard_after_forward)
     validate_dtensor_meshes(module, mesh.device_type)
     mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
@@ -208,7 +209,7 @@ def fully_shard(
     ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
     if policy is not None:
         arguments = dict(
-            mesh=mesh_info.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+            mesh=mesh_info.mesh, reshard_after_forward=requested_reshard, mp_policy=mp_policy,
             offload_policy=offload_policy, strategy=strategy,
         )
         for child, overrides in select_modules(module, policy, ignored):
@@ -238,6 +239,11 @@ def _resolve_strategy(
         validate_mesh(mesh)
         return mesh, False, reshard_after_forward
     keeps = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if reshard_after_forward is not None and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            f"fully_shard expects no reshard_after_forward with NO_SHARD (parameters are never sharded) but got "
+            f"reshard_after_forward={reshard_after_forward} for {module_class_name(module)}"
+        )
     if reshard_after_forward is not None and keeps == bool(reshard_after_forward):
         raise ValueError(
             f"fully_shard expects either strategy or reshard_after_forward, but got {strategy.name} with "

@@ -116,6 +116,7 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
         run_distributed(_save_twice_dying, 2, path, True, timeout=60)
     versions = [n for n in os.listdir(path) if n.startswith("v")]
     assert len(versions) == 2  # the complete one and the broken one
+    assert ckpt.exists(path) and ckpt.read_extra(path) == {"step": 1}  # without loading a tensor
     extra, loss = run_distributed(_load_step, 2, path)[0]
     assert extra == {"step": 1}  # LATEST still names the complete one
     # Reference: the same model resumed from step 1 without any crash.
@@ -159,3 +160,6 @@ def test_truncated_or_corrupt_file_is_named(tmp_path):
     os.remove(os.path.join(path, "LATEST"))
     with pytest.raises(ckpt.CheckpointError, match="LATEST is missing"):
         ckpt.load(path, make_model(), None)
+    assert not ckpt.exists(path) and not ckpt.exists(tmp_path / "nowhere")
+    with pytest.raises(ckpt.CheckpointError, match="LATEST is missing"):
+        ckpt.read_extra(path)

@@ -79,6 +79,19 @@ def test_no_shard_root_over_sharded_submodule():
 
 
 @distributed(world_size=2)
+def test_no_shard_with_a_policy_replicates_every_unit():
+    """The policy's units get the strategy as the user gave it (a regression: they got the root's
+    resolved reshard_after_forward=False, which NO_SHARD then rejected)."""
+    ref = CompositeParamModel()
+    model = fully_shard(copy.deepcopy(ref), policy=ModuleWrapPolicy({UnitModule}), strategy=ShardingStrategy.NO_SHARD)
+    assert all(get_state(unit) is not None for unit in (model.u1, model.u2))
+    assert model.u1.l1.weight.to_local().shape == (16, 16)  # replicated
+    counts = train_and_compare(model, ref, composite_loss, composite_batch)
+    assert counts["all_reduce"] == 3 * 5 and counts["reduce_scatter"] == 0
+    assert_params_equal(model, ref)
+
+
+@distributed(world_size=2)
 def test_shard_grad_op_keeps_parameters_after_forward():
     ref = CompositeParamModel()
     model = fully_shard(copy.deepcopy(ref), policy=ModuleWrapPolicy({UnitModule}), strategy=ShardingStrategy.SHARD_GRAD_OP)
@@ -119,6 +132,11 @@ def test_ignored_modules():
 def test_strategy_errors():
     with pytest.raises(ValueError, match=r"either strategy or reshard_after_forward, but got SHARD_GRAD_OP with reshard_after_forward=True for CompositeParamModel"):
         fully_shard(CompositeParamModel(), strategy=ShardingStrategy.SHARD_GRAD_OP, reshard_after_forward=True)
+    with pytest.raises(ValueError, match=r"either strategy or reshard_after_forward, but got FULL_SHARD with reshard_after_forward=False"):
+        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.FULL_SHARD, reshard_after_forward=False)
+    for reshard in (True, False):
+        with pytest.raises(ValueError, match=rf"no reshard_after_forward with NO_SHARD \(parameters are never sharded\) but got reshard_after_forward={reshard} for CompositeParamModel"):
+            fully_shard(CompositeParamModel(), strategy=ShardingStrategy.NO_SHARD, reshard_after_forward=reshard)
     with pytest.raises(ValueError, match=r"2D DeviceMesh for HYBRID_SHARD but got DeviceMesh\(\[0, 1\]\)"):
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -59,6 +59,18 @@ def test_crashed_rank_is_reported():
     assert run_distributed(_rank_and_sum, 2) == [(0, 2), (1, 2)]
 
 
+def _return_a_tensor_that_requires_grad():
+    return torch.ones(2, requires_grad=True) * 2  # cannot cross a process boundary
+
+
+def test_unsendable_result_is_reported_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="could not send the result back.*detach"):
+        run_distributed(_return_a_tensor_that_requires_grad, 2, timeout=60)
+    assert time.monotonic() - start < 30
+    assert run_distributed(_rank_and_sum, 2) == [(0, 2), (1, 2)]
+
+
 def test_local_functions_are_rejected():
     def local():
         return 1

@@ -29,6 +29,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -123,9 +124,12 @@ def _worker_main(
         if not ok:
             print(value, flush=True)
         try:
-            results.put((task.task_id, rank, ok, value, failed_at))
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
-            results.put((task.task_id, rank, False, f"could not send the result back: {exc!r}", time.time()))
+            # The queue pickles in a background thread, where a failure would be
+            # lost and the test would time out: pickle here first.
+            ForkingPickler.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tensor that requires grad
+            ok, value, failed_at = False, f"could not send the result back: {exc!r}", time.time()
+        results.put((task.task_id, rank, ok, value, failed_at))
 
 
 class RankPool:

@@ -192,6 +192,7 @@ def train(config: TrainConfig) -> RunResult:
         result.validation_loss = _validation_loss(model, corpus, config, device)
         if config.sample:
             result.sample = _sample(model, corpus, config.sample, config.seed, device)
+        model.reshard()  # the root keeps its parameters after a forward without backward
     if rank == 0:
         print_summary(result)
     metrics.write({"summary": result.as_json()})

@@ -1,0 +1,313 @@
+"""``fullshard train``: parity with one process for every strategy, exact resume, Ctrl-C, a dead rank, bad flags.
+
+The in-process tests run ``fullshard.training.train`` on the rank pool (what
+each torchrun rank runs); the command-line tests start the real command, whose
+ranks torchrun launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import checkpoint
+from fullshard.cli.__main__ import main as cli_main
+from fullshard.cli.train import torchrun_arguments
+from fullshard.models import Transformer
+from fullshard.testing import DataParallelReference, full_value, run_distributed
+from fullshard.training import TrainConfig, loop
+from fullshard.training.corpus import Corpus
+from fullshard.training.model import initialize
+
+SMALL = TrainConfig(layers=2, dim=32, heads=4, seq=16, batch=8, steps=6, warmup=2, lr=3e-3)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- in-process: parity with one process -------------------------------------------------------
+
+
+def _train_capturing_model(config: TrainConfig, stop_at_step: int | None = None) -> dict:
+    """Runs ``train`` on this rank; returns its result and the final full parameters.
+
+    ``stop_at_step``: rank 1 (or 0 alone) sends itself SIGINT during that step,
+    as Ctrl-C would.
+    """
+    built = {}
+    original = loop.build_sharded_model
+
+    def build(*args):
+        model = built["model"] = original(*args)
+        if stop_at_step is not None and dist.get_rank() == min(1, dist.get_world_size() - 1):
+            calls = iter(range(10**9))
+            model.register_forward_pre_hook(
+                lambda *_: os.kill(os.getpid(), signal.SIGINT) if next(calls) == stop_at_step else None
+            )
+        return model
+
+    loop.build_sharded_model = build
+    try:
+        result = loop.train(config)
+    finally:
+        loop.build_sharded_model = original
+    params = {name: full_value(p).detach().clone() for name, p in built["model"].named_parameters()}
+    return {"result": result, "params": params}
+
+
+def _reference(config: TrainConfig, world_size: int) -> tuple[list[float], float, dict]:
+    """One process doing what ``world_size`` ranks do: losses, validation loss, final parameters."""
+    model = Transformer(config.model_args())
+    initialize(model, config.seed)
+    compute = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mixed_precision]
+    reference = DataParallelReference(model, lambda m, batch: m.loss(*batch), param_dtype=compute)
+    optimizer = loop.make_optimizer(model, config)
+    corpus = Corpus()
+    losses = []
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = loop.learning_rate(config, step)
+        inputs, targets = corpus.batch(step, config.seed, config.batch, model.args.max_seq_len)
+        losses.append(reference.backward(list(zip(inputs.chunk(world_size), targets.chunk(world_size)))).item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        validation = sum(
+            model.loss(*corpus.batch(i, config.seed, config.batch, model.args.max_seq_len, validation=True)).item()
+            for i in range(4)
+        ) / 4
+    return losses, validation, dict(model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "world_size, changes",
+    [
+        (1, {}),
+        (2, {}),
+        (2, {"strategy": "grad-op"}),
+        (2, {"strategy": "no-shard"}),
+        (2, {"cpu_offload": True}),
+        (4, {"strategy": "hybrid", "shard_size": 2}),
+        (4, {"strategy": "full"}),
+        (2, {"mixed_precision": "bf16"}),
+    ],
+    ids=["1-full", "2-full", "2-grad-op", "2-no-shard", "2-offload", "4-hybrid", "4-full", "2-bf16"],
+)
+def test_training_equals_one_process(world_size, changes):
+    config = dataclasses.replace(SMALL, **changes)
+    run = run_distributed(_train_capturing_model, world_size, config)[0]
+    result = run["result"]
+    losses, validation, params = _reference(config, world_size)
+    tolerance = {"rtol": 2e-3, "atol": 2e-3} if config.mixed_precision == "bf16" else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), **tolerance)
+    torch.testing.assert_close(result.validation_loss, validation, **tolerance)
+    assert list(run["params"]) == list(params)
+    for name, value in run["params"].items():
+        torch.testing.assert_close(value, params[name].detach(), **tolerance, msg=lambda m: f"{name}: {m}")
+    assert result.losses[-1] < result.losses[0]
+    assert len(result.peaks) == world_size and all(p > 0 for p in result.peaks)
+    assert result.model_states and result.comm  # measured (one rank alone still clips: an all-reduce)
+
+
+def test_fp16_with_loss_scaling_trains():
+    """fp16 compute with ShardedGradScaler: every step finite, the loss falls, close to fp32."""
+    config = dataclasses.replace(SMALL, mixed_precision="fp16", steps=8)
+    result = run_distributed(_train_capturing_model, 2, config)[0]["result"]
+    fp32 = run_distributed(_train_capturing_model, 2, dataclasses.replace(config, mixed_precision="none"))[0]
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(fp32["result"].losses), rtol=2e-2, atol=2e-2)
+
+
+def test_model_does_not_depend_on_world_size_or_strategy():
+    """The shard-by-shard initialisation gives every layout the same full model."""
+    one = run_distributed(_train_capturing_model, 1, dataclasses.replace(SMALL, steps=1))[0]
+    four = run_distributed(_train_capturing_model, 4, dataclasses.replace(SMALL, steps=1, strategy="hybrid",
+                                                                           shard_size=2))[0]
+    assert one["result"].losses[0] == pytest.approx(four["result"].losses[0], rel=1e-6)
+
+
+# -- in-process: checkpoints, resume, Ctrl-C --------------------------------------------------
+
+
+def test_resume_after_ctrl_c_continues_the_loss_curve_exactly(tmp_path):
+    config = dataclasses.replace(SMALL, steps=8)
+    straight = run_distributed(_train_capturing_model, 2, config)[0]["result"]
+
+    saving = dataclasses.replace(config, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=100,
+                                 metrics=str(tmp_path / "metrics.jsonl"))
+    stopped = run_distributed(_train_capturing_model, 2, saving, stop_at_step=4)[0]["result"]
+    assert stopped.interrupted and stopped.steps_done == 5 and stopped.checkpoint_step == 5
+    assert stopped.losses == straight.losses[:5]
+    assert checkpoint.read_extra(saving.checkpoint_dir)["step"] == 5
+
+    resumed = run_distributed(_train_capturing_model, 2, dataclasses.replace(saving, resume=True))[0]["result"]
+    assert resumed.start_step == 5 and resumed.steps_done == 8
+    assert resumed.losses == straight.losses[5:]  # bit for bit
+    assert resumed.validation_loss == straight.validation_loss
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "step" in line] == list(range(1, 9))  # one curve, no repeats
+    assert [line["loss"] for line in lines if "step" in line] == straight.losses
+    assert lines[-1]["summary"]["start_step"] == 5
+
+
+def test_resume_at_another_world_size_and_strategy(tmp_path):
+    config = dataclasses.replace(SMALL, steps=8, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4)
+    straight = run_distributed(_train_capturing_model, 2, dataclasses.replace(config, checkpoint_dir=None))[0]
+    run_distributed(_train_capturing_model, 4, config, stop_at_step=3)
+    resumed = run_distributed(_train_capturing_model, 2,
+                              dataclasses.replace(config, resume=True, strategy="grad-op"))[0]["result"]
+    assert resumed.start_step == 4
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight["result"].losses[4:]),
+                               rtol=1e-5, atol=1e-5)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def _command(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "fullshard", "train", *flags]
+
+
+def _start(flags: list[str], tmp_path: Path) -> subprocess.Popen:
+    """The command in its own session (as a terminal would run it), output to files."""
+    return subprocess.Popen(
+        _command(*flags), cwd=tmp_path, start_new_session=True, text=True,
+        stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def _wait_for_steps(metrics: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended early"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} steps within {timeout} s")
+
+
+def _wait(process: subprocess.Popen, tmp_path: Path, timeout: float = 90) -> tuple[int, str, str]:
+    """The exit code, stdout and stderr; the whole session is killed if it overstays."""
+    try:
+        code = process.wait(timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return code, (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+
+
+def _session_alive(process: subprocess.Popen) -> bool:
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+SMALL_FLAGS = ["--nproc", "2", "--layers", "2", "--dim", "32", "--seq", "16", "--batch", "8"]
+
+
+def test_command_trains_with_progress_summary_metrics_and_checkpoint(tmp_path):
+    flags = [*SMALL_FLAGS, "--steps", "6", "--checkpoint-dir", "ckpt", "--checkpoint-every", "4", "--metrics", "metrics.jsonl", "--sample", "12"]
+    code, out, err = _wait(_start(flags, tmp_path), tmp_path)
+    assert code == 0, err
+    assert "fullshard train: 100%" in err and "tok/s" in err and "peak mem" in err  # the progress bar
+    for row in ("steps", "final loss", "throughput", "comm per step and rank", "validation loss",
+                "checkpoint", "rank 0", "rank 1", "one process, unsharded", "sample: 'Alice "):
+        assert row in out, f"{row!r} missing from the summary:\n{out}"
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines[:-1]] == [1, 2, 3, 4, 5, 6]
+    summary = lines[-1]["summary"]
+    assert summary["steps_done"] == 6 and summary["world_size"] == 2 and summary["checkpoint_step"] == 6
+    # Sharded: each rank holds about half of the unsharded model's parameters, gradients and AdamW states.
+    for held in summary["model_state_bytes"]:
+        assert 0.45 < held / summary["unsharded_model_state_bytes"] < 0.6
+    assert checkpoint.read_extra(tmp_path / "ckpt")["step"] == 6
+
+
+def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path):
+    saving = ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1000", "--metrics", "metrics.jsonl"]
+    process = _start([*SMALL_FLAGS, "--steps", "1000000", *saving], tmp_path)
+    _wait_for_steps(tmp_path / "metrics.jsonl", 3, process)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    code, out, err = _wait(process, tmp_path, timeout=60)
+    assert code == 130, err
+    assert "stopped by SIGINT; every rank has exited" in err
+    assert "interrupted (Ctrl-C) after step" in out
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:-1]]
+    saved = checkpoint.read_extra(tmp_path / "ckpt")["step"]
+    assert saved == steps[-1] >= 3  # saved after the last step every rank finished
+    assert f"The newest complete checkpoint (step {saved})" in err
+    assert not _session_alive(process)
+
+    code, out, err = _wait(_start([*SMALL_FLAGS, "--steps", str(saved + 2), *saving, "--resume"], tmp_path), tmp_path)
+    assert code == 0, err
+    assert f"{saved + 2} (resumed at step {saved})" in out
+    steps = [json.loads(line).get("step") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [*range(1, saved + 3), None]  # one continuous curve, then the summary
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
+    process = _start([*SMALL_FLAGS, "--steps", "1000000", "--metrics", "metrics.jsonl"], tmp_path)
+    _wait_for_steps(tmp_path / "metrics.jsonl", 2, process)
+    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    rank1 = [pid for pid in workers if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
+    assert len(rank1) == 1, workers
+    os.kill(rank1[0], signal.SIGKILL)
+    code, out, err = _wait(process, tmp_path, timeout=60)
+    assert code == 1
+    assert f"fullshard train: rank 1 (pid {rank1[0]}) was killed by SIGKILL" in err
+    assert "The other ranks were stopped." in err
+    assert not _session_alive(process)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch", "3"], "--batch 3 must be divisible by the number of ranks 2"),
+        (["--nproc", "4", "--strategy", "hybrid", "--shard-size", "3", "--batch", "8"],
+         "--shard-size 3 must divide the number of ranks 4"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--resume", "--checkpoint-dir", "{empty}"], "--resume: no complete checkpoint in"),
+        (["--checkpoint-dir", "{saved}"], "already holds a checkpoint (step 3): add --resume"),
+        (["--checkpoint-dir", "{saved}", "--resume", "--dim", "48"], "holds another model"),
+        (["--steps", "0"], "--steps expects a positive number but got 0"),
+        (["--dim", "30", "--heads", "4"], "--dim 30 must be divisible by --heads 4"),
+        (["--nproc", "0"], "--nproc expects at least 1 rank but got 0"),
+    ],
+)
+def test_bad_flags_fail_before_any_rank_starts(flags, message, tmp_path, capsys, monkeypatch):
+    saved = tmp_path / "saved"
+    checkpoint.save(saved, Transformer(SMALL.model_args()), extra={"step": 3, "model": dataclasses.asdict(
+        SMALL.model_args())})
+    flags = [f.format(empty=tmp_path / "empty", saved=saved) for f in flags]
+    monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
+    assert cli_main(["train", "--layers", "2", "--dim", "32", "--seq", "16", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchrun_options_pass_through_for_several_machines():
+    from torch.distributed.run import parse_args
+
+    from fullshard.cli.__main__ import build_parser
+
+    args = build_parser().parse_args([
+        "train", "--nnodes", "2", "--nproc", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400",
+        "--rdzv-id", "job7", "--strategy", "hybrid",
+    ])
+    config = TrainConfig.from_args(args)
+    parsed = parse_args(torchrun_arguments(args, config))
+    assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id) == (
+        "2", "8", "c10d", "host0:29400", "job7")
+    assert parsed.module and parsed.training_script == "fullshard.training"
+    assert TrainConfig.from_json(parsed.training_script_args[0]) == config
