@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) examples/train_transformer.py --nproc 2
+	$(VENV)/bin/fullshard train --nproc 2 --steps 300 --sample 200
 
 test: install
 	$(PY) -m pytest -q tests

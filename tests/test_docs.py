@@ -39,7 +39,7 @@ DOCS = [API, ROOT / "docs" / "guide.md", ROOT / "README.md"]
 PUBLIC_MODULES = [
     "fullshard", "fullshard.api", "fullshard.fully_shard", "fullshard.replicate", "fullshard.wrapper",
     "fullshard.wrap", "fullshard.state_dict", "fullshard.checkpoint", "fullshard.clip",
-    "fullshard.grad_scaler", "fullshard.models", "fullshard.plan", "fullshard.testing",
+    "fullshard.grad_scaler", "fullshard.models", "fullshard.plan", "fullshard.training", "fullshard.testing",
 ]
 # Classes whose public methods are API too.
 CLASSES_WITH_METHODS = [
