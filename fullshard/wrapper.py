@@ -22,6 +22,7 @@ with True, the original parameters as DTensor shards.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -187,6 +188,15 @@ class FullyShardedDataParallel(nn.Module):
         for name, param in super().named_parameters(*args, **kwargs):
             yield (name.replace(_PREFIX, "") if clean else name), param
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """Calls ``fn`` on every submodule, children first, with the full parameters
+        visible and written back into the shards afterwards: how FSDP1 code
+        (re)initialises a wrapped model, e.g. ``model.apply(init_weights)``."""
+        if self._state.summoned:  # inside an enclosing apply or summon_full_params
+            return super().apply(fn)
+        with self.summon_full_params(self, recurse=True, writeback=True):
+            return super().apply(fn)
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         result = super()._apply(*args, **kwargs)
         group = self._state.group
@@ -254,7 +264,17 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
                          group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """``optim``'s state keyed by parameter FQN, full or sharded like the model's
-        state dict (see ``fullshard.state_dict.optim_state_dict``)."""
+        state dict (see ``fullshard.state_dict.optim_state_dict``).
+
+        Raises:
+            NotImplementedError: ``optim_state_dict`` given (the optimizer's own state is read).
+        """
+        if optim_state_dict is not None:
+            raise NotImplementedError(
+                "FSDP.optim_state_dict reads optim's current state; it cannot convert a separate "
+                "optim_state_dict: call it with optim_state_dict=None"
+            )
+        _warn_if_group_given(group, "FSDP.optim_state_dict")
         return state_dicts.optim_state_dict(model, optim)
 
     @staticmethod
@@ -262,7 +282,17 @@ class FullyShardedDataParallel(nn.Module):
                                  is_named_optimizer: bool = False, load_directly: bool = False,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The FQN-keyed ``optim_state_dict`` in the form ``optim.load_state_dict`` takes
-        (loaded right away with ``load_directly``)."""
+        (loaded right away with ``load_directly``).
+
+        Raises:
+            NotImplementedError: ``is_named_optimizer=True`` (torchrec's NamedOptimizer).
+        """
+        if is_named_optimizer:
+            raise NotImplementedError(
+                "FSDP.optim_state_dict_to_load supports torch.optim optimizers, not NamedOptimizer: "
+                "pass is_named_optimizer=False"
+            )
+        _warn_if_group_given(group, "FSDP.optim_state_dict_to_load")
         result = state_dicts.optim_state_dict_to_load(model, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
@@ -279,6 +309,13 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _warn_if_group_given(group: dist.ProcessGroup | None, caller: str) -> None:
+    if group is not None:
+        warnings.warn(
+            f"{caller} ignores group: every unit communicates over its own process group", UserWarning, stacklevel=3
+        )
 
 
 def _states_below(module: nn.Module) -> list[ModuleState]:

@@ -186,6 +186,47 @@ def test_summon_full_params(use_orig_params):
             pass
 
 
+def _reinitialise(module: nn.Module) -> None:
+    """What FSDP1 users pass to ``model.apply``: needs the full (2D) weights."""
+    if isinstance(module, nn.Linear):
+        assert module.weight.shape == (module.out_features, module.in_features)
+        nn.init.eye_(module.weight)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=2)
+def test_apply_sees_full_parameters_and_writes_them_back(use_orig_params):
+    model, ref = wrapped(use_orig_params=use_orig_params)
+    assert model.apply(_reinitialise) is model
+    ref.apply(_reinitialise)
+    with FSDP.summon_full_params(model):
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(param, ref_param, msg=lambda m: f"{name}: {m}")
+    optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref)]
+    reference = DataParallelReference(ref, lm_loss)
+    for step in range(2):  # the written-back shards train like the reference
+        lm_loss(model, batch_for(dist.get_rank(), step)).backward()
+        reference.backward([batch_for(r, step) for r in range(2)])
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    with FSDP.summon_full_params(model):
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(param, ref_param, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=2)
+def test_optim_state_dict_arguments_it_cannot_honour():
+    model, _ = wrapped(use_orig_params=True)
+    optim = torch.optim.Adam(model.parameters())
+    with pytest.raises(NotImplementedError, match="cannot convert a separate optim_state_dict"):
+        FSDP.optim_state_dict(model, optim, optim_state_dict=optim.state_dict())
+    with pytest.warns(UserWarning, match="FSDP.optim_state_dict ignores group"):
+        osd = FSDP.optim_state_dict(model, optim, group=dist.group.WORLD)
+    with pytest.raises(NotImplementedError, match="not NamedOptimizer"):
+        FSDP.optim_state_dict_to_load(model, optim, osd, is_named_optimizer=True)
+
+
 @distributed(world_size=2)
 def test_summon_full_params_with_grads_and_during_forward_error():
     model, ref = wrapped(use_orig_params=True)
