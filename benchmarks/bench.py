@@ -15,8 +15,12 @@ hits all alike. Reported per framework:
   and read after it; the memory steps run in a second set of processes started
   with glibc's mmap threshold fixed at 64 KiB, so freed tensors go back to the
   OS at once and the high-water mark tracks live memory, not allocator caches.
-  Reported as the step's rise above the resident set before it, plus the
-  rank's persistent state (parameters, gradients, optimizer states);
+  Reported as the step's rise above the resident set before it, plus what the
+  rank holds between steps (parameters and optimizer states; gradients are
+  freed by ``zero_grad`` and counted in the rise);
+- ``fullshard-checked``: fully_shard with execution-order validation on (the
+  DETAIL debug level at its lazy initialisation); its ratio to ``fullshard``
+  is what the check costs. At other levels the validator does not exist;
 - bytes per step: data passed to all-gather, reduce-scatter, all-reduce and
   broadcast (full buffers), counted by wrapping torch.distributed's functions,
   which the FSDP implementations call, and through a DDP communication hook.
@@ -54,8 +58,12 @@ from fullshard.models import ModelArgs, Transformer, TransformerBlock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the benchmarks folder is not a package)
 
-ALL_FRAMEWORKS = ("fullshard", "fsdp2", "fullshard-wrapper", "fsdp1", "ddp", "local")
-COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1"}
+ALL_FRAMEWORKS = ("fullshard", "fsdp2", "fullshard-wrapper", "fsdp1", "ddp", "local", "fullshard-checked")
+COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1", "fullshard-checked": "fullshard"}
+# fully_shard with execution-order validation: its first forward (lazy init) runs at the DETAIL
+# debug level, which turns the validator on for good; the level then goes back to the default,
+# so the process groups and every other framework stay unchanged.
+CHECKED = "fullshard-checked"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -132,8 +140,8 @@ def _hybrid_mesh(args: argparse.Namespace):
 def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: list[ByteCounter]) -> nn.Module:
     """``model`` prepared by framework ``name`` for ``args.strategy``."""
     cpu = torch.device("cpu")
-    if name in ("fullshard", "fsdp2"):
-        if name == "fullshard":
+    if name in ("fullshard", "fsdp2", CHECKED):
+        if name != "fsdp2":
             from fullshard import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
@@ -173,15 +181,28 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
 
 
 def persistent_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
-    """This rank's parameters, gradients and optimizer states."""
+    """What this rank holds between steps: parameters and optimizer states (``zero_grad``
+    frees the gradients; those alive at the peak are part of the measured rise)."""
 
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
-    total = sum(2 * local(p).numel() * local(p).element_size() for p in model.parameters())
+    total = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
     for state in optim.state.values():
         total += sum(local(v).numel() * local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
     return total
+
+
+@contextmanager
+def debug_level(level: dist.DebugLevel | None) -> Iterator[None]:
+    """``level`` inside the block (None: unchanged)."""
+    previous = dist.get_debug_level()
+    if level is not None:
+        dist.set_debug_level(level)
+    try:
+        yield
+    finally:
+        dist.set_debug_level(previous)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -198,10 +219,14 @@ def worker(args: argparse.Namespace) -> None:
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     generator = torch.Generator().manual_seed(rank)
 
+    started: set[str] = set()
+
     def step(name: str) -> None:
         tokens = torch.randint(256, (args.batch, args.seq), generator=generator)
         model = models[name]
-        logits = model(tokens)
+        with debug_level(dist.DebugLevel.DETAIL if name == CHECKED and name not in started else None):
+            logits = model(tokens)
+        started.add(name)
         nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
         optims[name].step()
         optims[name].zero_grad()
@@ -281,7 +306,15 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
     for name, row in rows.items():
         print(f"{name:<18} {row['step_s']:>9.3f} {row['peak_mib']:>16.1f} {row['bytes_mib']:>17.1f} "
               f"{row['bytes_mib'] * mib / ideal:>12.4f}")
+    base = "fullshard" if "fullshard" in rows else next(iter(rows))
+    print(f"\nratios to {base} (below 1: less than {base})")
+    print(f"{'framework':<18} {'step time':>10} {'peak memory':>12} {'bytes':>8}")
+    for name, row in rows.items():
+        cells = [row[key] / rows[base][key] if rows[base][key] else float("nan")
+                 for key in ("step_s", "peak_mib", "bytes_mib")]
+        print(f"{name:<18} {cells[0]:>9.3f}x {cells[1]:>11.3f}x {cells[2]:>7.3f}x")
     ratios = {}
+    print("\nours / theirs:")
     for ours, theirs in COUNTERPART.items():
         if ours in rows and theirs in rows:
             ratios[f"{ours}/{theirs}"] = {
@@ -289,7 +322,7 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
                 for key in ("step_s", "peak_mib", "bytes_mib")
             }
             r = ratios[f"{ours}/{theirs}"]
-            print(f"{ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
+            print(f"  {ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
                   f"bytes {r['bytes_mib']:.4f}x")
     print(f"(ideal bytes for full sharding: 3 x {4 * num_params / mib:.1f} MiB of fp32 parameters)")
     return {"args": {k: v for k, v in vars(args).items() if k not in ("phase", "out")}, "rows": rows, "ratios": ratios}

@@ -4,7 +4,10 @@
     python benchmarks/bench_checkpoint.py --repeats 5 --json out.json
 
 Both models are trained one step (so AdamW has its states), then saved and
-loaded alternately, ``--repeats`` times each, into fresh folders:
+loaded alternately, ``--repeats`` times each after one unmeasured round (the
+first save and load of a process pay for imports and first-use allocations,
+which would otherwise land on whichever framework goes first), into fresh
+folders:
 
 - fullshard: ``fullshard.checkpoint.save(path, model, optim)`` / ``load(...)``
   (sharded state dicts, a manifest with sizes and CRC-32, an atomic LATEST
@@ -99,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     built = {name: build(name) for name in FRAMEWORKS}
     results: dict[str, dict[str, list[float]]] = {n: {op: [] for op in OPERATIONS} for n in FRAMEWORKS}
-    for repeat in range(args.repeats):
+    for repeat in range(-1, args.repeats):  # repeat -1 warms up (imports, first-use allocations)
         for name in FRAMEWORKS:
             path = os.path.join(args.dir, f"{name}-{repeat}")
             for op in OPERATIONS:
@@ -108,7 +111,8 @@ def worker(args: argparse.Namespace) -> None:
                 start = time.perf_counter()
                 operation(name, op, *built[name], path)
                 elapsed = time.perf_counter() - start
-                results[name][op].append(elapsed if args.phase == "time" else common.peak_rise(before))
+                if repeat >= 0:
+                    results[name][op].append(elapsed if args.phase == "time" else common.peak_rise(before))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)

@@ -40,11 +40,10 @@ def peak_rise(before: int) -> int:
 
 def run_ranks(script: str, nproc: int, arguments: list[str], out: str, env: dict[str, str] | None = None) -> list:
     """Runs ``script`` on ``nproc`` ranks through torchrun; returns the JSON it wrote to ``out``."""
-    from fullshard.testing.harness import free_port
-
+    # --standalone: torchrun picks a free port itself (no window for another process to take it).
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *arguments, f"--out={out}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        script, *arguments, f"--out={out}",
     ]
     subprocess.run(command, check=True, env={**os.environ, **(env or {})})
     with open(out) as f:

@@ -67,14 +67,11 @@ def launch(script: str, args: argparse.Namespace) -> None:
     """Starts ``args.nproc`` copies of ``script`` through torchrun's own launcher."""
     from torch.distributed.run import main as torchrun
 
-    from fullshard.testing.harness import free_port
-
     # Forward the training flags only: torchrun's parser would read --nproc as
     # an ambiguous prefix of its own options.
     forwarded = [f"--{name}={value}" for name, value in vars(args).items() if name != "nproc"]
     torchrun([
-        "--nproc-per-node", str(args.nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "--standalone", "--nproc-per-node", str(args.nproc),  # torchrun picks a free port itself
         script, *forwarded,
     ])
 

@@ -25,9 +25,10 @@ also catches damage that still unpickles).
 DCP clones every CPU tensor whose storage is larger than the tensor (so that
 ``torch.save`` does not write the whole storage) and keeps the clones of a
 file alive until the file is done. Our shards are views into a unit's flat
-buffer, so that would copy every shard. We hand DCP aliases over the same
-memory whose storage is exactly the tensor (``torch.frombuffer``): nothing is
-copied on save, and loads land directly in the shard buffers.
+buffer, so that would copy every shard. On save we hand DCP aliases over the
+same memory whose storage is exactly the tensor (``torch.frombuffer``):
+nothing is copied. Loads need no aliases (DCP copies into the views in place)
+and are measurably slower with them, so they get the shard views themselves.
 
 The model and optimizer are saved in their sharded form (DTensors keyed by
 parameter FQN, see fullshard.state_dict); DCP reads them back into whatever
@@ -110,7 +111,7 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
 
 
 def _crc32(path: str) -> int:
-    crc, chunk = 0, bytearray(_CHUNK)
+    crc, chunk = 0, bytearray(max(1, min(_CHUNK, os.path.getsize(path))))
     view = memoryview(chunk)
     with open(path, "rb", buffering=0) as f:
         while count := f.readinto(view):
@@ -328,7 +329,7 @@ def load(
     _verify(folder, checksums=verify)
     if optimizer is not None:
         _init_optimizer_states(optimizer)
-    states = _for_dcp(_states(model, optimizer))
+    states = _states(model, optimizer)  # DCP copies into these in place: no aliases needed
     try:
         with _single_process_is_intended():
             dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())
