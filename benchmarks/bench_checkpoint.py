@@ -130,6 +130,8 @@ def main() -> None:
     if args.phase is not None:
         worker(args)
         return
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         forwarded = [f"--layers={args.layers}", f"--dim={args.dim}", f"--repeats={args.repeats}", f"--dir={tmp}"]
         timing = common.run_ranks(__file__, args.nproc, [*forwarded, "--phase=time"], os.path.join(tmp, "t.json"))
