@@ -4,6 +4,7 @@
     python benchmarks/bench.py --frameworks fullshard-wrapper,fsdp1 --strategy grad-op
     python benchmarks/bench.py --nproc 4 --strategy hybrid --frameworks fullshard-wrapper,fsdp1
     python benchmarks/bench.py --frameworks all --json results.json
+    python benchmarks/bench.py --frameworks all --mixed-precision bf16
 
 Every framework trains an identical copy of a GPT-like model (same init, same
 data) in the same rank processes; their steps alternate so that machine noise
@@ -72,6 +73,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--frameworks", default="fullshard,fsdp2",
                         help=f"comma-separated, or 'all': {', '.join(ALL_FRAMEWORKS)}")
     parser.add_argument("--strategy", choices=["full", "grad-op", "hybrid"], default="full")
+    parser.add_argument("--mixed-precision", choices=["bf16"], default=None,
+                        help="compute in bf16, reduce gradients in fp32 (DDP and local: CPU autocast)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=576)
     parser.add_argument("--heads", type=int, default=8)
@@ -145,26 +148,33 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
             from fullshard import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
+        if name != "fsdp2":
+            from fullshard import MixedPrecisionPolicy
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
         mesh = _hybrid_mesh(args) if args.strategy == "hybrid" else None
         reshard = args.strategy != "grad-op"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision \
+            else MixedPrecisionPolicy()
         for layer in model.layers:
-            fully_shard(layer, reshard_after_forward=reshard, mesh=mesh)
-        return fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
+            fully_shard(layer, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
+        return fully_shard(model, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
     if name in ("fullshard-wrapper", "fsdp1"):
         if name == "fullshard-wrapper":
-            from fullshard import FSDP, ShardingStrategy
+            from fullshard import FSDP, MixedPrecision, ShardingStrategy
             from fullshard.wrap import ModuleWrapPolicy
         else:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            from torch.distributed.fsdp import ShardingStrategy
+            from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         strategy = {"full": "FULL_SHARD", "grad-op": "SHARD_GRAD_OP", "hybrid": "HYBRID_SHARD"}[args.strategy]
         groups = None
         if args.strategy == "hybrid":
             mesh = _hybrid_mesh(args)
             groups = (mesh.get_group("shard"), mesh.get_group("replicate"))
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision else None
         return FSDP(model, sharding_strategy=ShardingStrategy[strategy], process_group=groups,
-                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=cpu)
+                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=cpu, mixed_precision=mp)
     if name == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
@@ -224,10 +234,12 @@ def worker(args: argparse.Namespace) -> None:
     def step(name: str) -> None:
         tokens = torch.randint(256, (args.batch, args.seq), generator=generator)
         model = models[name]
-        with debug_level(dist.DebugLevel.DETAIL if name == CHECKED and name not in started else None):
+        autocast = args.mixed_precision and name in ("ddp", "local")
+        with debug_level(dist.DebugLevel.DETAIL if name == CHECKED and name not in started else None), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(autocast)):
             logits = model(tokens)
         started.add(name)
-        nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
         optims[name].step()
         optims[name].zero_grad()
 
@@ -291,7 +303,9 @@ def run_phase(args: argparse.Namespace, phase: str, out: str, env: dict[str, str
 
 def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> dict:
     num_params, world = timing[0]["num_params"], timing[0]["world_size"]
-    ideal = 3 * 4 * num_params
+    # two all-gathers in the compute dtype, one reduce-scatter in fp32
+    gather_bytes = 2 if args.mixed_precision else 4
+    ideal = (2 * gather_bytes + 4) * num_params
     mib = 1024**2
     rows = {}
     for name in args.frameworks:
@@ -301,7 +315,7 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
             "bytes_mib": timing[0][name]["bytes_per_step"] / mib,
         }
     print(f"\nGPT {num_params / 1e6:.1f}M params, {world} ranks (gloo, CPU), {args.batch}x{args.seq} "
-          f"tokens per rank, strategy {args.strategy}")
+          f"tokens per rank, strategy {args.strategy}, {args.mixed_precision or 'fp32'}")
     print(f"{'framework':<18} {'step (s)':>9} {'peak/rank (MiB)':>16} {'bytes/step (MiB)':>17} {'bytes/ideal':>12}")
     for name, row in rows.items():
         print(f"{name:<18} {row['step_s']:>9.3f} {row['peak_mib']:>16.1f} {row['bytes_mib']:>17.1f} "
@@ -324,7 +338,8 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
             r = ratios[f"{ours}/{theirs}"]
             print(f"  {ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
                   f"bytes {r['bytes_mib']:.4f}x")
-    print(f"(ideal bytes for full sharding: 3 x {4 * num_params / mib:.1f} MiB of fp32 parameters)")
+    print(f"(ideal bytes for full sharding: 2 all-gathers of {gather_bytes * num_params / mib:.1f} MiB and one "
+          f"reduce-scatter of {4 * num_params / mib:.1f} MiB)")
     return {"args": {k: v for k, v in vars(args).items() if k not in ("phase", "out")}, "rows": rows, "ratios": ratios}
 
 

@@ -184,9 +184,18 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the wrapper prefixes are removed."""
+        return self._names_as_summoned(super().named_parameters(*args, **kwargs))
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """As ``nn.Module``'s; inside ``summon_full_params`` the wrapper prefixes are removed."""
+        return self._names_as_summoned(super().named_buffers(*args, **kwargs))
+
+    def _names_as_summoned(self, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The local model's names while full parameters are summoned, so that code
+        written for the unwrapped model (matching names against a reference) works."""
         clean = any(state.summoned for state in _states_below(self))
-        for name, param in super().named_parameters(*args, **kwargs):
-            yield (name.replace(_PREFIX, "") if clean else name), param
+        for name, value in named:
+            yield (name.replace(_PREFIX, "") if clean else name), value
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """Calls ``fn`` on every submodule, children first, with the full parameters

@@ -159,11 +159,15 @@ def test_no_sync_accumulates_without_communication(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @distributed(world_size=2)
 def test_summon_full_params(use_orig_params):
-    model, ref = wrapped(use_orig_params=use_orig_params)
+    ref = make_model()
+    ref.layers[0].register_buffer("mask", torch.ones(4))  # inside a unit: prefixed twice
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=BLOCKS, device_id=CPU, use_orig_params=use_orig_params)
     expected = dict(ref.named_parameters())
+    assert any(name.startswith("_fsdp_wrapped_module.") for name, _ in model.named_buffers())
     with FSDP.summon_full_params(model):
         names = [name for name, _ in model.named_parameters()]
         assert names == list(expected)  # clean names, no flat parameters
+        assert [name for name, _ in model.named_buffers()] == [name for name, _ in ref.named_buffers()]
         for name, param in model.named_parameters():
             torch.testing.assert_close(param, expected[name])
         with torch.no_grad():
