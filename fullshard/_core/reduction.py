@@ -40,6 +40,35 @@ def _averaging(dtype: torch.dtype, world: int) -> tuple[dist.ReduceOp.RedOpType,
     return dist.ReduceOp.SUM, pre, world / pre
 
 
+def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Row r of ``out`` (W, n) gets the r-th dim-0 chunk of every tensor, each
+    padded with zeros to ceil(dim 0 / W) rows, cast to ``out``'s dtype.
+
+    ``torch._chunk_cat`` does this in one kernel, but on CPU, when it must cast
+    (bf16 gradients reduced in fp32), it builds a temporary the size of all the
+    inputs first; copying chunk by chunk into views of ``out`` casts on the way
+    and allocates nothing."""
+    if out.device.type != "cpu" or all(t.dtype == out.dtype for t in tensors):
+        torch._chunk_cat(tensors, dim=0, num_chunks=out.size(0), out=out)
+        return
+    world, offset = out.size(0), 0
+    for tensor in tensors:
+        rows = tensor.size(0)
+        if rows == 0:
+            continue
+        chunk_rows = -(-rows // world)
+        width = chunk_rows * (tensor.numel() // rows)
+        block, flat = out[:, offset : offset + width], tensor.reshape(-1)
+        full = rows // chunk_rows  # chunks with no padding
+        block[:full].copy_(flat[: full * width].view(full, width))
+        if full < world:
+            rest = flat[full * width :]
+            block[full, : rest.numel()].copy_(rest)
+            block[full, rest.numel() :].zero_()
+            block[full + 1 :].zero_()
+        offset += width
+
+
 class GradReduction:
     """One unit's reduction: copy-in, collectives, then the result to ``on_done``."""
 
@@ -57,18 +86,17 @@ class GradReduction:
         self._work: dist.Work | None = None
         self._post_divide = 1.0
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
-        grads = [g.to(reduce_dtype) if g.dtype != reduce_dtype else g for g in grads]
         device = grads[0].device
         total = sum(shard_numels)
         self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
         if shard.size > 1:
             rs_input = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-            torch._chunk_cat(grads, dim=0, num_chunks=shard.size, out=rs_input.view(shard.size, -1))
+            chunk_cat(grads, rs_input.view(shard.size, -1))
             self._stages.append(
                 lambda: self._collective(comm.reduce_scatter, shard, self._output, rs_input)
             )
         else:
-            torch._chunk_cat(grads, dim=0, num_chunks=1, out=self._output.view(1, -1))
+            chunk_cat(grads, self._output.view(1, -1))
         if replicate.size > 1:
             self._stages.append(lambda: self._collective(comm.all_reduce, replicate, self._output))
 
