@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,plot]'  # plot: the suite also draws fullshard plan's chart
 	touch $@
 
 install: $(VENV)/.installed

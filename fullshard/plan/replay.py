@@ -11,10 +11,11 @@ live total, and what was alive then is the breakdown. It follows:
   prefetched ahead in forward (the order of the previous step) and in backward;
   autograd's gradients of a unit's unsharded parameters until its
   post-backward, which reshards, finishes older reductions, then copies the
-  gradients (cast to the reduce dtype first) into one reduce-scatter input (the
-  padded unit) that lives until the next unit's post-backward finishes that
-  collective; on CPU, ``torch._chunk_cat`` first pads a copy of every gradient
-  whose rows do not split evenly (CUDA's kernel pads in place). With a shard
+  gradients (casting to the reduce dtype on the way) into one reduce-scatter
+  input (the padded unit) that lives until the next unit's post-backward
+  finishes that collective; on CPU without a cast, ``torch._chunk_cat`` first
+  pads a copy of every gradient whose rows do not split evenly (CUDA's kernel
+  pads in place; with a cast the engine copies chunk by chunk). With a shard
   group of one and no cast or offload the unsharded parameters are the shards.
 - the model (``fullshard/models/transformer.py``): what autograd saves in each
   block and in the head, and the order in which backward creates and frees
@@ -25,8 +26,9 @@ live total, and what was alive then is the breakdown. It follows:
   one parameter at a time (two temporaries of that parameter's size).
 
 The step is measured against the real engine at world sizes 1, 2 and 4 in
-``tests/test_plan.py`` (the profiler's allocator events): it matches to within a
-few hundred bytes. Not modelled: allocator caching and fragmentation (the CUDA
+``tests/test_plan.py`` (the profiler's allocator events): in fp32 it matches to
+within a few hundred bytes; in bf16 it is 2.7% low, the temporaries of the CPU's
+bf16 matmuls in backward (oneDNN), where that step peaks. Not modelled: allocator caching and fragmentation (the CUDA
 caching allocator rounds and keeps blocks), the collective libraries' own
 buffers (NCCL, gloo), kernel workspaces (cuBLAS, oneDNN), the CUDA context.
 """
@@ -158,7 +160,6 @@ class StepReplay:
         t, config = self.tape, self.config
         self.reshard(unit)
         self.reductions = [r for r in self.reductions if not self._advance(r)]
-        converted = unit.numel * self.red if self.red != self.c else 0
         direct = self.red == self.orig and not config.cpu_offload
         reduction = Reduction(
             rs_input=unit.gathered_numel * self.red if config.shard_size > 1 else 0,
@@ -166,13 +167,14 @@ class StepReplay:
             direct=direct,
             stages=["reduce_scatter"] * (config.shard_size > 1) + ["all_reduce"] * (config.replicate_size > 1),
         )
-        t.alloc(REDUCE, converted)
         t.alloc(GRADS if direct else REDUCE, reduction.output)
         t.alloc(REDUCE, reduction.rs_input)
-        # torch._chunk_cat on CPU pads each unevenly split gradient in a copy first.
-        padded = unit.uneven_padded_numel * self.red if config.device == "cpu" else 0
+        # torch._chunk_cat on CPU pads each unevenly split gradient in a copy first; when it
+        # would cast, the engine copies chunk by chunk instead (no copies).
+        casts = config.gradient_reduce_dtype != config.compute_dtype
+        padded = unit.uneven_padded_numel * self.red if config.device == "cpu" and not casts else 0
         t.alloc(REDUCE, padded)
-        t.free(REDUCE, padded + converted)
+        t.free(REDUCE, padded)
         t.free(UNSHARDED_GRADS, unit.numel * self.c)
         if not self._advance(reduction):
             self.reductions.append(reduction)
