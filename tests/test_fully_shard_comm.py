@@ -223,15 +223,17 @@ def test_eval_forward_without_grad_keeps_state_clean():
         assert param.grad is not None
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_casting_copy_in_matches_chunk_cat(world):
-    """The reduce-scatter copy-in that casts bf16 gradients to fp32 chunk by chunk
-    (no temporary) lays out and pads exactly like ``torch._chunk_cat``."""
+def test_copy_in_matches_chunk_cat(world, grad_dtype):
+    """The CPU reduce-scatter copy-in (chunk by chunk, casting bf16 gradients to
+    fp32 on the way, no padded copies) lays out and pads exactly like
+    ``torch._chunk_cat``."""
     from fullshard._core.reduction import chunk_cat
 
     torch.manual_seed(world)
     for shapes in ([(5, 3), (3,), (7, 2, 2)], [(1, 5)], [(8, 8), (16,)]):
-        grads = [torch.randn(shape).bfloat16() for shape in shapes]
+        grads = [torch.randn(shape).to(grad_dtype) for shape in shapes]
         width = sum(-(-shape[0] // world) * (torch.Size(shape).numel() // shape[0]) for shape in shapes)
         expected = torch.full((world, width), float("nan"))
         torch._chunk_cat([g.float() for g in grads], dim=0, num_chunks=world, out=expected)

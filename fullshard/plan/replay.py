@@ -13,10 +13,8 @@ live total, and what was alive then is the breakdown. It follows:
   post-backward, which reshards, finishes older reductions, then copies the
   gradients (casting to the reduce dtype on the way) into one reduce-scatter
   input (the padded unit) that lives until the next unit's post-backward
-  finishes that collective; on CPU without a cast, ``torch._chunk_cat`` first
-  pads a copy of every gradient whose rows do not split evenly (CUDA's kernel
-  pads in place; with a cast the engine copies chunk by chunk). With a shard
-  group of one and no cast or offload the unsharded parameters are the shards.
+  finishes that collective. With a shard group of one and no cast or offload
+  the unsharded parameters are the shards.
 - the model (``fullshard/models/transformer.py``): what autograd saves in each
   block and in the head, and the order in which backward creates and frees
   gradients, op by op as the CPU kernels do (the attention is the fused
@@ -168,13 +166,7 @@ class StepReplay:
             stages=["reduce_scatter"] * (config.shard_size > 1) + ["all_reduce"] * (config.replicate_size > 1),
         )
         t.alloc(GRADS if direct else REDUCE, reduction.output)
-        t.alloc(REDUCE, reduction.rs_input)
-        # torch._chunk_cat on CPU pads each unevenly split gradient in a copy first; when it
-        # would cast, the engine copies chunk by chunk instead (no copies).
-        casts = config.gradient_reduce_dtype != config.compute_dtype
-        padded = unit.uneven_padded_numel * self.red if config.device == "cpu" and not casts else 0
-        t.alloc(REDUCE, padded)
-        t.free(REDUCE, padded)
+        t.alloc(REDUCE, reduction.rs_input)  # the copy-in casts and pads on the way: no temporaries
         t.free(UNSHARDED_GRADS, unit.numel * self.c)
         if not self._advance(reduction):
             self.reductions.append(reduction)

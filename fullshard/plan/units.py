@@ -41,12 +41,6 @@ class Unit:
         return sum(rows * row for rows, row in self.shapes)
 
     @property
-    def uneven_padded_numel(self) -> int:
-        """The padded size of the parameters whose rows do not split evenly."""
-        return sum(-(-rows // self.shard_size) * self.shard_size * row for rows, row in self.shapes
-                   if rows % self.shard_size)
-
-    @property
     def largest_param_shard_numel(self) -> int:
         return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
 
