@@ -74,7 +74,7 @@ def test_scaling_unscaling_sparse():
 
     i = torch.tensor([[0, 1, 1], [2, 0, 2]], device="cpu", dtype=torch.int64)
     v = torch.tensor([16.0, 32.0, 64.0], dtype=torch.float, device="cpu")
-    s = torch.sparse_coo_tensor(i, v, torch.Size([2, 3]), device="cpu", dtype=torch.float)
+    s = torch.sparse_coo_tensor(i, v, torch.Size([2, 3]), device="cpu", dtype=torch.float, check_invariants=True)
     s1 = s.clone()
     s1.grad = s.clone()
     opt = torch.optim.SGD([s1], lr=1.0)
@@ -84,7 +84,7 @@ def test_scaling_unscaling_sparse():
     torch.testing.assert_close(s1.grad.to_dense(), (s / 2).to_dense())
 
     v = torch.tensor([16.0, 32.0, INF], dtype=torch.float, device="cpu")
-    s1.grad = torch.sparse_coo_tensor(i, v, torch.Size([2, 3]), device="cpu", dtype=torch.float)
+    s1.grad = torch.sparse_coo_tensor(i, v, torch.Size([2, 3]), device="cpu", dtype=torch.float, check_invariants=True)
     found_inf.zero_()
     found_inf = scaler._unscale_grads_(opt, inv_scale, found_inf)[s1.device]
     assert found_inf == 1.0
@@ -95,7 +95,7 @@ def test_scaling_unscaling_sparse():
     # the fp16 tensor, where only the coalesced sum can be infinite.
     i = torch.tensor([[1, 1, 1], [0, 0, 2]], device="cpu", dtype=torch.int64)
     v = torch.tensor([2**15, 2**15, 1.0], dtype=torch.float16, device="cpu")
-    s1 = torch.sparse_coo_tensor(i, v, torch.Size([2, 3]), device="cpu", dtype=torch.float16)
+    s1 = torch.sparse_coo_tensor(i, v, torch.Size([2, 3]), device="cpu", dtype=torch.float16, check_invariants=True)
     s1.grad = s1.clone()
     found_inf.zero_()
     found_inf = scaler._unscale_grads_(opt, inv_scale, found_inf)[s1.device]
