@@ -12,7 +12,9 @@ Usage (2 ranks on CPU)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from typing import Any, Iterable, NoReturn
 
 import torch
@@ -103,6 +105,60 @@ class FSDPModule:
         """
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Changes ``reshard_after_forward`` at run time, e.g. False for the root
+        (its default) set to True to save memory, or False for evaluation.
+
+        A bool replaces an int given to ``fully_shard``: True reshards fully.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"set_reshard_after_forward expects a bool but got {type(reshard_after_forward).__name__} "
+                f"for {type(self).__name__}; an int (a smaller post-forward group) can only be given to fully_shard"
+            )
+        for module in self.modules() if recurse else [self]:
+            state = get_state(module)
+            if state is None:
+                continue
+            # kept through lazy initialisation, which otherwise keeps the root unsharded
+            state.config = dataclasses.replace(state.config, reshard_after_forward=reshard_after_forward)
+            if state.group is not None:
+                state.group.set_reshard_after_forward(reshard_after_forward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation with the reduce-scatter but not the all-reduce.
+
+        While False, each backward reduce-scatters and keeps the result; the next
+        backward with True adds the kept results in before its all-reduce, so
+        replicas communicate once per accumulation. Set it back to True for the
+        last micro-batch. No effect without a replicate dimension.
+        """
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients become the sum over all data-parallel ranks divided by
+        ``factor`` (default: averaged, i.e. divided by the number of ranks).
+        For example 1.0 sums, for a loss that is already normalised globally."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive factor but got {factor} for "
+                             f"{type(self).__name__}")
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """The older name of ``set_gradient_divide_factor``."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False skips this unit's all-gather in backward: for units whose backward
+        reads no parameter values (an embedding's gradient needs only its
+        indices). A backward that does read them then fails or is wrong."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Gathers ``modules`` as soon as this module's forward starts (replaces implicit prefetch)."""

@@ -80,6 +80,10 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: False keeps reduce-scattered partial sums
+        self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
+        self.gradient_divide_factor: float | None = None  # None: average over the ranks
+        self._partial_grads: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
         self.module_fqn = ""  # set at lazy init
         self.ctx: "IterationContext | None" = None  # set at lazy init
         self.training_state = TrainingState.IDLE
@@ -416,8 +420,17 @@ class ParamGroup:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return False
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
         return True
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """A bool reshards fully or not at all, dropping a smaller post-forward group."""
+        if self._post_forward_shard is not None:  # 1/k kept since forward: the shards are registered
+            self._post_forward_shard = None
+            self.sharded_state = ShardedState.SHARDED
+        self.reshard_after_forward = reshard_after_forward
+        self.post_forward_group = None
 
     def expect_grads(self) -> None:
         self._awaiting_grads = {p for p in self.params if p.unsharded_param.requires_grad}
@@ -479,16 +492,48 @@ class ParamGroup:
 
     def _submit_reduction(self, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
         self.ctx.reductions.make_room()
+        partial_only = not self.requires_all_reduce and self.mesh_info.replicate.size > 1
+        partial = None
+        if self._partial_grads and not partial_only:
+            params, grads, partial = self._take_partial_grads(params, grads)
         reduction = GradReduction(
             grads,
             [p.shard_numel for p in params],
             self.mesh_info.shard,
             self.mesh_info.replicate,
             self.reduce_dtype,
-            on_done=lambda output: self._accept_grads(params, output),
+            on_done=lambda output: (self._keep_partial_grads if partial_only else self._accept_grads)(params, output),
+            divide_factor=self.gradient_divide_factor,
+            all_reduce=not partial_only,
+            partial=partial,
         )
         del grads  # the copy-in holds them now; free the unsharded gradients
         self.ctx.reductions.submit(reduction)
+
+    def _take_partial_grads(
+        self, params: list[ShardParam], grads: list[torch.Tensor]
+    ) -> tuple[list[ShardParam], list[torch.Tensor], torch.Tensor]:
+        """Adds the parameters that only have a partial result (zero gradients now)
+        and returns the partial results laid out like the reduction's output."""
+        given = dict(zip(params, grads))
+        params = [p for p in self.params if p in given or p in self._partial_grads]
+        grads = [
+            given[p] if p in given else torch.zeros(p.unsharded_size, dtype=p.param_dtype, device=self.device)
+            for p in params
+        ]
+        partial = torch.cat([
+            self._partial_grads.pop(p) if p in self._partial_grads else torch.zeros(p.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            for p in params
+        ])
+        return params, grads, partial
+
+    def _keep_partial_grads(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        offset = 0
+        for param in params:
+            chunk = output[offset : offset + param.shard_numel]
+            offset += param.shard_numel
+            kept = self._partial_grads.get(param)
+            self._partial_grads[param] = chunk if kept is None else kept.add_(chunk)
 
     def _grad_dtype(self, param: ShardParam) -> torch.dtype:
         return self.reduce_dtype if self.keep_low_precision_grads else param.orig_dtype

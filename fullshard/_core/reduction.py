@@ -15,6 +15,15 @@ input (the largest buffer, a full unit) is alive at a time.
 Gradients are averaged over all data-parallel ranks (``ReduceOp.AVG``), which
 makes a step equal to one process training on the concatenated batch. For
 float16, whose range a sum can overflow, we sum pre-divided values instead.
+With a custom divide factor (``set_gradient_divide_factor``) every collective
+sums, and the result is the sum over all ranks divided by the factor: part of
+the division before the first collective (float16 only), the rest after the
+last.
+
+HSDP accumulation without the all-reduce (``set_requires_all_reduce(False)``)
+stops after the reduce-scatter: the unit keeps the partial result, and the
+next reduction that all-reduces adds it in first, so one all-reduce carries
+every micro-batch.
 """
 
 from __future__ import annotations
@@ -34,10 +43,18 @@ def _averaging(dtype: torch.dtype, world: int) -> tuple[dist.ReduceOp.RedOpType,
     """(op, pre-divide factor, post-divide factor) for an average over ``world`` ranks."""
     if dtype != torch.float16 or world == 1:
         return dist.ReduceOp.AVG, 1.0, 1.0
+    return (dist.ReduceOp.SUM, *_split_factor(dtype, world))
+
+
+def _split_factor(dtype: torch.dtype, factor: float) -> tuple[float, float]:
+    """(before, after) the sum with before * after == ``factor``: float16 divides by
+    about sqrt(factor) first so that the sum neither overflows nor underflows."""
+    if dtype != torch.float16:
+        return 1.0, factor
     pre = 1.0
-    while world % (pre * 2) == 0 and world / pre > pre:
+    while factor % (pre * 2) == 0 and factor / pre > pre:
         pre *= 2
-    return dist.ReduceOp.SUM, pre, world / pre
+    return pre, factor / pre
 
 
 def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -81,28 +98,49 @@ class GradReduction:
         replicate: "GroupInfo",
         reduce_dtype: torch.dtype,
         on_done: Callable[[torch.Tensor], None],
+        divide_factor: float | None = None,
+        all_reduce: bool = True,
+        partial: torch.Tensor | None = None,
     ) -> None:
+        """``divide_factor``: None to average, else divide the sum by it.
+        ``all_reduce`` False: stop after the reduce-scatter (a partial result).
+        ``partial``: an earlier partial result to add before the all-reduce."""
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: dist.Work | None = None
         self._post_divide = 1.0
+        self._sum = divide_factor is not None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
         total = sum(shard_numels)
         self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
+        reduced = self._output
         if shard.size > 1:
-            rs_input = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+            reduced = rs_input = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
             chunk_cat(grads, rs_input.view(shard.size, -1))
             self._stages.append(
                 lambda: self._collective(comm.reduce_scatter, shard, self._output, rs_input)
             )
         else:
             chunk_cat(grads, self._output.view(1, -1))
-        if replicate.size > 1:
-            self._stages.append(lambda: self._collective(comm.all_reduce, replicate, self._output))
+        all_reduce = all_reduce and replicate.size > 1
+        if all_reduce:
+            self._stages.append(lambda: self._all_reduce(replicate, partial))
+        self._final_divide = 1.0
+        if divide_factor is not None:
+            pre, post = _split_factor(reduce_dtype, divide_factor)
+            if pre != 1.0:
+                reduced.div_(pre)
+            # a partial result is divided once, after the all-reduce that takes it in
+            self._final_divide = post if all_reduce or replicate.size == 1 else 1.0
+
+    def _all_reduce(self, replicate: "GroupInfo", partial: torch.Tensor | None) -> None:
+        if partial is not None:
+            self._output.add_(partial)
+        self._collective(comm.all_reduce, replicate, self._output)
 
     def _collective(self, fn: Callable, group: "GroupInfo", *tensors: torch.Tensor) -> None:
-        op, pre, post = _averaging(self._output.dtype, group.size)
+        op, pre, post = (dist.ReduceOp.SUM, 1.0, 1.0) if self._sum else _averaging(self._output.dtype, group.size)
         if pre != 1.0:
             tensors[-1].div_(pre)
         if fn is comm.reduce_scatter:
@@ -124,6 +162,8 @@ class GradReduction:
         if self._stages:
             self._stages.pop(0)()
             return False
+        if self._final_divide != 1.0:
+            self._output.div_(self._final_divide)
         self._on_done(self._output)
         return True
 

@@ -296,7 +296,8 @@ class ModuleState:
         if group is None:
             return
         if self.ctx.validator is not None and group.training_state is not TrainingState.PRE_BACKWARD:
-            agreed = self.ctx.validator.gate("backward", group, group.unshard_needs_collective())
+            gathers = group.unshard_in_backward and group.unshard_needs_collective()
+            agreed = self.ctx.validator.gate("backward", group, gathers)
             run_agreed_all_gathers(agreed, group)
         if not group.begin_backward():
             return
@@ -308,6 +309,7 @@ class ModuleState:
             targets = [s.group for s in self.backward_prefetch if s.group is not None]
         else:
             targets = [self.ctx.post_forward_order[index - 1]] if index and mode is not None else []
+        targets = [target for target in targets if target.unshard_in_backward]
         if mode is BackwardPrefetch.BACKWARD_POST:
             group.prefetch_after_backward = targets  # issued once this unit's gradients are out
             return
