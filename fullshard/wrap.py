@@ -14,12 +14,18 @@ Two kinds of policy exist, as in ``torch.distributed.fsdp.wrap``:
     asked with ``recurse=True`` whether to look inside a module, then with
     ``recurse=False`` whether to wrap it, given the parameters its wrapped
     children did not take.
+
+Manual wrapping (FSDP1's ``enable_wrap`` / ``wrap``) is here too: model code
+calls ``wrap(layer)`` where a unit should start, and only an enclosing
+``enable_wrap(wrapper_cls=...)`` block turns that into a wrapper, so the same
+code builds the plain model outside the block.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Iterable
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import torch.nn as nn
 
@@ -29,10 +35,13 @@ __all__ = [
     "CustomPolicy",
     "ModuleWrapPolicy",
     "Policy",
+    "always_wrap_policy",
+    "enable_wrap",
     "lambda_auto_wrap_policy",
     "select_modules",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
+    "wrap",
 ]
 
 PolicyFn = Callable[..., bool]
@@ -114,6 +123,70 @@ def lambda_auto_wrap_policy(
 ) -> bool:
     """Wraps every module for which ``lambda_fn(module)`` is true."""
     return True if recurse else bool(lambda_fn(module))
+
+
+def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, **kwargs: Any) -> bool:
+    """Every submodule gets its own unit (parameterless ones too, as in torch).
+
+    Mostly for tests and tiny models: one unit per module means one
+    collective per module.
+    """
+    return True
+
+
+# -- manual wrapping ---------------------------------------------------------------------------
+class _WrapContext:
+    """The active ``enable_wrap`` block: what ``wrap`` builds units with."""
+
+    def __init__(self, wrapper_cls: Callable[..., nn.Module], kwargs: dict[str, Any]) -> None:
+        self.wrapper_cls = wrapper_cls
+        self.kwargs = kwargs
+
+
+# Process-wide, as in torch: ``wrap`` called from another thread during the block wraps too.
+_active: _WrapContext | None = None
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
+    """Inside the block, ``wrap(module)`` returns ``wrapper_cls(module, **wrapper_kwargs)``.
+
+    Model code marks its units with ``wrap`` once; whether they are wrapped,
+    and with which arguments, is decided by the caller. Blocks do not nest:
+    the inner arguments would silently win for some units and not others.
+
+    Raises:
+        TypeError: ``wrapper_cls`` is not callable (``None`` included).
+        ValueError: already inside an ``enable_wrap`` block.
+    """
+    global _active
+    if not callable(wrapper_cls):
+        raise TypeError(
+            f"enable_wrap expects wrapper_cls to be the wrapper class (e.g. FullyShardedDataParallel) "
+            f"but got {wrapper_cls!r}"
+        )
+    if _active is not None:
+        outer = getattr(_active.wrapper_cls, "__name__", repr(_active.wrapper_cls))
+        raise ValueError(
+            f"enable_wrap cannot be nested: already inside an enable_wrap block (wrapper_cls={outer}); "
+            "pass per-unit arguments to wrap(module, ...) instead"
+        )
+    _active = _WrapContext(wrapper_cls, dict(wrapper_kwargs))
+    try:
+        yield
+    finally:
+        _active = None
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """``module`` in its own unit inside ``enable_wrap``; ``module`` itself outside.
+
+    ``wrap_overrides`` take precedence over the block's arguments, for this
+    unit only (e.g. a different ``sharding_strategy``).
+    """
+    if _active is None:
+        return module
+    return _active.wrapper_cls(module, **{**_active.kwargs, **wrap_overrides})
 
 
 def _is_managed(module: nn.Module) -> bool:
