@@ -19,6 +19,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "OptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
@@ -127,6 +128,13 @@ class StateDictType(enum.Enum):
     FULL_STATE_DICT = enum.auto()  # full tensors, keyed like the unsharded model
     LOCAL_STATE_DICT = enum.auto()  # the wrapper's flat local shards, as they are
     SHARDED_STATE_DICT = enum.auto()  # one DTensor per parameter, keyed like the unsharded model
+
+
+class OptimStateKeyType(enum.Enum):
+    """How an optimizer state dict's ``state`` is keyed (see ``FSDP.rekey_optim_state_dict``)."""
+
+    PARAM_NAME = enum.auto()  # parameter FQNs, portable across wrappings
+    PARAM_ID = enum.auto()  # ints, as ``optim.state_dict()`` keys them
 
 
 @dataclass

@@ -390,22 +390,83 @@ def _split_state(
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
     """Turns an FQN-keyed optimizer state dict (full or sharded, any layout) into one
     that ``optim.load_state_dict`` accepts for ``model``'s current parameters."""
+    return optim_state_dict_for_params(model, [group["params"] for group in optim.param_groups], optim_state_dict)
+
+
+def optim_state_dict_for_params(
+    model: nn.Module, param_groups: list[list[torch.Tensor]] | None, optim_state_dict: dict[str, Any]
+) -> dict[str, Any]:
+    """``optim_state_dict_to_load`` for an optimizer given by its parameters per group
+    (None: ``model``'s parameters, grouped as ``optim_state_dict``'s FQNs are), for
+    the FSDP1 calls that take no optimizer."""
     entries = _param_entries(model)
+    if param_groups is None:
+        param_groups = _groups_by_fqn(model, entries, optim_state_dict)
     saved_state = optim_state_dict["state"]
     state: dict[int, dict[str, Any]] = {}
-    param_groups = []
+    result_groups = []
     index = 0
-    for saved_group, group in zip(optim_state_dict["param_groups"], optim.param_groups):
+    for saved_group, params in zip(optim_state_dict["param_groups"], param_groups):
         indices = []
-        for param in group["params"]:
+        for param in params:
             owned = entries[id(param)]
             per_param = [(shard_param, saved_state.get(fqn)) for fqn, shard_param, _ in owned]
             if any(values is not None for _, values in per_param):
                 state[index] = _join_state(param, owned[0][2], per_param)
             indices.append(index)
             index += 1
-        param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
-    return {"state": state, "param_groups": param_groups}
+        result_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+    return {"state": state, "param_groups": result_groups}
+
+
+def _groups_by_fqn(model: nn.Module, entries: dict[int, list], optim_state_dict: dict[str, Any]) -> list[list[torch.Tensor]]:
+    """``model``'s parameters (in model order) holding each saved group's FQNs."""
+    groups = []
+    for saved_group in optim_state_dict["param_groups"]:
+        fqns = set(saved_group["params"])
+        groups.append([p for p in model.parameters() if any(fqn in fqns for fqn, _, _ in entries[id(p)])])
+    return groups
+
+
+def rekey_optim_state_dict(
+    optim_state_dict: dict[str, Any], by_name: bool, model: nn.Module, param_groups: list[list[torch.Tensor]] | None
+) -> dict[str, Any]:
+    """``optim_state_dict`` keyed by parameter FQN (``by_name``) or by the optimizer's
+    parameter index; returned as is when already keyed so. Indices count the
+    parameters of ``param_groups`` (default: ``model.parameters()``) in order.
+
+    Raises:
+        ValueError: a parameter stands for several (a flat parameter: its states
+            are not any one parameter's; use ``optim_state_dict``), or a key that
+            ``model`` has no parameter for.
+    """
+    keys = [*optim_state_dict["state"], *(k for g in optim_state_dict["param_groups"] for k in g["params"])]
+    if all(isinstance(k, str if by_name else int) for k in keys):
+        return optim_state_dict
+    entries = _param_entries(model)
+    ordered = [p for params in (param_groups or [list(model.parameters())]) for p in params]
+    names = []
+    for param in ordered:
+        owned = entries.get(id(param))
+        if owned is None:
+            raise ValueError(f"rekey_optim_state_dict: an optimizer parameter is not a parameter of {type(model).__name__}")
+        if len(owned) != 1:
+            raise ValueError(
+                f"rekey_optim_state_dict expects one name per optimizer parameter but a flat parameter holds "
+                f"{[fqn for fqn, _, _ in owned]}: use optim_state_dict / full_optim_state_dict for flat parameters"
+            )
+        names.append(owned[0][0])
+    mapping: dict[Any, Any] = dict(enumerate(names)) if by_name else {name: i for i, name in enumerate(names)}
+
+    def rekey(key: Any) -> Any:
+        if key not in mapping:
+            raise ValueError(f"rekey_optim_state_dict: {type(model).__name__} has no parameter for key {key!r}")
+        return mapping[key]
+
+    return {
+        "state": {rekey(k): v for k, v in optim_state_dict["state"].items()},
+        "param_groups": [{**g, "params": sorted(rekey(k) for k in g["params"])} for g in optim_state_dict["param_groups"]],
+    }
 
 
 def _join_state(
