@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
@@ -287,6 +287,20 @@ def _verify(folder: str, checksums: bool) -> None:
         raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
 
 
+def _drop_states_not_saved(optim_state: dict[str, Any], folder: str) -> None:
+    """Leaves out the parameters the checkpoint has no optimizer state for (never
+    stepped when it was saved, e.g. unused so far): after loading they have none,
+    as in the uninterrupted run, instead of the placeholder states."""
+    prefix = "optim.state."
+    saved = {
+        key[len(prefix) :].rsplit(".", 1)[0]
+        for key in FileSystemReader(folder).read_metadata().state_dict_metadata
+        if key.startswith(prefix)
+    }
+    for fqn in [fqn for fqn in optim_state["state"] if fqn not in saved]:
+        del optim_state["state"][fqn]
+
+
 def _init_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
     """Creates the optimizer's states (DCP loads into existing tensors) without
     changing any parameter: one step with zero gradients and zero learning rates."""
@@ -330,6 +344,8 @@ def load(
     if optimizer is not None:
         _init_optimizer_states(optimizer)
     states = _states(model, optimizer)  # DCP copies into these in place: no aliases needed
+    if optimizer is not None:
+        _drop_states_not_saved(states["optim"], folder)
     try:
         with _single_process_is_intended():
             dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())

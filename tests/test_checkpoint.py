@@ -83,6 +83,54 @@ def test_resume_across_world_sizes_and_strategies(tmp_path):
     torch.testing.assert_close(train(model, optim, range(3, 5)), expected, rtol=1e-5, atol=1e-6)
 
 
+class WithLateHead(nn.Module):
+    """A transformer whose extra head joins training only from ``late_from`` on:
+    until then its parameters have no optimizer state."""
+
+    def __init__(self, seed: int = 0, late_from: int = 3) -> None:
+        super().__init__()
+        self.body = make_model(seed)
+        torch.manual_seed(seed + 100)
+        self.late_head = nn.Linear(ARGS.vocab_size, ARGS.vocab_size)
+        self.late_from, self.step = late_from, 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.body(tokens)
+        self.step += 1
+        return self.late_head(logits) if self.step > self.late_from else logits
+
+
+def _late_head_run(path: str, sharded: bool, resume: bool) -> list[float]:
+    model = WithLateHead(seed=1 if resume else 0)
+    if sharded:
+        for layer in model.body.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optim = adamw(model)
+    if not resume:
+        train(model, optim, range(3))
+        ckpt.save(path, model, optim)
+        return train(model, optim, range(3, 6))
+    ckpt.load(path, model, optim)
+    model.step = 3
+    late = {id(p) for p in model.late_head.parameters()}
+    assert not any(id(p) in late for p in optim.state), "the late head got placeholder optimizer states"
+    return train(model, optim, range(3, 6))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_parameters_without_optimizer_state_stay_without(tmp_path, sharded):
+    """A parameter never stepped before the save (unused so far) has no optimizer state
+    after loading either: its first step then matches the uninterrupted run's."""
+    path = str(tmp_path / "ckpt")
+    if sharded:
+        expected = run_distributed(_late_head_run, 2, path, True, False)[0]
+        resumed = run_distributed(_late_head_run, 2, path, True, True)[0]
+    else:
+        expected, resumed = _late_head_run(path, False, False), _late_head_run(path, False, True)
+    torch.testing.assert_close(resumed, expected, rtol=1e-5, atol=1e-6)
+
+
 def _save_twice_dying(path: str, die: bool) -> None:
     model = make_model()
     fully_shard(model)
