@@ -215,6 +215,13 @@ class FullyShardedDataParallel(nn.Module):
             group.rebind_shards()
         return result
 
+    def check_is_root(self) -> bool:
+        """Whether this wrapper is the root, the one whose forward starts an iteration.
+        Initializes lazily first (as a forward would), so ask the outermost wrapper
+        first: asked first, an inner wrapper becomes a root of its own subtree."""
+        self._state.lazy_init()
+        return bool(self._state.is_root)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of every parameter under this (root) wrapper by their
         global norm across shards and replicas. Returns the norm before clipping."""

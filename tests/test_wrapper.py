@@ -125,6 +125,7 @@ def test_module_process_group_and_fsdp_modules():
     units = FSDP.fsdp_modules(model)
     assert len(units) == 3 and units[0] is model
     assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    assert model.check_is_root() and not any(unit.check_is_root() for unit in units[1:])
     names = [name for name, _ in model.named_parameters()]
     assert names == [
         "_fsdp_wrapped_module._flat_param",
