@@ -215,6 +215,39 @@ class FullyShardedDataParallel(nn.Module):
             group.rebind_shards()
         return result
 
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Replaces every unit's gradient communication with ``hook`` (e.g. the
+        compression hooks of ``torch.distributed.algorithms._comm_hooks``).
+
+        Sharded strategies call ``hook(state, grad, output)``: ``grad`` is the
+        unit's padded gradient (in the reduce dtype), whose ``world_size`` equal
+        chunks are the ranks' shards; the hook reduce-scatters it into
+        ``output`` and does any averaging itself. NO_SHARD calls
+        ``hook(state, grad)``, to all-reduce ``grad`` in place. Call once, on
+        the root, before the first forward.
+
+        Raises:
+            RuntimeError: not the root, a hook is already registered, or a unit
+                uses a hybrid strategy (two collectives: no single hook fits).
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook expects a callable hook but got {hook!r}")
+        if not self.check_is_root():
+            raise RuntimeError("register_comm_hook must be called on the root FullyShardedDataParallel instance")
+        units = FullyShardedDataParallel.fsdp_modules(self)
+        for unit in units:
+            if unit.sharding_strategy in HYBRID_STRATEGIES:
+                raise RuntimeError(
+                    f"register_comm_hook does not support hybrid strategies, but {module_class_name(unit.module)} "
+                    f"uses {unit.sharding_strategy.name} (reduce-scatter and all-reduce: no single hook fits)"
+                )
+            if unit._state.group is not None and unit._state.group.comm_hook is not None:
+                raise RuntimeError("register_comm_hook was already called: a communication hook is registered")
+        for unit in units:
+            if unit._state.group is not None:
+                unit._state.group.comm_hook = (hook, state)
+
     def check_is_root(self) -> bool:
         """Whether this wrapper is the root, the one whose forward starts an iteration.
         Initializes lazily first (as a forward would), so ask the outermost wrapper

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,7 @@ class ParamGroup:
         self.requires_all_reduce = True  # HSDP: False keeps reduce-scattered partial sums
         self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
         self.gradient_divide_factor: float | None = None  # None: average over the ranks
+        self.comm_hook: tuple[Callable[..., None], Any] | None = None  # (hook, state): the wrapper's
         self._partial_grads: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
         self.module_fqn = ""  # set at lazy init
         self.ctx: "IterationContext | None" = None  # set at lazy init
@@ -506,6 +507,7 @@ class ParamGroup:
             divide_factor=self.gradient_divide_factor,
             all_reduce=not partial_only,
             partial=partial,
+            comm_hook=self.comm_hook,
         )
         del grads  # the copy-in holds them now; free the unsharded gradients
         self.ctx.reductions.submit(reduction)

@@ -28,7 +28,7 @@ every micro-batch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -101,10 +101,12 @@ class GradReduction:
         divide_factor: float | None = None,
         all_reduce: bool = True,
         partial: torch.Tensor | None = None,
+        comm_hook: tuple[Callable[..., None], Any] | None = None,
     ) -> None:
         """``divide_factor``: None to average, else divide the sum by it.
         ``all_reduce`` False: stop after the reduce-scatter (a partial result).
-        ``partial``: an earlier partial result to add before the all-reduce."""
+        ``partial``: an earlier partial result to add before the all-reduce.
+        ``comm_hook``: (hook, state) that communicates instead, see ``_run_hook``."""
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: dist.Work | None = None
@@ -123,16 +125,30 @@ class GradReduction:
             )
         else:
             chunk_cat(grads, self._output.view(1, -1))
+        self._final_divide = 1.0
+        if comm_hook is not None:
+            self._stages = [lambda: self._run_hook(*comm_hook, reduced)]
+            return
         all_reduce = all_reduce and replicate.size > 1
         if all_reduce:
             self._stages.append(lambda: self._all_reduce(replicate, partial))
-        self._final_divide = 1.0
         if divide_factor is not None:
             pre, post = _split_factor(reduce_dtype, divide_factor)
             if pre != 1.0:
                 reduced.div_(pre)
             # a partial result is divided once, after the all-reduce that takes it in
             self._final_divide = post if all_reduce or replicate.size == 1 else 1.0
+
+    def _run_hook(self, hook: Callable[..., None], state: Any, reduced: torch.Tensor) -> None:
+        """A user's communication hook (the wrapper's ``register_comm_hook``), run
+        synchronously in place of the collectives and the averaging. Sharded:
+        ``hook(state, grad, output)`` with the unit's padded gradient, rank r's
+        shard at chunk r, to reduce-scatter into ``output``; unsharded:
+        ``hook(state, grad)`` to all-reduce in place."""
+        if reduced is self._output:
+            hook(state, self._output)
+        else:
+            hook(state, reduced, self._output)
 
     def _all_reduce(self, replicate: "GroupInfo", partial: torch.Tensor | None) -> None:
         if partial is not None:
