@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any, Iterable, NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 
@@ -135,7 +135,7 @@ class FSDPModule:
         last micro-batch. No effect without a replicate dimension.
         """
         for group in self._groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
+            group.reduce_settings.all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduced gradients become the sum over all data-parallel ranks divided by
@@ -145,13 +145,27 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor but got {factor} for "
                              f"{type(self).__name__}")
         for group in self._groups(recurse=False):
-            group.gradient_divide_factor = float(factor)
+            group.reduce_settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of ``set_gradient_divide_factor``."""
         warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Calls ``hook(reduced)`` with this unit's reduced gradient shards (one flat
+        tensor, the unit's parameters back to back) after its last collective
+        (the reduce-scatter; with HSDP the all-reduce), before they reach
+        ``.grad``: for an extra reduction of one's own, e.g. across a group
+        fullshard does not know. In-place changes are kept."""
+        if stream is not None:
+            raise NotImplementedError(
+                f"set_all_reduce_hook runs the hook where {type(self).__name__}'s reduction finishes; "
+                "a separate stream is not supported: pass stream=None"
+            )
+        for group in self._groups(recurse=False):
+            group.reduce_settings.post_reduce_hook = hook
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False skips this unit's all-gather in backward: for units whose backward

@@ -242,11 +242,11 @@ class FullyShardedDataParallel(nn.Module):
                     f"register_comm_hook does not support hybrid strategies, but {module_class_name(unit.module)} "
                     f"uses {unit.sharding_strategy.name} (reduce-scatter and all-reduce: no single hook fits)"
                 )
-            if unit._state.group is not None and unit._state.group.comm_hook is not None:
+            if unit._state.group is not None and unit._state.group.reduce_settings.comm_hook is not None:
                 raise RuntimeError("register_comm_hook was already called: a communication hook is registered")
         for unit in units:
             if unit._state.group is not None:
-                unit._state.group.comm_hook = (hook, state)
+                unit._state.group.reduce_settings.comm_hook = (hook, state)
 
     def check_is_root(self) -> bool:
         """Whether this wrapper is the root, the one whose forward starts an iteration.

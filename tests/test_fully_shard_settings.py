@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import MixedPrecisionPolicy, fully_shard, hybrid_mesh
 from fullshard._core import comm
 from fullshard.models import ModelArgs, Transformer
-from fullshard.testing import assert_params_equal, distributed
+from fullshard.testing import assert_params_equal, distributed, run_distributed
 
 ARGS = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=16, n_heads=4)
 
@@ -197,3 +197,42 @@ def test_unshard_in_backward_false_skips_the_gather():
     assert_grads_equal(ours, theirs)
     assert_params_equal(ours, gathered)
     assert_grads_equal(ours, gathered)
+
+
+def test_all_reduce_hook_matches_fsdp2():
+    for world, hybrid in ((2, False), (4, True)):
+        run_distributed(_all_reduce_hook_run, world, hybrid)
+
+
+def _all_reduce_hook_run(hybrid: bool):
+    """A hook that doubles each reduced shard in place, on every block: the blocks'
+    gradients come out doubled, as in FSDP2; not called for a partial (no
+    all-reduce) backward."""
+    mesh = hybrid_mesh("cpu", num_devices_per_node=2) if hybrid else None
+    ours, theirs = twins(mesh=mesh)
+    plain, _ = twins(mesh=mesh)
+    calls = []
+
+    def doubling(reduced: torch.Tensor) -> None:
+        calls.append(reduced.numel())
+        reduced.mul_(2)
+
+    for model in (ours, theirs):
+        for layer in model.layers:
+            layer.set_all_reduce_hook(doubling)
+    if hybrid:
+        for model in (ours, theirs, plain):
+            model.set_requires_all_reduce(False)
+            backward(model, micro_batch=0)
+            model.set_requires_all_reduce(True)
+        assert calls == []  # only the final reduction is hooked
+    backward(ours, micro_batch=1)
+    assert len(calls) == ARGS.n_layers
+    for model in (theirs, plain):
+        backward(model, micro_batch=1)
+    assert_grads_equal(ours, theirs)
+    for (name, param), reference in zip(ours.named_parameters(), plain.parameters()):
+        factor = 2.0 if name.startswith("layers.") else 1.0
+        torch.testing.assert_close(param.grad.full_tensor(), reference.grad.full_tensor() * factor)
+    with pytest.raises(NotImplementedError, match="stream"):
+        ours.layers[0].set_all_reduce_hook(doubling, stream=object())

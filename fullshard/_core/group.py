@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from .common import TrainingState, UnitConfig, clean_fqn
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
-from .reduction import GradReduction
+from .reduction import GradReduction, ReduceSettings
 
 if TYPE_CHECKING:
     from .state import IterationContext
@@ -80,10 +80,8 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP: False keeps reduce-scattered partial sums
+        self.reduce_settings = ReduceSettings()
         self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
-        self.gradient_divide_factor: float | None = None  # None: average over the ranks
-        self.comm_hook: tuple[Callable[..., None], Any] | None = None  # (hook, state): the wrapper's
         self._partial_grads: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
         self.module_fqn = ""  # set at lazy init
         self.ctx: "IterationContext | None" = None  # set at lazy init
@@ -493,7 +491,7 @@ class ParamGroup:
 
     def _submit_reduction(self, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
         self.ctx.reductions.make_room()
-        partial_only = not self.requires_all_reduce and self.mesh_info.replicate.size > 1
+        partial_only = self.reduce_settings.partial_only(self.mesh_info.replicate)
         partial = None
         if self._partial_grads and not partial_only:
             params, grads, partial = self._take_partial_grads(params, grads)
@@ -504,10 +502,8 @@ class ParamGroup:
             self.mesh_info.replicate,
             self.reduce_dtype,
             on_done=lambda output: (self._keep_partial_grads if partial_only else self._accept_grads)(params, output),
-            divide_factor=self.gradient_divide_factor,
-            all_reduce=not partial_only,
+            settings=self.reduce_settings,
             partial=partial,
-            comm_hook=self.comm_hook,
         )
         del grads  # the copy-in holds them now; free the unsharded gradients
         self.ctx.reductions.submit(reduction)

@@ -28,6 +28,7 @@ every micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -87,6 +88,20 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         offset += width
 
 
+@dataclass
+class ReduceSettings:
+    """How a unit reduces its gradients; changed at run time through ``FSDPModule``
+    (and the wrapper's ``register_comm_hook``)."""
+
+    divide_factor: float | None = None  # None: average over the ranks
+    all_reduce: bool = True  # HSDP: False stops after the reduce-scatter (a partial result)
+    comm_hook: tuple[Callable[..., None], Any] | None = None  # (hook, state): communicates instead
+    post_reduce_hook: Callable[[torch.Tensor], None] | None = None  # sees each final reduced shard
+
+    def partial_only(self, replicate: "GroupInfo") -> bool:
+        return not self.all_reduce and replicate.size > 1
+
+
 class GradReduction:
     """One unit's reduction: copy-in, collectives, then the result to ``on_done``."""
 
@@ -98,20 +113,18 @@ class GradReduction:
         replicate: "GroupInfo",
         reduce_dtype: torch.dtype,
         on_done: Callable[[torch.Tensor], None],
-        divide_factor: float | None = None,
-        all_reduce: bool = True,
+        settings: ReduceSettings | None = None,
         partial: torch.Tensor | None = None,
-        comm_hook: tuple[Callable[..., None], Any] | None = None,
     ) -> None:
-        """``divide_factor``: None to average, else divide the sum by it.
-        ``all_reduce`` False: stop after the reduce-scatter (a partial result).
-        ``partial``: an earlier partial result to add before the all-reduce.
-        ``comm_hook``: (hook, state) that communicates instead, see ``_run_hook``."""
+        """``partial``: an earlier partial result to add before the all-reduce."""
+        settings = settings or ReduceSettings()
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: dist.Work | None = None
         self._post_divide = 1.0
-        self._sum = divide_factor is not None
+        self._sum = settings.divide_factor is not None
+        final = not settings.partial_only(replicate)
+        self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
         total = sum(shard_numels)
@@ -126,18 +139,17 @@ class GradReduction:
         else:
             chunk_cat(grads, self._output.view(1, -1))
         self._final_divide = 1.0
-        if comm_hook is not None:
-            self._stages = [lambda: self._run_hook(*comm_hook, reduced)]
+        if settings.comm_hook is not None:
+            self._stages = [lambda: self._run_hook(*settings.comm_hook, reduced)]
             return
-        all_reduce = all_reduce and replicate.size > 1
-        if all_reduce:
+        if final and replicate.size > 1:
             self._stages.append(lambda: self._all_reduce(replicate, partial))
-        if divide_factor is not None:
-            pre, post = _split_factor(reduce_dtype, divide_factor)
+        if settings.divide_factor is not None:
+            pre, post = _split_factor(reduce_dtype, settings.divide_factor)
             if pre != 1.0:
                 reduced.div_(pre)
             # a partial result is divided once, after the all-reduce that takes it in
-            self._final_divide = post if all_reduce or replicate.size == 1 else 1.0
+            self._final_divide = post if final else 1.0
 
     def _run_hook(self, hook: Callable[..., None], state: Any, reduced: torch.Tensor) -> None:
         """A user's communication hook (the wrapper's ``register_comm_hook``), run
@@ -178,6 +190,8 @@ class GradReduction:
         if self._stages:
             self._stages.pop(0)()
             return False
+        if self._post_reduce_hook is not None:
+            self._post_reduce_hook(self._output)
         if self._final_divide != 1.0:
             self._output.div_(self._final_divide)
         self._on_done(self._output)
