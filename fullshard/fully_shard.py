@@ -153,6 +153,13 @@ class FSDPModule:
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduces with SUM only, dividing before and after in separate steps,
+        never with AVG: for backends or transports that handle only sums
+        (e.g. NCCL's zero-copy collectives). The same result up to rounding."""
+        for group in self._groups(recurse=False):
+            group.reduce_settings.sum_only = enable
+
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Calls ``hook(reduced)`` with this unit's reduced gradient shards (one flat
         tensor, the unit's parameters back to back) after its last collective

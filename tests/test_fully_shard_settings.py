@@ -236,3 +236,38 @@ def _all_reduce_hook_run(hybrid: bool):
         torch.testing.assert_close(param.grad.full_tensor(), reference.grad.full_tensor() * factor)
     with pytest.raises(NotImplementedError, match="stream"):
         ours.layers[0].set_all_reduce_hook(doubling, stream=object())
+
+
+@distributed(world_size=4)
+def test_force_sum_reduction_uses_only_sums():
+    """HSDP 2x2: every reduction op is SUM; the gradients equal the AVG path's and FSDP2's."""
+    mesh = hybrid_mesh("cpu", num_devices_per_node=2)
+    ours, theirs = twins(mesh=mesh)
+    averaged, _ = twins(mesh=mesh)
+    for model in (ours, theirs):
+        for module in model.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+    ops = []
+    originals = {"reduce_scatter": comm.reduce_scatter, "all_reduce": comm.all_reduce}
+    op_index = {"reduce_scatter": 3, "all_reduce": 2}  # (output, input, group, op) / (tensor, group, op)
+
+    def recording(name):
+        def collective(*args, **kwargs):
+            ops.append(args[op_index[name]])
+            return originals[name](*args, **kwargs)
+
+        return collective
+
+    try:
+        for name in originals:
+            setattr(comm, name, recording(name))
+        backward(ours)
+    finally:
+        for name, original in originals.items():
+            setattr(comm, name, original)
+    assert len(ops) == 2 * (1 + ARGS.n_layers) and all(op == dist.ReduceOp.SUM for op in ops), ops
+    for model in (theirs, averaged):
+        backward(model)
+    assert_grads_equal(ours, theirs)
+    assert_grads_equal(ours, averaged)

@@ -40,9 +40,12 @@ if TYPE_CHECKING:
     from .mesh import GroupInfo
 
 
-def _averaging(dtype: torch.dtype, world: int) -> tuple[dist.ReduceOp.RedOpType, float, float]:
-    """(op, pre-divide factor, post-divide factor) for an average over ``world`` ranks."""
-    if dtype != torch.float16 or world == 1:
+def _averaging(
+    dtype: torch.dtype, world: int, sum_only: bool = False
+) -> tuple[dist.ReduceOp.RedOpType, float, float]:
+    """(op, pre-divide factor, post-divide factor) for an average over ``world``
+    ranks; ``sum_only``: with SUM even where AVG would do."""
+    if (dtype != torch.float16 and not sum_only) or world == 1:
         return dist.ReduceOp.AVG, 1.0, 1.0
     return (dist.ReduceOp.SUM, *_split_factor(dtype, world))
 
@@ -97,6 +100,7 @@ class ReduceSettings:
     all_reduce: bool = True  # HSDP: False stops after the reduce-scatter (a partial result)
     comm_hook: tuple[Callable[..., None], Any] | None = None  # (hook, state): communicates instead
     post_reduce_hook: Callable[[torch.Tensor], None] | None = None  # sees each final reduced shard
+    sum_only: bool = False  # average with SUM and divisions, never ReduceOp.AVG
 
     def partial_only(self, replicate: "GroupInfo") -> bool:
         return not self.all_reduce and replicate.size > 1
@@ -123,6 +127,7 @@ class GradReduction:
         self._work: dist.Work | None = None
         self._post_divide = 1.0
         self._sum = settings.divide_factor is not None
+        self._sum_only = settings.sum_only
         final = not settings.partial_only(replicate)
         self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
@@ -168,7 +173,9 @@ class GradReduction:
         self._collective(comm.all_reduce, replicate, self._output)
 
     def _collective(self, fn: Callable, group: "GroupInfo", *tensors: torch.Tensor) -> None:
-        op, pre, post = (dist.ReduceOp.SUM, 1.0, 1.0) if self._sum else _averaging(self._output.dtype, group.size)
+        op, pre, post = (
+            (dist.ReduceOp.SUM, 1.0, 1.0) if self._sum else _averaging(self._output.dtype, group.size, self._sum_only)
+        )
         if pre != 1.0:
             tensors[-1].div_(pre)
         if fn is comm.reduce_scatter:
