@@ -1,6 +1,6 @@
 """fullshard: Fully Sharded Data Parallel (ZeRO-3) training for PyTorch.
 
-The public names mirror ``torch.distributed.fsdp``: switching is a change of
+The public names mirror PyTorch's own FSDP package: switching is a change of
 imports.
 """
 

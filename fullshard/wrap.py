@@ -6,7 +6,7 @@ per-module argument overrides); ``fully_shard(policy=...)`` applies
 ``fully_shard`` to each, ``FullyShardedDataParallel(auto_wrap_policy=...)``
 wraps each in place.
 
-Two kinds of policy exist, as in ``torch.distributed.fsdp.wrap``:
+Two kinds of policy exist, as in PyTorch's FSDP auto-wrap module:
   - ``Policy`` objects (``ModuleWrapPolicy``, ``CustomPolicy``) pick modules
     directly;
   - functions ``fn(module, recurse, nonwrapped_numel) -> bool`` (usually a

@@ -1,7 +1,7 @@
 """``FullyShardedDataParallel``: the FSDP1-compatible wrapper, on the same engine.
 
-Code written for ``torch.distributed.fsdp.FullyShardedDataParallel`` runs after
-an import swap::
+Code written for PyTorch's own FSDP1 wrapper (``FullyShardedDataParallel``) runs
+after an import swap::
 
     torchrun --nproc-per-node 2 train.py
 
