@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._core.common import UnitConfig, module_class_name
+from ._core.common import UnitConfig, map_tensors, module_class_name
 from ._core.full_params import full_params
 from ._core.init import get_managed_modules
 from ._core.manage import manage_module
@@ -407,7 +407,7 @@ class FullyShardedDataParallel(nn.Module):
             if full_optim_state_dict is None:
                 raise ValueError(f"scatter_full_optim_state_dict expects the state dict on rank {source} but got None")
             # On the CPU: unpickled tensors would otherwise land on the source's device.
-            holder = [_to_cpu(full_optim_state_dict)]
+            holder = [map_tensors(torch.Tensor.cpu, full_optim_state_dict)]
         dist.broadcast_object_list(holder, src=source, group=group)
         return FullyShardedDataParallel.shard_full_optim_state_dict(holder[0], model, optim_input, optim)
 
@@ -470,16 +470,6 @@ def _param_groups(optim: torch.optim.Optimizer | None, optim_input: OptimInput, 
     if items and isinstance(items[0], dict):
         return [list(group["params"]) for group in items]
     return [items]
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def _warn_if_group_given(group: dist.ProcessGroup | None, caller: str) -> None:

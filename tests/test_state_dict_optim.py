@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from fullshard import FSDP, ShardingStrategy, StateDictType, fully_shard
 from fullshard.models import ModelArgs, Transformer, TransformerBlock
 from fullshard.testing import DataParallelReference, clone_tree, distributed, full_value
+from fullshard.testing.models import ThreeLinears
 from fullshard.wrap import ModuleWrapPolicy
 
 CPU = torch.device("cpu")
@@ -116,15 +117,6 @@ def test_fully_shard_optimizer_state_dict_holds_dtensors():
         torch.testing.assert_close(full_value(p), full_value(q))
 
 
-class MyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1, self.lin2, self.lin3 = nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10)
-
-    def forward(self, x):
-        return self.lin3(self.lin2(self.lin1(x)))
-
-
 @distributed(world_size=4)
 def test_hsdp_save_load_state_dict():
     """Seed 000: sharded model and optimizer state dicts of an HSDP model
@@ -135,7 +127,7 @@ def test_hsdp_save_load_state_dict():
     groups = (nodes[rank // 2], replicas[rank % 2])
 
     def make() -> nn.Module:
-        return FSDP(MyModel(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, use_orig_params=True,
+        return FSDP(ThreeLinears(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, use_orig_params=True,
                     process_group=groups, device_id=CPU)
 
     torch.manual_seed(0)

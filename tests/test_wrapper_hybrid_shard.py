@@ -18,21 +18,12 @@ from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from fullshard import FSDP, ShardingStrategy, hybrid_mesh
 from fullshard._core import comm
 from fullshard.testing import distributed
-from fullshard.testing.models import TransformerWithSharedParams
+from fullshard.testing.models import ThreeLinears, TransformerWithSharedParams
 from fullshard.wrap import ModuleWrapPolicy
 
 CPU = torch.device("cpu")
 HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
 LAYERS = ModuleWrapPolicy({TransformerEncoderLayer, TransformerDecoderLayer})
-
-
-class MyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1, self.lin2, self.lin3 = nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10)
-
-    def forward(self, x):
-        return self.lin3(self.lin2(self.lin1(x)))
 
 
 class Mode(enum.Enum):
@@ -52,14 +43,14 @@ def two_nodes_of_two() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 def test_raises_manual_wrap_hybrid_shard_when_none_policy():
     for strategy in HYBRID:
         with pytest.raises(ValueError, match="requires explicit specification of process group or device_mesh."):
-            FSDP(MyModel(), sharding_strategy=strategy, device_id=CPU)
+            FSDP(ThreeLinears(), sharding_strategy=strategy, device_id=CPU)
 
 
 @distributed(world_size=2)
 def test_invalid_pg_specification_raises():
     with pytest.raises(ValueError, match="^Expected process_group to be passed in"):
         FSDP(
-            MyModel(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=CPU,
+            ThreeLinears(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=CPU,
             process_group=dist.distributed_c10d._get_default_group(),
             sharding_strategy=ShardingStrategy.HYBRID_SHARD,
         )
@@ -67,7 +58,7 @@ def test_invalid_pg_specification_raises():
 
 @distributed(world_size=4)
 def test_hsdp_sync_module_state():
-    model = MyModel()
+    model = ThreeLinears()
     for linear in (model.lin1, model.lin2, model.lin3):
         nn.init.constant_(linear.weight, dist.get_rank())
     model = FSDP(
@@ -174,7 +165,7 @@ def hybrid_process_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 @distributed(world_size=4)
 def test_hybrid_groups_from_local_world_size():
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    model = FSDP(MyModel(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+    model = FSDP(ThreeLinears(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                  auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=CPU)
     units = FSDP.fsdp_modules(model)
     assert len(units) == 4  # three linears and the root

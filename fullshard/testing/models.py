@@ -58,6 +58,17 @@ class TransformerWithSharedParams(nn.Module):
         return [self.transformer]
 
 
+class ThreeLinears(nn.Module):
+    """Three 10x10 linears in a row: the small model of the hybrid-sharding tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.lin3 = nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin3(self.lin2(self.lin1(x)))
+
+
 class UnitModule(nn.Module):
     """``l1 -> (relu, linear, relu) -> l2``: the unit ``ModuleWrapPolicy`` picks out."""
 
