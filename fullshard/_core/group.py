@@ -484,7 +484,7 @@ class ParamGroup:
         with zero gradients (execution-order validation); the averaged result is
         this rank's gradient too, as DDP does for unused parameters."""
         params = [p for p in self.params if clean_fqn(p.fqn) in names]
-        grads = [torch.zeros(p.unsharded_size, dtype=p.param_dtype, device=self.device) for p in params]
+        grads = [self._zero_grad(p) for p in params]
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
         self._submit_reduction(params, grads)
@@ -515,15 +515,18 @@ class ParamGroup:
         and returns the partial results laid out like the reduction's output."""
         given = dict(zip(params, grads))
         params = [p for p in self.params if p in given or p in self._partial_grads]
-        grads = [
-            given[p] if p in given else torch.zeros(p.unsharded_size, dtype=p.param_dtype, device=self.device)
-            for p in params
-        ]
+        grads = [given[p] if p in given else self._zero_grad(p) for p in params]
         partial = torch.cat([
-            self._partial_grads.pop(p) if p in self._partial_grads else torch.zeros(p.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            self._partial_grads.pop(p)
+            if p in self._partial_grads
+            else torch.zeros(p.shard_numel, dtype=self.reduce_dtype, device=self.device)
             for p in params
         ])
         return params, grads, partial
+
+    def _zero_grad(self, param: ShardParam) -> torch.Tensor:
+        """A zero unsharded gradient: joining a reduction this rank has nothing for."""
+        return torch.zeros(param.unsharded_size, dtype=param.param_dtype, device=self.device)
 
     def _keep_partial_grads(self, params: list[ShardParam], output: torch.Tensor) -> None:
         offset = 0

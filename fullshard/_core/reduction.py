@@ -136,17 +136,14 @@ class GradReduction:
         self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
         reduced = self._output
         if shard.size > 1:
-            reduced = rs_input = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-            chunk_cat(grads, rs_input.view(shard.size, -1))
-            self._stages.append(
-                lambda: self._collective(comm.reduce_scatter, shard, self._output, rs_input)
-            )
-        else:
-            chunk_cat(grads, self._output.view(1, -1))
+            reduced = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+        chunk_cat(grads, reduced.view(shard.size, -1))
         self._final_divide = 1.0
         if settings.comm_hook is not None:
             self._stages = [lambda: self._run_hook(*settings.comm_hook, reduced)]
             return
+        if shard.size > 1:
+            self._stages.append(lambda: self._collective(comm.reduce_scatter, shard, self._output, reduced))
         if final and replicate.size > 1:
             self._stages.append(lambda: self._all_reduce(replicate, partial))
         if settings.divide_factor is not None:
