@@ -1,0 +1,197 @@
+"""State dicts, optimizer state and checkpoints as PyTorch's FSDP has them (issue 13).
+
+Each body runs once with torch 2.13's FSDP1 (or FSDP2) and once with fullshard,
+on the same model, data and optimizer, and the two results are compared (or the
+same property is asserted of both).
+"""
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fullshard
+from fullshard.testing import clone_tree, distributed, full_value
+
+CPU = torch.device("cpu")
+
+
+def lib(name: str) -> SimpleNamespace:
+    """The FSDP1 names of torch (``"torch"``) or fullshard (``"ours"``)."""
+    if name == "torch":
+        from torch.distributed import fsdp
+        from torch.distributed.fsdp import wrap
+    else:
+        fsdp, wrap = fullshard, fullshard.wrap
+    return SimpleNamespace(
+        FSDP=fsdp.FullyShardedDataParallel, ModuleWrapPolicy=wrap.ModuleWrapPolicy, SDT=fsdp.StateDictType,
+        ShardedStateDictConfig=fsdp.ShardedStateDictConfig,
+    )
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    """``emb -> block1 -> block2 -> head``; with ``linears`` the blocks are bare linears."""
+
+    def __init__(self, linears: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(3, 4)
+        self.block1 = nn.Linear(4, 4) if linears else nn.Sequential(Block(), nn.Linear(6, 4))
+        self.block2 = nn.Linear(4, 4) if linears else nn.Sequential(Block(), nn.Linear(6, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block2(self.block1(self.emb(x))))
+
+
+def wrapped(name: str, use_orig_params: bool) -> nn.Module:
+    """The root and every ``Block`` wrapped."""
+    api = lib(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return api.FSDP(Net(), auto_wrap_policy=api.ModuleWrapPolicy({Block}), device_id=CPU,
+                        use_orig_params=use_orig_params)
+
+
+def submodules_wrapped(name: str, use_orig_params: bool) -> nn.Module:
+    """A plain root whose two bare linears are wrappers: the root is no wrapper."""
+    api = lib(name)
+    net = Net(linears=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net.block1 = api.FSDP(net.block1, device_id=CPU, use_orig_params=use_orig_params)
+        net.block2 = api.FSDP(net.block2, device_id=CPU, use_orig_params=use_orig_params)
+    return net
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        loss = model(x).square().sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def quiet(fn, *args, **kwargs):
+    """torch's deprecation warnings are not the subject here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def full_states(osd: dict) -> dict:
+    """An FQN-keyed optimizer state dict's states as full tensors (a collective for DTensors;
+    every rank walks the keys sorted)."""
+    return {fqn: {k: full_value(v) if isinstance(v, torch.Tensor) else v for k, v in sorted(osd["state"][fqn].items())}
+            for fqn in sorted(osd["state"])}
+
+
+def assert_same_states(ours: dict, theirs: dict) -> None:
+    assert set(ours) == set(theirs)
+    for fqn, values in theirs.items():
+        assert set(ours[fqn]) == set(values), fqn
+        for key, value in values.items():
+            torch.testing.assert_close(ours[fqn][key], value, msg=lambda m: f"{fqn}.{key}: {m}")
+
+
+def assert_same_index_dicts(loaded: dict, expected: dict, label: str = "") -> None:
+    """Two index-keyed optimizer state dicts hold the same states."""
+    assert set(loaded["state"]) == set(expected["state"]), label
+    for index, values in expected["state"].items():
+        for key, value in values.items():
+            torch.testing.assert_close(loaded["state"][index][key], value, msg=lambda m: f"{label} {index}.{key}: {m}")
+    assert [g["params"] for g in loaded["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+
+
+# -- item 5: optimizers listing the parameters in different orders on different ranks -----------------
+@distributed(world_size=2)
+def test_optim_state_calls_walk_the_model_order():
+    results = {}
+    for name in ("torch", "ours"):
+        api = lib(name)
+        for use_orig_params in (False, True):
+            model = wrapped(name, use_orig_params)
+            params = list(model.parameters())
+            optim = torch.optim.Adam(params[::-1] if dist.get_rank() == 1 else params, lr=1e-2)
+            train(model, optim, range(2))
+            own = clone_tree(optim.state_dict())
+            full = quiet(api.FSDP.full_optim_state_dict, model, optim, rank0_only=False)
+            with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT):
+                full_new = api.FSDP.optim_state_dict(model, optim)
+            with quiet(api.FSDP.state_dict_type, model, api.SDT.SHARDED_STATE_DICT):
+                sharded = api.FSDP.optim_state_dict(model, optim)
+            # Loaded back into the optimizer they came from: the same states (not so for
+            # torch's use_orig_params=True, whose full dict is wrong, see below).
+            for loadable in (quiet(api.FSDP.shard_full_optim_state_dict, full, model, optim=optim),
+                             quiet(api.FSDP.scatter_full_optim_state_dict, full if dist.get_rank() == 0 else None,
+                                   model, optim=optim)):
+                if name == "ours" or not use_orig_params:
+                    assert_same_index_dicts(loadable, own, f"{name} use_orig_params={use_orig_params}")
+            results[name, use_orig_params] = (full_states(full), full_states(full_new), full["param_groups"])
+            if name == "ours":  # torch's sharded states are ShardedTensors: compared as full ones
+                assert_same_states(full_states(sharded), results[name, use_orig_params][0])
+    for use_orig_params in (False, True):
+        ours, theirs = results["ours", use_orig_params], results["torch", use_orig_params]
+        assert ours[2] == theirs[2]  # param groups list the FQNs in each rank's optimizer order
+        # torch 2.13's use_orig_params=True full dict has exp_avg_sq's values under exp_avg
+        # too (CPU, gloo): its flat-parameter dict is the oracle for the values.
+        assert_same_states(ours[0], results["torch", False][0])
+        assert_same_states(ours[1], results["torch", False][1])
+
+
+# -- item 6: a root that is no wrapper ---------------------------------------------------------------
+@distributed(world_size=2)
+def test_optim_state_of_a_model_whose_root_is_no_wrapper():
+    results = {}
+    for name in ("torch", "ours"):
+        api = lib(name)
+        for use_orig_params in (False, True):
+            model = submodules_wrapped(name, use_orig_params)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+            train(model, optim, range(2))
+            full = quiet(api.FSDP.full_optim_state_dict, model, optim, rank0_only=False)
+            with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT):
+                full_new = api.FSDP.optim_state_dict(model, optim)
+            results[name, use_orig_params] = (full_states(full), full_states(full_new), full["param_groups"])
+            # Loaded into a fresh model's optimizer, every state comes back, inside wrappers or not.
+            fresh = submodules_wrapped(name, use_orig_params)
+            fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+            with quiet(api.FSDP.state_dict_type, fresh, api.SDT.FULL_STATE_DICT):
+                loadables = [quiet(api.FSDP.shard_full_optim_state_dict, full, fresh),
+                             api.FSDP.optim_state_dict_to_load(fresh, fresh_optim, full_new)]
+            if name == "ours" or not use_orig_params:  # torch's use_orig_params=True full dict is wrong
+                for loadable in loadables:
+                    assert_same_index_dicts(loadable, optim.state_dict(), f"{name} use_orig_params={use_orig_params}")
+            # Keys a load does not find, or does not know, are reported by their clean names.
+            partial = {"block1.weight": torch.zeros(4, 4), "bogus": torch.zeros(1)}
+            result = fresh.load_state_dict(partial, strict=False)
+            results[name, use_orig_params, "keys"] = (sorted(result.missing_keys), result.unexpected_keys)
+            # A parameter the model does not have (another model's, e.g. a pipeline stage's) has no name.
+            stranger = nn.Parameter(torch.ones(3))
+            stranger.grad = torch.ones(3)
+            optim.add_param_group({"params": [stranger]})
+            optim.step()
+            with pytest.raises(KeyError):
+                quiet(api.FSDP.full_optim_state_dict, model, optim, rank0_only=False)
+    for use_orig_params in (False, True):
+        ours, theirs = results["ours", use_orig_params], results["torch", use_orig_params]
+        assert ours[2] == theirs[2]
+        assert_same_states(ours[0], results["torch", False][0])
+        assert_same_states(ours[1], results["torch", False][1])
+        assert results["ours", use_orig_params, "keys"] == results["torch", use_orig_params, "keys"]
