@@ -171,6 +171,8 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
     group = state.group
     if group is not None:
         state.module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
+        # Before the parameters' load hooks below: they see the sharded registration.
+        state.module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, state))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.params):
             info = param.module_info
@@ -207,12 +209,18 @@ def _settings(state: ModuleState) -> StateDictSettings:
     return state.state_dict_settings
 
 
+def _reshard_unit(state: ModuleState, *args: Any) -> None:
+    """Outside forward and backward, a unit may still be unsharded (the root after a
+    forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
+    write the shards."""
+    if state.group.training_state.name == "IDLE":
+        state.group.reshard()
+
+
 def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    group = state.group
-    if group.training_state.name == "IDLE":
-        group.reshard()
+    _reshard_unit(state)
     if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
-        state.full_values = group.gather_full()
+        state.full_values = state.group.gather_full()
 
 
 def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -455,10 +463,14 @@ def _split_state(
     values: dict[str, Any], param: torch.Tensor, shard_param: ShardParam | None, unit: ParamGroup | None,
     full: bool, offload: bool,
 ) -> dict[str, Any]:
-    """One parameter's optimizer states in the requested form."""
+    """One parameter's optimizer states in the requested form. Scalar tensors (Adam's
+    ``step``) are copies: the optimizer increments its own in place, and the
+    originals of a flat parameter would otherwise share one."""
     result = {}
     for key, value in values.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.clone()
+        elif isinstance(value, torch.Tensor):
             if unit is not None and unit.flat_param is not None and param is unit.flat_param:
                 value = unit.param_view_of_flat(unit.params.index(shard_param), value, full=full)
             elif isinstance(value, DTensor) and full:
@@ -563,7 +575,8 @@ def _join_state(
     result: dict[str, Any] = {}
     for key, value in first.items():
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            result[key] = value
+            # A copy, or the loaded parameters would all step one shared counter.
+            result[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
         if unit is not None and unit.flat_param is not None and param is unit.flat_param:
             flat = torch.zeros_like(unit.flat_param)

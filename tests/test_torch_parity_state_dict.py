@@ -102,12 +102,12 @@ def full_states(osd: dict) -> dict:
             for fqn in sorted(osd["state"])}
 
 
-def assert_same_states(ours: dict, theirs: dict) -> None:
-    assert set(ours) == set(theirs)
+def assert_same_states(ours: dict, theirs: dict, label: str = "") -> None:
+    assert set(ours) == set(theirs), label
     for fqn, values in theirs.items():
-        assert set(ours[fqn]) == set(values), fqn
+        assert set(ours[fqn]) == set(values), f"{label} {fqn}"
         for key, value in values.items():
-            torch.testing.assert_close(ours[fqn][key], value, msg=lambda m: f"{fqn}.{key}: {m}")
+            torch.testing.assert_close(ours[fqn][key], value, msg=lambda m: f"{label} {fqn}.{key}: {m}")
 
 
 def assert_same_index_dicts(loaded: dict, expected: dict, label: str = "") -> None:
@@ -195,3 +195,109 @@ def test_optim_state_of_a_model_whose_root_is_no_wrapper():
         assert_same_states(ours[0], results["torch", False][0])
         assert_same_states(ours[1], results["torch", False][1])
         assert results["ours", use_orig_params, "keys"] == results["torch", use_orig_params, "keys"]
+
+
+# -- item 7: a FULL round trip of flat parameters continues bit-identically ------------------------
+@distributed(world_size=2)
+def test_full_round_trip_of_flat_parameters_continues_bit_identically():
+    for name in ("torch", "ours"):
+        api = lib(name)
+        model = wrapped(name, use_orig_params=False)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train(model, optim, range(2))
+        with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT):  # used as saved: no copies
+            model_sd = model.state_dict()
+            optim_sd = api.FSDP.optim_state_dict(model, optim)
+        fresh = wrapped(name, use_orig_params=False)
+        fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+        with quiet(api.FSDP.state_dict_type, fresh, api.SDT.FULL_STATE_DICT):
+            fresh.load_state_dict(model_sd)
+            fresh_optim.load_state_dict(api.FSDP.optim_state_dict_to_load(fresh, fresh_optim, optim_sd))
+        assert train(fresh, fresh_optim, range(2, 5)) == train(model, optim, range(2, 5)), name
+
+
+# -- item 11: loading after an inference-only forward ------------------------------------------------
+@distributed(world_size=2)
+def test_sharded_and_local_loads_after_a_no_grad_forward():
+    for name in ("torch", "ours"):
+        api = lib(name)
+        for kind in (api.SDT.SHARDED_STATE_DICT, api.SDT.LOCAL_STATE_DICT):
+            source = wrapped(name, use_orig_params=False)
+            source_optim = torch.optim.SGD(source.parameters(), lr=0.1)
+            train(source, source_optim, range(1))
+            with quiet(api.FSDP.state_dict_type, source, kind):
+                saved = source.state_dict()
+            model = wrapped(name, use_orig_params=False)
+            with torch.no_grad():
+                model(torch.randn(2, 3))
+            with quiet(api.FSDP.state_dict_type, model, kind):
+                model.load_state_dict(saved)
+            with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT):
+                with quiet(api.FSDP.state_dict_type, source, api.SDT.FULL_STATE_DICT):
+                    loaded, expected = model.state_dict(), source.state_dict()
+            assert set(loaded) == set(expected)
+            if name == "torch" and kind is api.SDT.LOCAL_STATE_DICT:
+                # torch 2.13 loads without error but the root unit, still unsharded from the
+                # forward, keeps its old values (emb, head: off by up to 0.5); we assert ours.
+                continue
+            for key, value in expected.items():
+                torch.testing.assert_close(loaded[key], value, msg=lambda m: f"{name} {kind.name} {key}: {m}")
+            # And it trains on as the source does.
+            assert train(model, torch.optim.SGD(model.parameters(), lr=0.1), range(1, 2)) == train(
+                source, source_optim, range(1, 2)), f"{name} {kind.name}"
+
+
+# -- misuse torch rejects, and optim_state_dict's optim_state_dict argument --------------------------
+@distributed(world_size=2)
+def test_misuse_is_rejected_as_torch_does():
+    for name in ("torch", "ours"):
+        api = lib(name)
+        model = wrapped(name, use_orig_params=False)
+        # A config of another state-dict type: RuntimeError.
+        with pytest.raises(RuntimeError, match="ShardedStateDictConfig"):
+            quiet(api.FSDP.set_state_dict_type, model, api.SDT.FULL_STATE_DICT, api.ShardedStateDictConfig())
+        with pytest.raises(RuntimeError, match="ShardedStateDictConfig"):
+            with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT, api.ShardedStateDictConfig()):
+                pass
+        # optim_input: a FutureWarning on every call that takes it.
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train(model, optim, range(1))
+        params = list(model.parameters())
+        with pytest.warns(FutureWarning, match="optim_input"):
+            full = api.FSDP.full_optim_state_dict(model, optim, optim_input=params, rank0_only=False)
+        with pytest.warns(FutureWarning, match="optim_input"):
+            api.FSDP.shard_full_optim_state_dict(full, model, optim_input=params)
+        with pytest.warns(FutureWarning, match="optim_input"):
+            api.FSDP.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, model, optim_input=params)
+        # Ranks whose optimizers hold different parameters: RuntimeError, also for SHARDED.
+        for use_orig_params in (False, True):
+            model = wrapped(name, use_orig_params)
+            left_out = {id(p) for p in model.block2.parameters()} if dist.get_rank() == 1 else set()
+            optim = torch.optim.Adam([p for p in model.parameters() if id(p) not in left_out], lr=1e-2)
+            train(model, optim, range(1))
+            with pytest.raises(RuntimeError, match="block2"):
+                quiet(api.FSDP.full_optim_state_dict, model, optim, rank0_only=False)
+            with quiet(api.FSDP.state_dict_type, model, api.SDT.SHARDED_STATE_DICT):
+                with pytest.raises(RuntimeError, match="block2"):
+                    api.FSDP.optim_state_dict(model, optim)
+
+
+@distributed(world_size=2)
+def test_optim_state_dict_converts_a_given_optimizer_state_dict():
+    results = {}
+    for name in ("torch", "ours"):
+        api = lib(name)
+        model = wrapped(name, use_orig_params=False)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train(model, optim, range(1))
+        earlier = clone_tree(optim.state_dict())
+        with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT):
+            expected = full_states(api.FSDP.optim_state_dict(model, optim))
+            train(model, optim, range(1, 2))
+            converted = full_states(api.FSDP.optim_state_dict(model, optim, optim_state_dict=earlier))
+            later = full_states(api.FSDP.optim_state_dict(model, optim))
+        assert_same_states(converted, expected, name)
+        assert not torch.equal(later["head.weight"]["exp_avg"], expected["head.weight"]["exp_avg"])
+        results[name] = converted
+    assert_same_states(results["ours"], results["torch"])
+
