@@ -301,3 +301,67 @@ def test_optim_state_dict_converts_a_given_optimizer_state_dict():
         results[name] = converted
     assert_same_states(results["ours"], results["torch"])
 
+
+
+# -- checkpoint interop: DCP checkpoints of torch's FSDP1 / FSDP2 and ours, read by the other ------------
+FRONT_ENDS = ["torch-fsdp2", "torch-fsdp1", "ours-fully_shard", "ours-wrapper"]
+
+
+def sharded_model(front_end: str, seed: int) -> nn.Module:
+    """``Net`` (initialised from ``seed``) under one of the four front ends; the wrappers
+    with flat parameters and SHARDED_STATE_DICT."""
+    net = Net()
+    torch.manual_seed(seed)
+    for param in net.parameters():
+        nn.init.normal_(param, std=0.5)
+    if front_end.endswith("wrapper") or front_end.endswith("fsdp1"):
+        api = lib("torch" if front_end.startswith("torch") else "ours")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = api.FSDP(net, auto_wrap_policy=api.ModuleWrapPolicy({Block}), device_id=CPU)
+            api.FSDP.set_state_dict_type(model, api.SDT.SHARDED_STATE_DICT)
+        return model
+    if front_end.startswith("torch"):
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = fullshard.fully_shard
+    for block in (net.block1[0], net.block2[0]):
+        fully_shard(block)
+    return fully_shard(net)
+
+
+def full_parameters(front_end: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    if front_end.endswith("wrapper") or front_end.endswith("fsdp1"):
+        api = lib("torch" if front_end.startswith("torch") else "ours")
+        with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT):
+            return dict(model.state_dict())
+    return {name: full_value(value) for name, value in model.state_dict().items()}
+
+
+@distributed(world_size=2)
+def test_dcp_checkpoints_load_across_torch_and_fullshard(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    for saver in FRONT_ENDS:
+        source = sharded_model(saver, seed=1)
+        source_optim = torch.optim.SGD(source.parameters(), lr=0.1)
+        train(source, source_optim, range(1))
+        path = str(tmp_path / saver)
+        quiet(dcp.save, source.state_dict(), checkpoint_id=path)
+        expected = full_parameters(saver, source)
+        next_loss = None
+        for loader in FRONT_ENDS:
+            if loader.split("-")[0] == saver.split("-")[0]:
+                continue
+            model = sharded_model(loader, seed=2)
+            state_dict = model.state_dict()
+            quiet(dcp.load, state_dict, checkpoint_id=path)
+            model.load_state_dict(state_dict)
+            loaded = full_parameters(loader, model)
+            assert set(loaded) == set(expected), (saver, loader)
+            for key, value in expected.items():
+                torch.testing.assert_close(loaded[key], value, msg=lambda m: f"{saver} -> {loader} {key}: {m}")
+            loss = train(model, torch.optim.SGD(model.parameters(), lr=0.1), range(1, 2))
+            if next_loss is None:
+                next_loss = train(source, source_optim, range(1, 2))
+            torch.testing.assert_close(loss, next_loss, msg=lambda m: f"{saver} -> {loader} next loss: {m}")
