@@ -380,3 +380,41 @@ def test_dcp_checkpoints_load_across_torch_and_fullshard(tmp_path):
             if next_loss is None:
                 next_loss = train(source, source_optim, range(1, 2))
             torch.testing.assert_close(loss, next_loss, msg=lambda m: f"{saver} -> {loader} next loss: {m}")
+
+
+def optimizer_state(front_end: str, model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """The FQN-keyed sharded optimizer state: torch's ``get_optimizer_state_dict`` or ours."""
+    if front_end.startswith("torch"):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        return get_optimizer_state_dict(model, optim)
+    return fullshard.state_dict.optim_state_dict(model, optim)
+
+
+def load_optimizer_state(front_end: str, model: nn.Module, optim: torch.optim.Optimizer, osd: dict) -> None:
+    if front_end.startswith("torch"):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        set_optimizer_state_dict(model, optim, osd)
+    else:
+        optim.load_state_dict(fullshard.state_dict.optim_state_dict_to_load(model, optim, osd))
+
+
+@distributed(world_size=2)
+def test_dcp_checkpoints_with_adam_state_resume_across_torch_fsdp2_and_fully_shard(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    for saver, loader in [("torch-fsdp2", "ours-fully_shard"), ("ours-fully_shard", "torch-fsdp2")]:
+        source = sharded_model(saver, seed=1)
+        source_optim = torch.optim.Adam(source.parameters(), lr=1e-2)
+        train(source, source_optim, range(2))
+        path = str(tmp_path / saver)
+        quiet(dcp.save, {"model": source.state_dict(), "optim": optimizer_state(saver, source, source_optim)},
+              checkpoint_id=path)
+        model = sharded_model(loader, seed=2)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train(model, optim, range(5, 6))  # creates the states DCP loads into
+        states = {"model": model.state_dict(), "optim": optimizer_state(loader, model, optim)}
+        quiet(dcp.load, states, checkpoint_id=path)
+        model.load_state_dict(states["model"])
+        load_optimizer_state(loader, model, optim, states["optim"])
+        losses, expected = train(model, optim, range(2, 4)), train(source, source_optim, range(2, 4))
+        torch.testing.assert_close(losses, expected, msg=lambda m: f"{saver} -> {loader}: {m}")
