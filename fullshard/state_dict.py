@@ -390,26 +390,30 @@ def _in_model_order(model: nn.Module, entries: dict[int, list[Entry]], params: I
     return [wanted[key] for key in entries if key in wanted]
 
 
-def _check_same_states_across_ranks(fqns: list[str], caller: str) -> None:
-    """Every rank must hold states for the same parameters: their collectives
-    pair up parameter by parameter.
+def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: str) -> None:
+    """The ranks of each shard group must hold states for the same parameters: their
+    collectives pair up parameter by parameter. Only the units' own groups are asked
+    (other ranks, e.g. another pipeline stage, need not call).
 
     Raises:
         RuntimeError: two ranks differ (as PyTorch's FSDP), naming both and the parameters.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    every = comm.all_gather_objects(sorted(fqns))
-    rank = dist.get_rank()
-    for other, theirs in enumerate(every):
-        if theirs != every[0]:
-            only_first = sorted(set(every[0]) - set(theirs))
-            only_other = sorted(set(theirs) - set(every[0]))
-            raise RuntimeError(
-                f"{caller} expects every rank's optimizer to hold states for the same parameters, but rank 0 "
-                f"has {only_first} that rank {other} lacks and rank {other} has {only_other} that rank 0 "
-                f"lacks (seen on rank {rank}); give every rank's optimizer the same parameters"
-            )
+    groups: dict[int, dist.ProcessGroup] = {}
+    for state in _states_below(model):
+        shard = state.group.mesh_info.shard if state.group is not None else None
+        if shard is not None and shard.size > 1:
+            groups.setdefault(id(shard.group), shard.group)
+    for group in groups.values():
+        every = comm.all_gather_objects(sorted(fqns), group)
+        for index, theirs in enumerate(every):
+            if theirs != every[0]:
+                first, other = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
+                raise RuntimeError(
+                    f"{caller} expects every rank's optimizer to hold states for the same parameters, but rank "
+                    f"{first} has {sorted(set(every[0]) - set(theirs))} that rank {other} lacks and rank {other} "
+                    f"has {sorted(set(theirs) - set(every[0]))} that rank {first} lacks; give every rank's "
+                    "optimizer the same parameters"
+                )
 
 
 def optim_state_dict(
@@ -431,8 +435,7 @@ def optim_state_dict(
         RuntimeError: the ranks' optimizers hold states for different parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
-    sharded = bool(_states_below(model))
-    settings = get_state_dict_type(model) if sharded else default_settings(StateDictType.SHARDED_STATE_DICT)
+    settings = get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     offload = settings.optim_state_dict_config.offload_to_cpu
     entries = _param_entries(model)
@@ -444,8 +447,7 @@ def optim_state_dict(
     }
     stepped = [p for p in _in_model_order(model, entries, (p for g in optim.param_groups for p in g["params"]))
                if index_of[id(p)] in saved["state"]]
-    if sharded:
-        _check_same_states_across_ranks([fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
+    _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
     state: dict[str, dict[str, Any]] = {}
     for param in stepped:
         for fqn, shard_param, unit in entries[id(param)]:
