@@ -17,7 +17,7 @@ takes its MAX over ``process_group`` (one all-reduce per optimizer step, through
 scale off identically everywhere. A rank with no gradients at all (no rows of
 any trainable parameter) still joins the all-reduce with a zero flag.
 
-DTensor gradients (``use_orig_params=True``, ``fully_shard``) are unscaled as
+DTensor gradients (``fully_shard``) are unscaled as
 their local tensors: DTensor's own rule for the unscale kernel all-reduces the
 flag over the parameter's mesh, a second, hidden collective per (device, dtype).
 
@@ -25,7 +25,7 @@ flag over the parameter's mesh, a second, hidden collective per (device, dtype).
 A parameter belongs to a group when the group contains every rank that holds a
 piece of it: all ranks of its ``DeviceMesh`` (shard, replicate and TP axes
 alike) for a DTensor, all ranks of its unit's mesh for the wrapper's flat
-parameter. Skipping together only works over such a group, so ``unscale_``
+parameter or plain shard views (``use_orig_params=True``). Skipping together only works over such a group, so ``unscale_``
 checks it and raises otherwise (a larger group is fine). Plain tensors carry no
 mesh; any group is accepted for them.
 
@@ -259,9 +259,12 @@ def _mesh_of(param: torch.Tensor) -> tuple[DeviceMesh | None, str]:
     """The mesh of ranks holding pieces of ``param`` (None for a plain tensor), and a name for messages."""
     if isinstance(param, DTensor):
         return param.device_mesh, f"a parameter of shape {tuple(param.shape)}"
-    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter
+    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter, or a plain shard view
     if unit is not None:
-        return unit.mesh_info.mesh, f"the flat parameter of {unit.owner_name}"
+        if param is unit.flat_param:
+            return unit.mesh_info.mesh, f"the flat parameter of {unit.owner_name}"
+        shape = next(tuple(p.global_size) for p in unit.params if p.sharded_param is param)
+        return unit.mesh_info.mesh, f"a parameter of shape {shape}"
     return None, ""
 
 
