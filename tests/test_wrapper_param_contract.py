@@ -131,6 +131,7 @@ def observe(wrap, strategy: ShardingStrategy, mesh) -> dict:
         wrapper, with_grads=True
     ):
         summoned = list(wrapper.parameters())
+        seen["training_state while summoned"] = wrapper.training_state.name
         seen["summoned"] = [(type(p).__name__, tuple(p.shape), p is o) for p, o in zip(summoned, originals)]
         seen["summoned grads"] = [tuple(p.grad.shape) if p.grad is not None else None for p in summoned]
         values = [p.detach().clone() for p in summoned]
@@ -222,14 +223,17 @@ def unfreeze_after_no_grad_forward(wrap) -> list[torch.Tensor]:
 
 
 def edit_inside_summon(wrap, use_orig_params: bool) -> list[torch.Tensor]:
-    """Issue 13, item 4: in-place edits inside summon_full_params are written back."""
+    """Issue 13, item 4: in-place edits inside summon_full_params are written back,
+    also through references taken before wrapping (use_orig_params=True)."""
     model = make_net()
+    before = (model.block.lin1.weight, model.out.weight, model.inp.weight)
     wrapper = wrap(model, ShardingStrategy.FULL_SHARD, None, use_orig_params)
     summon = FSDP.summon_full_params if wrap is ours else type(wrapper).summon_full_params
     with summon(wrapper), torch.no_grad():
-        model.block.lin1.weight.mul_(3.0)
-        model.out.weight.fill_(0.25)
-        model.inp.weight[1].zero_()
+        lin1, out, inp = before if use_orig_params else (model.block.lin1.weight, model.out.weight, model.inp.weight)
+        lin1.mul_(3.0)
+        out.fill_(0.25)
+        inp[1].zero_()
     wrapper(batch(0)).sum().backward()  # and the edited shards are what trains
     torch.optim.SGD(wrapper.parameters(), lr=0.1).step()
     with summon(wrapper):
