@@ -295,10 +295,6 @@ class ShardParam:
         self.aliases_shard = False
 
     # -- registration on modules ----------------------------------------------
-    def register(self, param: nn.Parameter) -> None:
-        """Registers ``param`` under this parameter's name on every module sharing it."""
-        self._register(param)
-
     def full_form(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a full, TP-local tensor) as the user sees the full parameter."""
         if self.tp_mesh is None:
