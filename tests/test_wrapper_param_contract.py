@@ -115,11 +115,12 @@ def observe(wrap, strategy: ShardingStrategy, mesh) -> dict:
     params = list(wrapper.parameters())
     seen["identity after wrapping"] = len(params) == len(originals) and all(p is o for p, o in zip(params, originals))
     seen["outside forward"] = [(type(p) is nn.Parameter, *described(p)) for p in params]
-    seen["shape outside forward"] = [
+    # The shape with NO_SHARD; else the elements the shard group holds together.
+    seen["size outside forward"] = [
         tuple(p.shape) if strategy is ShardingStrategy.NO_SHARD else shard_group_total(p.numel(), wrapper)
         for p in params
     ]
-    seen["expected shape outside forward"] = [
+    seen["full size"] = [
         shape if strategy is ShardingStrategy.NO_SHARD else torch.Size(shape).numel() for shape in full_shapes
     ]
     wrapper(batch(0)).sum().backward()
@@ -160,7 +161,7 @@ def test_parameters_types_shapes_identity_and_attributes_as_fsdp1():
         mine, oracle = observe(ours, strategy, mesh), observe(theirs, strategy, mesh)
         for key, value in oracle["seen"].items():
             assert mine["seen"][key] == value, f"{strategy.name}, {key}: ours {mine['seen'][key]} torch {value}"
-        assert mine["seen"]["shape outside forward"] == mine["seen"]["expected shape outside forward"]
+        assert mine["seen"]["size outside forward"] == mine["seen"]["full size"]
         assert mine["seen"]["identity after a step"] and mine["seen"]["summoned grads"][2] == (24, 16)
         torch.testing.assert_close(mine["values"], oracle["values"])
         torch.testing.assert_close(mine["grads"], oracle["grads"])
