@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The inner loop: everything but the tests marked slow (CI runs `make test`, all of them).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: install
 	$(PY) benchmarks/bench.py
