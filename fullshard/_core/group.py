@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
-from . import comm
+from . import comm, compat
 from .common import TrainingState, UnitConfig, clean_fqn
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
@@ -98,7 +98,7 @@ class ParamGroup:
         for param in params:
             param.initial_shard = None
             if self.keep_low_precision_grads:
-                param.sharded_param.grad_dtype = self.reduce_dtype
+                compat.set_grad_dtype(param.sharded_param, self.reduce_dtype, unit_name)
 
     # -- buffers -----------------------------------------------------------------
     @property
@@ -199,7 +199,7 @@ class ParamGroup:
         self.flat_param = torch.nn.Parameter(self.shard_buffer, requires_grad=requires_grad.pop())
         self.flat_param._fullshard_unit = self  # lets clip_grad_norm_ find its replicas
         if self.keep_low_precision_grads:
-            self.flat_param.grad_dtype = self.reduce_dtype
+            compat.set_grad_dtype(self.flat_param, self.reduce_dtype, self.owner_name)
         module.register_parameter(name, self.flat_param)
         self.flat_param_home = (module, name)
         for param in self.params:

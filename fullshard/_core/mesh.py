@@ -88,6 +88,12 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def default_device_type() -> str:
+    """Where a front end computes when the user names no device or mesh: CUDA when
+    this process sees a GPU, else CPU (as torch's FSDP). The one place that decides."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def default_mesh(device_type: str | None = None) -> DeviceMesh:
     """A 1-D mesh over all ranks, on ``device_type`` (default: the accelerator, else CPU)."""
     if not dist.is_initialized():
@@ -95,7 +101,7 @@ def default_mesh(device_type: str | None = None) -> DeviceMesh:
             "fully_shard expects torch.distributed to be initialized (call "
             "torch.distributed.init_process_group) or an explicit mesh"
         )
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or default_device_type()
     # The mesh's rank tensor must be a real CPU tensor even under a
     # `with torch.device("meta")` model-construction context.
     with torch.device("cpu"):
