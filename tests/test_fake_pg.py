@@ -147,3 +147,33 @@ def test_device_for_an_accelerator_only_backend(monkeypatch):
         monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cpu", "cuda"])
         assert comm.device_for(None, torch.device("cpu")) == torch.device("cpu")
         assert comm.bind_local_device(1) == torch.device("cpu")
+
+
+def test_mesh_on_a_device_its_backend_does_not_take(monkeypatch):
+    """A CPU mesh over an accelerator-only backend (NCCL) and a CUDA mesh over a
+    host backend (gloo): a ValueError naming the module and the fix, before any collective."""
+    from fullshard._core.mesh import GroupInfo, validate_mesh_backend
+
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cuda"])  # as NCCL
+        with pytest.raises(ValueError, match=r"but Sequential got a cpu mesh over the fake backend; pass "
+                                             r"mesh=init_device_mesh\('cuda'"):
+            fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=mesh)
+        monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cpu", "cuda"])  # as gloo
+        cuda_mesh = mock.Mock(device_type="cuda")
+        info = mock.Mock(mesh=cuda_mesh, shard=GroupInfo(dist.group.WORLD, 2, 0), replicate=GroupInfo.trivial())
+        with pytest.raises(ValueError, match=r"Block got a cuda mesh over the fake backend; init_process_group\('nccl'\)"):
+            validate_mesh_backend(info, "Block")
+        monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cuda", "cpu"])  # a native CUDA backend
+        validate_mesh_backend(info, "Block")
+
+
+def test_default_device_is_the_visible_accelerator(monkeypatch):
+    """The one place a front end picks a device when given none (the harness hides CUDA from its ranks)."""
+    from fullshard._core.mesh import default_device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_device_type() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device_type() == "cpu"

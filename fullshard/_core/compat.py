@@ -27,6 +27,7 @@ __all__ = [
     "chunk_cat",
     "concatenate_meshes",
     "dtensor_of_local",
+    "native_device_type",
     "reduce_scatter_into",
     "set_grad_dtype",
 ]
@@ -64,6 +65,18 @@ def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
     if ":" in backend:
         return [part.split(":")[0] for part in backend.split(",")]
     return list(dist.Backend.backend_capability.get(backend.lower(), ["cpu"]))
+
+
+def native_device_type(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether ``group`` communicates on ``device_type`` natively: through the backend
+    a mixed string names for it, else through a backend whose own device it is (NCCL
+    for CUDA; gloo takes CUDA tensors only by staging them in host memory)."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        named = dict(part.split(":") for part in backend.split(","))
+        backend = named.get(device_type, "")
+    types = dist.Backend.backend_capability.get(backend, [])
+    return device_type in types if device_type == "cpu" else types[:1] == [device_type]
 
 
 def dtensor_of_local(
