@@ -37,11 +37,16 @@ $(TORCH_VENVS)/torch-%/.installed: pyproject.toml
 	$(@D)/bin/python -m pip install -q -e '.[test]'
 	touch $@
 
-check-torch: $(foreach v,$(TORCH_VERSIONS),$(TORCH_VENVS)/torch-$(v)/.installed)
-	@for v in $(TORCH_VERSIONS); do \
-		echo "== torch $$v"; \
-		$(TORCH_VENVS)/torch-$$v/bin/python -m pytest -q $(CHECK_TORCH_TESTS) || exit 1; \
-	done
+# Left out on torch 2.8 only: it has no Tensor.grad_dtype (keep_low_precision_grads raises
+# NotImplementedError there), and its own FSDP2, the oracle of the bf16 test, differs from the exact
+# emulation on the embedding gradient (fullshard matches the emulation on 2.8 too).
+CHECK_TORCH_DESELECT_2.8.0 := --deselect tests/test_wrapper.py::test_keep_low_precision_grads_and_buffer_dtype \
+	--deselect tests/test_fully_shard_training.py::test_parity_mixed_precision
+
+check-torch: $(addprefix check-torch-,$(TORCH_VERSIONS))
+
+check-torch-%: $(TORCH_VENVS)/torch-%/.installed
+	$(TORCH_VENVS)/torch-$*/bin/python -m pytest -q $(CHECK_TORCH_TESTS) $(CHECK_TORCH_DESELECT_$*)
 
 bench: install
 	$(PY) benchmarks/bench.py

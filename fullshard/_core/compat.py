@@ -94,22 +94,21 @@ def dtensor_of_local(
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
-    """One mesh over the dimensions of slices of a common root mesh (FSDP + TP).
+    """One mesh over the dimensions of named slices of a common root mesh (FSDP + TP).
 
     Raises:
-        NotImplementedError: this torch has no way to join mesh slices.
+        ValueError: the meshes are not named slices of one root mesh.
     """
     concatenate = getattr(DeviceMesh, "_concatenate", None)
     if concatenate is not None:
         return concatenate(meshes)
-    root = meshes[0]._get_root_mesh() if hasattr(meshes[0], "_get_root_mesh") else None
-    names = [name for mesh in meshes for name in (mesh.mesh_dim_names or ())]
-    if root is None or len(names) != sum(m.ndim for m in meshes):
-        raise NotImplementedError(
-            "fully_shard on tensor-parallel parameters needs named slices of one DeviceMesh, "
-            "e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-        )
-    return root[tuple(names)]
+    from torch.distributed.device_mesh import _mesh_resources  # older torch: slice the root by names
+
+    root = _mesh_resources.get_root_mesh(meshes[0])
+    names = tuple(name for mesh in meshes for name in (mesh.mesh_dim_names or ()))
+    if root is meshes[0] or len(names) != sum(mesh.ndim for mesh in meshes):
+        raise ValueError("the meshes are not named slices of one DeviceMesh")
+    return root[names]
 
 
 def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
