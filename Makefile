@@ -46,7 +46,7 @@ CHECK_TORCH_DESELECT_2.8.0 := --deselect tests/test_wrapper.py::test_keep_low_pr
 check-torch: $(addprefix check-torch-,$(TORCH_VERSIONS))
 
 check-torch-%: $(TORCH_VENVS)/torch-%/.installed
-	$(TORCH_VENVS)/torch-$*/bin/python -m pytest -q $(CHECK_TORCH_TESTS) $(CHECK_TORCH_DESELECT_$*)
+	PYTHONPATH=$(CURDIR) $(TORCH_VENVS)/torch-$*/bin/python -m pytest -q $(CHECK_TORCH_TESTS) $(CHECK_TORCH_DESELECT_$*)
 
 bench: install
 	$(PY) benchmarks/bench.py
