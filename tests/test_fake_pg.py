@@ -177,3 +177,22 @@ def test_default_device_is_the_visible_accelerator(monkeypatch):
     assert default_device_type() == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_device_type() == "cpu"
+
+
+def test_shard_dtensor_keeps_host_storage_under_an_accelerator_mesh():
+    """The cause of offload training a different model on CUDA: ``DTensor.from_local``
+    moves a local tensor to the mesh's device type, so each offloaded shard became a
+    GPU copy of its host buffer region (the optimizer stepped the copy, the all-gather
+    sent the stale buffer). The engine's constructor keeps the very tensor."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,))
+        host = torch.zeros(2, 3)
+        with mock.patch.object(DeviceMesh, "device_type", new=property(lambda self: "cuda")):
+            shard = compat.dtensor_of_local(host, mesh, (Shard(0),), torch.Size([8, 3]), (3, 1))
+            assert shard._local_tensor is host and shard.device.type == "cpu" and shard.shape == (8, 3)
+            assert shard.device_mesh.device_type == "cuda"
+            with pytest.raises((AssertionError, RuntimeError)):  # a CPU build cannot make the GPU copy
+                DTensor.from_local(host, mesh, (Shard(0),), run_check=False)
