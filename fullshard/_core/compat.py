@@ -1,13 +1,15 @@
 """Every difference between the torch versions fullshard supports, in one place.
 
 pyproject declares the range (``torch>=2.8,<2.15``); ``make check-torch`` runs
-the suite on both ends. Code elsewhere calls these helpers instead of touching
-a private or recently added torch name, and nothing outside this module looks
-at ``torch.__version__``: each helper detects the feature, not the version.
-One DTensor private stays in place across the code, the attribute
-``DTensor._local_tensor`` (the local tensor itself, where ``to_local()`` returns
-an autograd view): it is the same in every supported version.
-"""
+the engine's tests on both ends. A torch name that differs between supported
+versions (renamed collectives, DTensor and DeviceMesh internals, newer tensor
+attributes) is reached through a helper here, and nothing outside this module
+looks at ``torch.__version__``: each helper detects the feature, not the
+version. The private names used elsewhere are the same in every supported
+version: ``DTensor._local_tensor`` (the local tensor itself, where
+``to_local()`` returns an autograd view), ``torch._foreach_copy_``,
+``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``
+and ``torch.autograd._unsafe_preserve_version_counter``."""
 
 from __future__ import annotations
 
