@@ -9,7 +9,8 @@ version. The private names used elsewhere are the same in every supported
 version: ``DTensor._local_tensor`` (the local tensor itself, where
 ``to_local()`` returns an autograd view), ``torch._foreach_copy_``,
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``
-and ``torch.autograd._unsafe_preserve_version_counter``."""
+and ``torch.autograd._unsafe_preserve_version_counter``.
+"""
 
 from __future__ import annotations
 
