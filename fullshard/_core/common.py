@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from .presentation import DTensorShards
 
 
 class TrainingState(enum.Enum):
@@ -36,6 +37,7 @@ class UnitConfig:
     buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
     flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
+    presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
 
 
 @dataclass
