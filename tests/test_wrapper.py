@@ -382,8 +382,9 @@ def _same_group_twice() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 
 
 # One behaviour per row: (exception type, message pattern, the call that must raise it). The rows
-# share one distributed body: a task whose new groups are torn down by a raise can leave gloo's
-# connections half-closed for the pool's next task, so one row per task would be flaky.
+# share one distributed body (one task of the rank pool): as one task per row, the rows that make new
+# groups and raise left the pool's next task failing in gloo's connectFullMesh ("Connection closed
+# by peer"), and each task costs a rendezvous.
 BAD_INPUT = {
     "not_a_module": (
         TypeError, r"^FullyShardedDataParallel expects an nn.Module but got Tensor$",
