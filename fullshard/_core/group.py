@@ -11,6 +11,11 @@ Backward gives no "module finished" event, so two signals are combined:
      that requires grad has its gradient, the unit reduces immediately;
   2. a hook on the gradient of the unit's forward inputs: it fires after the
      unit's backward; it reshards units that expect no gradient (frozen).
+A unit may run several times in one forward, and a use's backward may need
+the parameters' values after every gradient is in (a frozen parameter behind a
+trainable one, a frozen unit called twice). So neither signal reshards while
+another use's input hook is pending (``_pending_uses``), and a use whose
+backward starts after its unit was resharded gathers again.
 Whatever neither signal finished (parameters unused this step, units whose
 inputs need no grad) is finished by the end-of-backward callback.
 """
@@ -90,6 +95,7 @@ class ParamGroup:
         self._all_gather: _AllGatherInFlight | None = None
         self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
         self._awaiting_grads: set[ShardParam] = set()
+        self._pending_uses = 0  # forward calls whose input-gradient hook has not fired yet
         self._post_forward_indices: list[int] = []
         self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
         for param in params:
@@ -431,6 +437,16 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.post_forward_group = None
 
+    def begin_use(self) -> None:
+        """A forward call whose inputs need gradients: its backward will signal its end."""
+        self._pending_uses += 1
+
+    def gather_for_another_use(self) -> None:
+        """A use whose backward starts after this unit's backward resharded it."""
+        if self.unshard_in_backward and self.training_state is TrainingState.POST_BACKWARD:
+            self.unshard()
+            self.wait_for_unshard()
+
     def expect_grads(self) -> None:
         self._awaiting_grads = {p for p in self.params if p.unsharded_param.requires_grad}
 
@@ -442,11 +458,18 @@ class ParamGroup:
         if self.ctx is not None:
             self.ctx.queue_end_of_backward()
         self._awaiting_grads.discard(param)
-        if not self._awaiting_grads and self.training_state is TrainingState.PRE_BACKWARD:
-            self.post_backward()
+        self._maybe_finish_backward()
 
     def on_input_grads(self) -> None:
-        if not self._awaiting_grads and self.training_state is TrainingState.PRE_BACKWARD:
+        self._pending_uses = max(0, self._pending_uses - 1)
+        if self.training_state is TrainingState.POST_BACKWARD and not self._pending_uses:
+            if self.reshard_after_backward:
+                self.reshard()  # gathered again for a later use (gather_for_another_use)
+            return
+        self._maybe_finish_backward()
+
+    def _maybe_finish_backward(self) -> None:
+        if not self._awaiting_grads and not self._pending_uses and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -606,6 +629,7 @@ class ParamGroup:
             self.reshard()
         self.training_state = TrainingState.IDLE
         self._awaiting_grads = set()
+        self._pending_uses = 0
         self._post_forward_indices.clear()
 
     def _has_pending_grads(self) -> bool:

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..api import BackwardPrefetch
-from .common import TrainingState, UnitConfig, cast_floating, map_tensors
+from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
 from .exec_order import ExecOrderValidator, validation_enabled
 from .group import ParamGroup
 from .reduction import ReductionQueue
@@ -212,8 +211,7 @@ class ModuleState:
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.in_registered_method:  # forward called from a registered method: already gathered
             return args, kwargs
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            # Recomputation inside backward (activation checkpointing).
+        if self.recomputing:
             if self.group is not None:
                 self.group.unshard()
                 self.group.wait_for_unshard()
@@ -251,7 +249,7 @@ class ModuleState:
     def post_forward(self, output: Any) -> Any:
         if self.in_registered_method:
             return output
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.recomputing:  # the unit's own backward reshards it
             return self._cast_output(output)
         if self.group is not None:
             self.group.post_forward(record_order=torch.is_grad_enabled())
@@ -262,6 +260,13 @@ class ModuleState:
             self.ctx.end_forward()
         return self._cast_output(output)
 
+    @property
+    def recomputing(self) -> bool:
+        """A forward run by backward (activation checkpointing recomputes a block,
+        and with it the units nested in it that have not started their backward):
+        it gathers, but starts no step, registers no hooks and reshards nothing."""
+        return self.training_state is TrainingState.PRE_BACKWARD or torch._C._current_graph_task_id() != -1
+
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._cast_inputs_to is None:
             return args, kwargs
@@ -271,25 +276,24 @@ class ModuleState:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
     def _hook_input_grads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not indices:
+        inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return args, kwargs
-        hooked = _InputGradHook.apply(self.group, *(flat[i] for i in indices))
-        for i, tensor in zip(indices, hooked):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        self.group.begin_use()
+        hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, *inputs)))
+        return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
     def _hook_output_grads(self, output: Any) -> None:
-        flat, _ = tree_flatten(output)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        for tensor in flatten_tensors(output):
+            if tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_end_of_backward()
         if self.training_state is TrainingState.PRE_BACKWARD:
+            if self.group is not None:
+                self.group.gather_for_another_use()
             return
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group

@@ -1,0 +1,209 @@
+"""Autograd paths against torch's FSDP: the same body runs on torch 2.13's
+``fully_shard`` (or FSDP1 wrapper) and on fullshard, on 2 gloo ranks, and
+both must match a local unsharded reference (every rank feeds the same batch,
+so the averaged gradient is the local one)."""
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+import fullshard
+from fullshard.testing import distributed, full_value
+
+LIBS = ("torch", "fullshard")
+
+
+def fully_shard_of(lib: str):
+    if lib == "torch":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard
+    return fullshard.fully_shard
+
+
+def train(model: nn.Module, x: torch.Tensor, steps: int = 3, loss_fn=None) -> list[float]:
+    """SGD steps; returns the losses."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model, x) if loss_fn is not None else model(x)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_runs_like_reference(build, shard, steps: int = 3, loss_fn=None) -> None:
+    """``build()`` made local, then sharded by ``shard(model, fully_shard)`` in both
+    libraries: equal losses and parameters to the local model after ``steps``."""
+    torch.manual_seed(0)
+    ref = build()
+    x = torch.randn(4, 8)
+    ref_losses = train(ref, x, steps, loss_fn)
+    for lib in LIBS:
+        model = copy.deepcopy(build_seeded(build))
+        shard(model, fully_shard_of(lib))
+        losses = train(model, x, steps, loss_fn)
+        torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib}: {m}")
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(full_value(param), ref_param.detach(), msg=lambda m: f"{lib} {name}: {m}")
+
+
+def build_seeded(build):
+    torch.manual_seed(0)
+    return build()
+
+
+# -- item 8a: activations passed between units inside a dataclass --------------------------------
+@dataclasses.dataclass
+class Activations:
+    hidden: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, acts: Activations) -> Activations:
+        return Activations(torch.tanh(self.lin(acts.hidden)))
+
+
+class DataclassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DataclassBlock() for _ in range(3)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acts = Activations(x)
+        for block in self.blocks:
+            acts = block(acts)
+        return self.head(acts.hidden).sum()
+
+
+# -- item 8b: one unit called several times (some calls without grad) next to a frozen unit --------
+class RepeatedUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            context = self.shared(x)
+        hidden = self.frozen(self.shared(x) + context)
+        hidden = self.frozen(self.shared(hidden))
+        return self.head(hidden).sum()
+
+
+# -- a unit whose frozen layer runs after its trainable one in backward -----------------------------
+class FrozenBehindTrainable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.unit = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.unit[0].requires_grad_(False)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.unit(self.pre(x))).sum()
+
+
+def shard_blocks(model: DataclassModel, fully_shard) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def shard_repeated(model: RepeatedUse, fully_shard) -> None:
+    fully_shard(model.frozen)
+    fully_shard(model.shared)
+    fully_shard(model)
+
+
+def shard_mixed_unit(model: FrozenBehindTrainable, fully_shard) -> None:
+    fully_shard(model.unit)
+    fully_shard(model)
+
+
+@distributed(world_size=2)
+def test_backward_keeps_parameters_every_use_needs():
+    """Item 8: (a) dataclass activations, (b) repeated and no_grad uses beside a
+    frozen unit, and a frozen layer behind a trainable one in one unit: no
+    reads of resharded (freed) parameters, results as torch and the reference."""
+    assert_runs_like_reference(DataclassModel, shard_blocks)
+    assert_runs_like_reference(RepeatedUse, shard_repeated)
+    assert_runs_like_reference(FrozenBehindTrainable, shard_mixed_unit)
+
+
+# -- item 9: two forwards before one backward, nested units, composable checkpointing ------------
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).softmax(-1) * x
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.attn = Attention()
+        self.ff = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.ff(x)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+def shard_nested_checkpointed(model: Stack, fully_shard) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for block in model.blocks:
+        fully_shard(block.attn)
+        fully_shard(block.ff)
+        checkpoint(block)
+        fully_shard(block)
+    fully_shard(model)
+
+
+def two_forwards(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The DPO pattern: two forwards (chosen, rejected), one loss, one backward."""
+    return model(x) - 0.5 * model(2 * x)
+
+
+@distributed(world_size=2)
+def test_two_forwards_one_backward_with_checkpointed_nested_units():
+    """Item 9: recomputation of a checkpointed block gathers the block's and the
+    nested units' parameters and starts no new step."""
+    assert_runs_like_reference(Stack, shard_nested_checkpointed, loss_fn=two_forwards)
