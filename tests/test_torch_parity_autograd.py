@@ -23,9 +23,9 @@ def fully_shard_of(lib: str):
     return fullshard.fully_shard
 
 
-def train(model: nn.Module, x: torch.Tensor, steps: int = 3, loss_fn=None) -> list[float]:
+def train(model: nn.Module, x: torch.Tensor, steps: int = 3, loss_fn=None, optim=None) -> list[float]:
     """SGD steps; returns the losses."""
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim = optim or torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
         loss = loss_fn(model, x) if loss_fn is not None else model(x)
@@ -207,3 +207,29 @@ def test_two_forwards_one_backward_with_checkpointed_nested_units():
     """Item 9: recomputation of a checkpointed block gathers the block's and the
     nested units' parameters and starts no new step."""
     assert_runs_like_reference(Stack, shard_nested_checkpointed, loss_fn=two_forwards)
+
+
+# -- item 13: torch.func transforms through sharded units -----------------------------------------
+def shard_blocks_of_stack(model: Stack, fully_shard) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+@distributed(world_size=2)
+def test_func_jvp_through_sharded_units():
+    """Item 13: ``torch.func.jvp`` (forward-mode AD) through sharded units gives the
+    reference's value and tangent, and training afterwards is unaffected."""
+    torch.manual_seed(0)
+    x, tangent = torch.randn(4, 8), torch.randn(4, 8)
+    ref = build_seeded(Stack)
+    expected = torch.func.jvp(ref, (x,), (tangent,))
+    ref_losses = train(ref, x)
+    for lib in LIBS:
+        model = build_seeded(Stack)
+        shard_blocks_of_stack(model, fully_shard_of(lib))
+        # Built first: the root keeps its full parameters registered until a backward.
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        value, derivative = torch.func.jvp(model, (x,), (tangent,))
+        torch.testing.assert_close((value, derivative), expected, msg=lambda m: f"{lib}: {m}")
+        torch.testing.assert_close(train(model, x, optim=optim), ref_losses, msg=lambda m: f"{lib}: {m}")

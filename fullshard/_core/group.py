@@ -22,10 +22,11 @@ inputs need no grad) is finished by the end-of-backward callback.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 import contextlib
-from typing import TYPE_CHECKING
+import enum
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,21 @@ from .reduction import GradReduction, ReduceSettings
 
 if TYPE_CHECKING:
     from .state import IterationContext
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _outside_transforms(method: _Method) -> _Method:
+    """Runs a buffer transition with functorch transforms (``torch.func.jvp``,
+    ``vmap``) switched off: buffers it allocates must stay plain tensors whose
+    storage can be freed, not wrappers of the transform's level."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class ShardedState(enum.Enum):
@@ -315,6 +331,7 @@ class ParamGroup:
         )
         return staged
 
+    @_outside_transforms
     def unshard(self, async_op: bool = False) -> None:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
         if self.is_unsharded or self._all_gather is not None or not self.params:
@@ -361,6 +378,7 @@ class ParamGroup:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
+    @_outside_transforms
     def wait_for_unshard(self) -> None:
         """Finishes an in-flight unshard: copy-out and registration of full parameters."""
         in_flight, self._all_gather = self._all_gather, None
@@ -380,6 +398,7 @@ class ParamGroup:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
+    @_outside_transforms
     def reshard(self) -> None:
         """Frees the full parameters and registers the shards."""
         if self._all_gather is not None:
@@ -409,6 +428,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------
+    @_outside_transforms
     def post_forward(self, record_order: bool) -> None:
         if self.reshard_after_forward:
             if self.post_forward_group is not None and self.is_unsharded:

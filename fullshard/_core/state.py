@@ -111,17 +111,29 @@ class IterationContext:
 
 
 class _InputGradHook(torch.autograd.Function):
-    """Identity whose backward tells the unit that its backward has finished."""
+    """Identity whose backward tells the unit that its backward has finished.
+
+    ``setup_context`` and ``jvp`` let it run under ``torch.func`` transforms
+    (``jvp``, ``vmap``) and forward-mode AD: the tangents pass through."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(group: ParamGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.group.on_input_grads()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
 
 
 class ModuleState:
