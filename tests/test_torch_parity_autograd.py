@@ -23,6 +23,18 @@ def fully_shard_of(lib: str):
     return fullshard.fully_shard
 
 
+def fsdp1_of(lib: str):
+    """The FSDP1 wrapper class and ``ModuleWrapPolicy`` of ``lib``."""
+    if lib == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel, ModuleWrapPolicy
+    from fullshard.wrap import ModuleWrapPolicy
+
+    return fullshard.FullyShardedDataParallel, ModuleWrapPolicy
+
+
 def train(model: nn.Module, x: torch.Tensor, steps: int = 3, loss_fn=None, optim=None) -> list[float]:
     """SGD steps; returns the losses."""
     optim = optim or torch.optim.SGD(model.parameters(), lr=0.1)
@@ -233,3 +245,27 @@ def test_func_jvp_through_sharded_units():
         value, derivative = torch.func.jvp(model, (x,), (tangent,))
         torch.testing.assert_close((value, derivative), expected, msg=lambda m: f"{lib}: {m}")
         torch.testing.assert_close(train(model, x, optim=optim), ref_losses, msg=lambda m: f"{lib}: {m}")
+
+
+# -- item 10: a dtype change after wrapping -------------------------------------------------------
+@distributed(world_size=2)
+def test_half_after_wrapping_trains_in_half():
+    """Item 10: ``model.half()`` after wrapping changes the sharded parameters' dtype
+    (as in torch, flat or original parameters, wrapper or fully_shard); training
+    then runs in fp16 and matches an fp16 local model."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8).half()
+    ref_losses = train(build_seeded(Stack).half(), x)
+    for lib in LIBS:
+        wrapper, policy = fsdp1_of(lib)
+        models = [
+            wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=orig,
+                    device_id=torch.device("cpu"))
+            for orig in (False, True)
+        ]
+        composable = build_seeded(Stack)
+        shard_blocks_of_stack(composable, fully_shard_of(lib))
+        for model in [*models, composable]:
+            model.half()
+            assert {p.dtype for p in model.parameters()} == {torch.float16}, lib
+            torch.testing.assert_close(train(model, x), ref_losses, msg=lambda m: f"{lib}: {m}")

@@ -144,10 +144,12 @@ class ParamGroup:
                 region[: shard.numel()].view_as(shard).copy_(shard)
         self._bind_buffer(buffer)
 
-    def _bind_buffer(self, buffer: torch.Tensor) -> None:
-        """Makes ``buffer`` (storage layout) the home of every parameter's shard."""
-        for index, param in enumerate(self.params):
-            param.bind_shard(self.storage_layout.region(buffer, index, param.local_dtype))
+    def _bind_buffer(self, buffer: torch.Tensor, dtypes: list[torch.dtype] | None = None) -> None:
+        """Makes ``buffer`` (storage layout) the home of every parameter's shard,
+        each viewed as ``dtypes[i]`` (default: its current dtype)."""
+        dtypes = dtypes or [p.local_dtype for p in self.params]
+        for index, (param, dtype) in enumerate(zip(self.params, dtypes)):
+            param.bind_shard(self.storage_layout.region(buffer, index, dtype))
         self.shard_buffer = buffer  # 1D
         needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
         self.gather_layout = (
@@ -183,11 +185,9 @@ class ParamGroup:
             param.forget_unsharded()
         if self.flat_param is not None:
             buffer = self.flat_param.detach()
-            self.storage_layout = Layout.build([p.shard_numel for p in self.params], [buffer.dtype] * len(self.params))
-            for param in self.params:
-                if param.sharded_param.dtype != buffer.dtype:
-                    param.sharded_param = None  # a new DTensor of the new dtype
-            self._bind_buffer(buffer)
+            dtypes = [buffer.dtype] * len(self.params)  # model.half(): the shards change dtype with it
+            self.storage_layout = Layout.build([p.shard_numel for p in self.params], dtypes)
+            self._bind_buffer(buffer, dtypes)
             for param in self.params:
                 param.to_sharded()
         else:

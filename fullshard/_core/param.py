@@ -132,8 +132,9 @@ class ShardParam:
         """Points the sharded parameter at ``padded_shard`` (its region of the buffer)."""
         local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
-        if self.sharded_param is None:
-            self.sharded_param = nn.Parameter(self.sharded_dtensor_of(local), requires_grad=self.requires_grad)
+        if self.sharded_param is None or self.sharded_param.dtype != local.dtype:  # new, or a dtype change
+            requires_grad = self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
+            self.sharded_param = nn.Parameter(self.sharded_dtensor_of(local), requires_grad=requires_grad)
             self.to_sharded()
             return
         self.sharded_param._local_tensor = local
