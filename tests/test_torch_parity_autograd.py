@@ -269,3 +269,70 @@ def test_half_after_wrapping_trains_in_half():
             model.half()
             assert {p.dtype for p in model.parameters()} == {torch.float16}, lib
             torch.testing.assert_close(train(model, x), ref_losses, msg=lambda m: f"{lib}: {m}")
+
+
+# -- item 1: freezing a flat-parameter unit after wrapping ---------------------------------------
+def assert_full_params_equal(wrapper, model: nn.Module, ref: nn.Module, lib: str) -> None:
+    with wrapper.summon_full_params(model):
+        params = [p for n, p in model.named_parameters() if "flat_param" not in n]
+        assert len(params) == len(list(ref.parameters())), lib
+        for param, ref_param in zip(params, ref.parameters()):
+            torch.testing.assert_close(param.detach(), ref_param.detach(), msg=lambda m: f"{lib}: {m}")
+
+
+@distributed(world_size=2)
+def test_freezing_a_wrapped_unit_after_wrapping():
+    """Item 1: ``requires_grad_(False)`` through the wrapped model on a nested unit
+    with a flat parameter freezes it, as torch's FSDP1 and DDP (frozen before
+    construction: DDP cannot freeze after) do; unfreezing resumes training."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ref = build_seeded(Stack)
+    ref_losses = train(DistributedDataParallel(ref), x, steps=1)
+    ref.blocks[0].requires_grad_(False)
+    ref_losses += train(DistributedDataParallel(ref), x, steps=2)
+    for lib in LIBS:
+        wrapper, policy = fsdp1_of(lib)
+        model = wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=False,
+                        device_id=torch.device("cpu"))
+        before = train(model, x, steps=1)  # a step before freezing: the unsharded forms exist
+        model.blocks[0].requires_grad_(False)
+        torch.testing.assert_close(before + train(model, x, steps=2), ref_losses, msg=lambda m: f"{lib}: {m}")
+        assert_full_params_equal(wrapper, model, ref, lib)
+        model.blocks[0].requires_grad_(True)
+        train(model, x, steps=1)
+        with wrapper.summon_full_params(model):
+            changed = model.blocks[0].norm.weight.detach().ne(ref.blocks[0].norm.weight.detach()).any()
+        assert changed, f"{lib}: the unfrozen unit did not train"
+
+
+# -- item 2: optimizers applied in backward --------------------------------------------------------
+@distributed(world_size=2)
+def test_optimizer_in_backward_steps_after_reduction():
+    """Item 2: ``_apply_optimizer_in_backward`` on the parameters the wrapper (torch's
+    FSDP1 supports it with use_orig_params=True) or fully_shard exposes: each
+    backward steps them with the reduced gradient and leaves ``.grad`` None."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ref = build_seeded(Stack)
+    ref_losses = train(ref, x)
+    models = {}
+    for lib in LIBS:
+        wrapper, policy = fsdp1_of(lib)
+        models[lib, "wrapper"] = wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=True,
+                                         device_id=torch.device("cpu"))
+    models["fullshard", "fully_shard"] = build_seeded(Stack)
+    shard_blocks_of_stack(models["fullshard", "fully_shard"], fullshard.fully_shard)
+    for (lib, api), model in models.items():
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        losses = []
+        for _ in range(3):
+            loss = model(x)
+            loss.backward()
+            losses.append(loss.item())
+            assert all(p.grad is None for p in model.parameters()), f"{lib} {api}"
+        torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib} {api}: {m}")

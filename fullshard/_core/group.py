@@ -14,8 +14,10 @@ Backward gives no "module finished" event, so two signals are combined:
 A unit may run several times in one forward, and a use's backward may need
 the parameters' values after every gradient is in (a frozen parameter behind a
 trainable one, a frozen unit called twice). So neither signal reshards while
-another use's input hook is pending (``_pending_uses``), and a use whose
-backward starts after its unit was resharded gathers again.
+a use whose backward has started still waits for its input hook
+(``_uses_in_backward``), and a use whose backward starts after its unit was
+resharded gathers again. (Uses counted from their backward's start, not from
+forward: a forward whose graph is never backpropagated must not hold a unit.)
 Whatever neither signal finished (parameters unused this step, units whose
 inputs need no grad) is finished by the end-of-backward callback.
 """
@@ -74,6 +76,16 @@ class _AllGatherInFlight:
     num_chunks: int
 
 
+class UnitUse:
+    """One forward call of a unit whose inputs need gradients (see [Note: When a
+    unit's backward is done])."""
+
+    __slots__ = ("in_backward",)
+
+    def __init__(self) -> None:
+        self.in_backward = False
+
+
 class ParamGroup:
     """A unit's parameters, buffers and step transitions."""
 
@@ -111,7 +123,7 @@ class ParamGroup:
         self._all_gather: _AllGatherInFlight | None = None
         self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
         self._awaiting_grads: set[ShardParam] = set()
-        self._pending_uses = 0  # forward calls whose input-gradient hook has not fired yet
+        self._uses_in_backward = 0  # uses whose backward started and whose input hook has not fired
         self._post_forward_indices: list[int] = []
         self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
         for param in params:
@@ -372,7 +384,17 @@ class ParamGroup:
             scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             comm.all_gather(scratch, source, group.group, async_op=False)
 
+    def _follow_flat_requires_grad(self) -> None:
+        """``requires_grad_`` on the flat parameter (``module.requires_grad_(False)``
+        on a wrapped unit) freezes or unfreezes every parameter in it."""
+        if self.flat_param is None:
+            return
+        for param in self.params:
+            if param.sharded_param.requires_grad != self.flat_param.requires_grad:
+                param.sharded_param.requires_grad_(self.flat_param.requires_grad)
+
     def _alias_unsharded(self) -> None:
+        self._follow_flat_requires_grad()
         for index, param in enumerate(self.params):
             param.alias_unsharded(self.storage_layout.region(self.shard_buffer, index, param.orig_dtype))
             param.to_unsharded()
@@ -394,6 +416,7 @@ class ParamGroup:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded)
         self._post_forward_shard = None
+        self._follow_flat_requires_grad()
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -457,9 +480,11 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.post_forward_group = None
 
-    def begin_use(self) -> None:
-        """A forward call whose inputs need gradients: its backward will signal its end."""
-        self._pending_uses += 1
+    def start_use_backward(self, use: UnitUse | None) -> None:
+        """Backward reached the outputs of ``use`` (None: a use whose inputs need no grad)."""
+        if use is not None and not use.in_backward:
+            use.in_backward = True
+            self._uses_in_backward += 1
 
     def gather_for_another_use(self) -> None:
         """A use whose backward starts after this unit's backward resharded it."""
@@ -480,16 +505,18 @@ class ParamGroup:
         self._awaiting_grads.discard(param)
         self._maybe_finish_backward()
 
-    def on_input_grads(self) -> None:
-        self._pending_uses = max(0, self._pending_uses - 1)
-        if self.training_state is TrainingState.POST_BACKWARD and not self._pending_uses:
+    def on_input_grads(self, use: UnitUse) -> None:
+        if use.in_backward:
+            use.in_backward = False
+            self._uses_in_backward -= 1
+        if self.training_state is TrainingState.POST_BACKWARD and not self._uses_in_backward:
             if self.reshard_after_backward:
                 self.reshard()  # gathered again for a later use (gather_for_another_use)
             return
         self._maybe_finish_backward()
 
     def _maybe_finish_backward(self) -> None:
-        if not self._awaiting_grads and not self._pending_uses and self.training_state is TrainingState.PRE_BACKWARD:
+        if not self._awaiting_grads and not self._uses_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -598,6 +625,7 @@ class ParamGroup:
             else:
                 local = sharded.grad._local_tensor
                 local.add_(padded[: local.numel()].view_as(local))
+        _step_in_backward_optimizers([p.sharded_param for p in params])
 
     def _accept_flat_grad(self, params: list[ShardParam], output: torch.Tensor) -> None:
         dtype = self._grad_dtype(params[0])
@@ -615,6 +643,7 @@ class ParamGroup:
             self.flat_param.grad = full
         else:
             self.flat_param.grad.add_(full)
+        _step_in_backward_optimizers([self.flat_param])
 
     def _take_grads(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
         params, grads = [], []
@@ -649,7 +678,7 @@ class ParamGroup:
             self.reshard()
         self.training_state = TrainingState.IDLE
         self._awaiting_grads = set()
-        self._pending_uses = 0
+        self._uses_in_backward = 0
         self._post_forward_indices.clear()
 
     def _has_pending_grads(self) -> bool:
@@ -661,6 +690,19 @@ class ParamGroup:
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.module_fqn or '<root>'}, {len(self.params)} params)"
+
+
+def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
+    """``torch.distributed.optim._apply_optimizer_in_backward`` attaches optimizers to
+    a parameter and steps them from its AccumulateGrad hook, which never fires for
+    a sharded parameter (its gradient is written, not accumulated): they step here,
+    once the reduced gradient landed, and drop it, as that hook would."""
+    for param in params:
+        optimizers = getattr(param, "_in_backward_optimizers", ())
+        for optimizer in optimizers:
+            optimizer.step()
+        if optimizers:
+            param.grad = None
 
 
 def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ implicit choice.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch.autograd import Variable
 from ..api import BackwardPrefetch
 from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
 from .exec_order import ExecOrderValidator, validation_enabled
-from .group import ParamGroup
+from .group import ParamGroup, UnitUse
 from .reduction import ReductionQueue
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()
@@ -119,20 +120,20 @@ class _InputGradHook(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(group: ParamGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(group: ParamGroup, use: UnitUse, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group = inputs[0]
+        ctx.group, ctx.use = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.on_input_grads()
-        return (None, *grads)
+        ctx.group.on_input_grads(ctx.use)
+        return (None, None, *grads)
 
     @staticmethod
-    def jvp(ctx: Any, group_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def jvp(ctx: Any, group_tangent: Any, use_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tangents
 
 
@@ -166,6 +167,7 @@ class ModuleState:
         self.summoned = False  # inside summon_full_params
         self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
         self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
+        self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
         _STATES[module] = self
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -291,18 +293,22 @@ class ModuleState:
         inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs
-        self.group.begin_use()
-        hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, *inputs)))
+        self._use = UnitUse()
+        hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, self._use, *inputs)))
         return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
     def _hook_output_grads(self, output: Any) -> None:
+        use, self._use = self._use, None
+        hook = functools.partial(self._pre_backward, use=use)
         for tensor in flatten_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)
+                tensor.register_hook(hook)
 
     # -- backward ------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, grad: torch.Tensor, use: UnitUse | None = None) -> None:
         self.ctx.queue_end_of_backward()
+        if self.group is not None:
+            self.group.start_use_backward(use)
         if self.training_state is TrainingState.PRE_BACKWARD:
             if self.group is not None:
                 self.group.gather_for_another_use()
