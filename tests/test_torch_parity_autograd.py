@@ -6,6 +6,7 @@ so the averaged gradient is the local one)."""
 import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -336,3 +337,88 @@ def test_optimizer_in_backward_steps_after_reduction():
             losses.append(loss.item())
             assert all(p.grad is None for p in model.parameters()), f"{lib} {api}"
         torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib} {api}: {m}")
+
+
+# -- misuse the wrapper rejects as torch's FSDP1 does (same exception type) -------------------------
+def wrap_stack(lib: str, model: nn.Module | None = None, **kwargs):
+    wrapper, policy = fsdp1_of(lib)
+    model = model if model is not None else build_seeded(Stack)
+    return wrapper, wrapper(model, auto_wrap_policy=policy({Block}), device_id=torch.device("cpu"), **kwargs)
+
+
+def clip_on_inner_unit(lib: str) -> None:
+    wrapper, model = wrap_stack(lib)
+    model(torch.randn(4, 8)).backward()
+    model.clip_grad_norm_(1.0)  # the root works
+    model.blocks[0].clip_grad_norm_(1.0)
+
+
+def no_sync_on_inner_unit(lib: str) -> None:
+    wrapper, model = wrap_stack(lib)
+    with model.no_sync():  # the root works
+        model(torch.randn(4, 8)).backward()
+    with model.blocks[0].no_sync():
+        pass
+
+
+def summon_during_forward(lib: str) -> None:
+    wrapper, model = wrap_stack(lib)
+
+    def summon(module, args):
+        with wrapper.summon_full_params(model):
+            pass
+
+    model.blocks[1].register_forward_pre_hook(summon)
+    model(torch.randn(4, 8))
+
+
+def summon_during_backward(lib: str) -> None:
+    wrapper, model = wrap_stack(lib)
+    loss = model(torch.randn(4, 8))
+
+    def summon(grad):
+        with wrapper.summon_full_params(model):
+            pass
+
+    loss.register_hook(summon)
+    loss.backward()
+
+
+def summon_rank0_only_with_writeback(lib: str) -> None:
+    wrapper, model = wrap_stack(lib)
+    with wrapper.summon_full_params(model, rank0_only=True, writeback=True):
+        pass
+
+
+def apply_inside_summon(lib: str) -> None:
+    wrapper, model = wrap_stack(lib)
+    model.apply(lambda module: None)  # outside: fine
+    with wrapper.summon_full_params(model):
+        model.apply(lambda module: None)
+
+
+def flat_unit_mixing_requires_grad(lib: str) -> None:
+    model = build_seeded(Stack)
+    model.blocks[0].norm.requires_grad_(False)
+    wrap_stack(lib, model, use_orig_params=False)
+
+
+MISUSE = [
+    (clip_on_inner_unit, RuntimeError),
+    (no_sync_on_inner_unit, RuntimeError),
+    (summon_during_forward, AssertionError),
+    (summon_during_backward, AssertionError),
+    (summon_rank0_only_with_writeback, NotImplementedError),
+    (apply_inside_summon, ValueError),
+    (flat_unit_mixing_requires_grad, ValueError),
+]
+
+
+@pytest.mark.parametrize("case,error", MISUSE, ids=[case.__name__ for case, _ in MISUSE])
+@distributed(world_size=2)
+def test_misuse_raises_as_torch(case, error):
+    """One misuse per case: torch's FSDP1 and ours raise the same exception type."""
+    for lib in LIBS:
+        with pytest.raises(error) as raised:
+            case(lib)
+        assert type(raised.value) is error, f"{lib}: {type(raised.value).__name__}: {raised.value}"
