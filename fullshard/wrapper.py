@@ -22,6 +22,7 @@ with True, the original parameters as DTensor shards.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
@@ -634,6 +635,8 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
         backward_prefetch=settings["backward_prefetch"],
         cast_root_inputs=precision.param_dtype is not None,
         keep_low_precision_grads=precision.keep_low_precision_grads,
+        # Read when wrapping, as PyTorch's FSDP1 does.
+        full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
         flat_param=not settings["use_orig_params"],
         sync_module_states=settings["sync_module_states"],

@@ -5,9 +5,11 @@ so the averaged gradient is the local one)."""
 
 import copy
 import dataclasses
+import itertools
 
 import pytest
 import torch
+import torch.distributed.fsdp
 import torch.nn as nn
 
 import fullshard
@@ -422,3 +424,79 @@ def test_misuse_raises_as_torch(case, error):
         with pytest.raises(error) as raised:
             case(lib)
         assert type(raised.value) is error, f"{lib}: {type(raised.value).__name__}: {raised.value}"
+
+
+# -- torch 2.13 API: set_is_last_backward, FSDP_USE_FULL_PREC_IN_EVAL ------------------------------
+@distributed(world_size=2)
+def test_set_is_last_backward_for_micro_batches():
+    """``set_is_last_backward(False)`` on all but the last micro-batch (gradient sync
+    off, as recipes combine them, or on): the step's gradients and training match
+    torch's fully_shard and the reference; the flag stays until set again."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    ref = build_seeded(Stack)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    results = {}
+    for lib, sync_every_micro_batch in itertools.product(LIBS, (False, True)):
+        model = build_seeded(Stack)
+        shard_blocks_of_stack(model, fully_shard_of(lib))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            for index, micro in enumerate(x.chunk(4)):
+                last = index == 3
+                model.set_is_last_backward(last)
+                model.set_requires_gradient_sync(last or sync_every_micro_batch)
+                loss = model(micro) / 4
+                loss.backward()
+                losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        results[lib, sync_every_micro_batch] = losses, [full_value(p) for p in model.parameters()]
+    ref_losses = []
+    for _ in range(2):
+        for micro in x.chunk(4):
+            loss = ref(micro) / 4
+            loss.backward()
+            ref_losses.append(loss.item())
+        ref_optim.step()
+        ref_optim.zero_grad()
+    for lib, (losses, params) in results.items():
+        torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib}: {m}")
+        torch.testing.assert_close(params, [p.detach() for p in ref.parameters()], msg=lambda m: f"{lib}: {m}")
+
+
+@distributed(world_size=2)
+def test_full_precision_in_eval_env():
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1`` (read when wrapping): with bf16 mixed precision
+    the wrapper's eval-mode forward runs in fp32, equal to the fp32 model, as
+    torch's FSDP1; train mode still computes in bf16, equal to torch's."""
+    import os
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ref = build_seeded(Stack)
+    with torch.no_grad():
+        expected = ref(x)
+    outputs = {}
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        for lib in LIBS:
+            wrapper, policy = fsdp1_of(lib)
+            precision = (torch.distributed.fsdp.MixedPrecision if lib == "torch" else fullshard.MixedPrecision)(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+            model = wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), mixed_precision=precision,
+                            device_id=torch.device("cpu"))
+            with torch.no_grad():
+                model.eval()
+                in_eval = model(x)
+                model.train()
+                in_train = model(x)
+            outputs[lib] = in_train
+            assert in_eval.dtype == torch.float32, lib
+            torch.testing.assert_close(in_eval, expected, msg=lambda m: f"{lib} eval: {m}")
+            assert in_train.dtype == torch.bfloat16, lib
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    torch.testing.assert_close(outputs["fullshard"], outputs["torch"])

@@ -36,6 +36,7 @@ class UnitConfig:
     cast_root_inputs: bool = False  # cast the root's inputs even without mp_policy.cast_forward_inputs
     keep_low_precision_grads: bool = False  # leave reduced gradients in the reduce dtype
     buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
+    full_precision_in_eval: bool = False  # eval-mode forwards gather and compute in the parameters' dtype
     flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
 

@@ -163,6 +163,10 @@ class ParamGroup:
         for index, (param, dtype) in enumerate(zip(self.params, dtypes)):
             param.bind_shard(self.storage_layout.region(buffer, index, dtype))
         self.shard_buffer = buffer  # 1D
+        self._set_gather_layout()
+        self.reduce_dtype = self._pick_reduce_dtype()
+
+    def _set_gather_layout(self) -> None:
         needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
         self.gather_layout = (
             Layout.build([p.shard_numel for p in self.params], [p.param_dtype for p in self.params])
@@ -170,7 +174,17 @@ class ParamGroup:
             else self.storage_layout
         )
         self._needs_cast = needs_cast
-        self.reduce_dtype = self._pick_reduce_dtype()
+
+    def set_full_precision(self, full_precision: bool) -> None:
+        """Gathers and computes in the parameters' own dtype (True) instead of the
+        mixed-precision ``param_dtype``; the unsharded forms change dtype, so a
+        change reshards first."""
+        if all(p.full_precision == full_precision for p in self.params):
+            return
+        self.reshard()
+        for param in self.params:
+            param.full_precision = full_precision
+        self._set_gather_layout()
 
     def _pick_reduce_dtype(self) -> torch.dtype:
         policy = self.mp_policy

@@ -53,6 +53,7 @@ class ShardParam:
         self.global_size = param.size()
         self.global_stride = _contiguous_stride(param.size())
         self._requested_param_dtype = param_dtype
+        self.full_precision = False  # compute in orig_dtype despite param_dtype (ParamGroup.set_full_precision)
         if isinstance(param, DTensor):
             local = self._init_tensor_parallel(param)
         else:
@@ -185,7 +186,7 @@ class ShardParam:
     # -- unsharded form -----------------------------------------------------
     @property
     def param_dtype(self) -> torch.dtype:
-        return self._requested_param_dtype or self.orig_dtype
+        return self.orig_dtype if self.full_precision else (self._requested_param_dtype or self.orig_dtype)
 
     def padded_unsharded(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""

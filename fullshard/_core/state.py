@@ -54,6 +54,9 @@ class IterationContext:
         self.post_forward_order: list[ParamGroup] = []
         self.prefetched: set[ParamGroup] = set()
         self.end_of_backward_queued = False
+        # False: this backward is not the step's last (micro-batching); its end leaves
+        # reductions in flight instead of waiting, and keeps the prefetch order.
+        self.is_last_backward = True
         self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
 
     def begin_iteration(self, root: "ModuleState") -> None:
@@ -105,10 +108,11 @@ class IterationContext:
             if state.group is not None:
                 state.group.finish_backward()
             state.training_state = TrainingState.IDLE
-        self.reductions.drain()
         self.prefetched.clear()
-        self.post_forward_order.clear()
         self.end_of_backward_queued = False
+        if self.is_last_backward:
+            self.reductions.drain()
+            self.post_forward_order.clear()
 
 
 class _InputGradHook(torch.autograd.Function):
@@ -241,6 +245,8 @@ class ModuleState:
         if group is None:
             return args, kwargs
         group.training_state = TrainingState.FORWARD
+        if self.config.full_precision_in_eval:
+            group.set_full_precision(not self.module.training)
         self.ctx.prefetched.discard(group)
         if self.ctx.validator is not None:
             agreed = self.ctx.validator.gate_forward(group, group.unshard_needs_collective())
@@ -282,7 +288,7 @@ class ModuleState:
         return self.training_state is TrainingState.PRE_BACKWARD or torch._C._current_graph_task_id() != -1
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._cast_inputs_to is None:
+        if self._cast_inputs_to is None or (self.config.full_precision_in_eval and not self.module.training):
             return args, kwargs
         return cast_floating(self._cast_inputs_to, args), cast_floating(self._cast_inputs_to, kwargs)
 
