@@ -500,3 +500,33 @@ def test_full_precision_in_eval_env():
     finally:
         del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
     torch.testing.assert_close(outputs["fullshard"], outputs["torch"])
+
+
+# -- found on the way: BACKWARD_POST prefetch issued by a reduction finished at the end of backward ----
+class BlockWithUnusedLayer(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(8, 8)  # never gets a gradient: the unit's reduction waits for the end
+
+
+class StackWithUnusedLayers(Stack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([BlockWithUnusedLayer() for _ in range(3)])
+
+
+@distributed(world_size=2)
+def test_backward_post_prefetch_at_end_of_backward_is_not_reused():
+    """A unit with an unused parameter reduces at the end of backward; its
+    BACKWARD_POST prefetch of the unit before it then gathers values the
+    optimizer is about to change: the next forward must gather again.
+    Losses as torch's FSDP1 and the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ref_losses = train(build_seeded(StackWithUnusedLayers), x)
+    for lib in LIBS:
+        wrapper, policy = fsdp1_of(lib)
+        prefetch = (torch.distributed.fsdp if lib == "torch" else fullshard).BackwardPrefetch.BACKWARD_POST
+        model = wrapper(build_seeded(StackWithUnusedLayers), auto_wrap_policy=policy({BlockWithUnusedLayer}),
+                        backward_prefetch=prefetch, use_orig_params=True, device_id=torch.device("cpu"))
+        torch.testing.assert_close(train(model, x), ref_losses, msg=lambda m: f"{lib}: {m}")

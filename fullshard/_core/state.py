@@ -108,6 +108,10 @@ class IterationContext:
             if state.group is not None:
                 state.group.finish_backward()
             state.training_state = TrainingState.IDLE
+        for group in self.prefetched:
+            # Issued by a reduction finished here (BACKWARD_POST): it gathered the values
+            # the optimizer is about to change, so the next forward must not use them.
+            group.reshard()
         self.prefetched.clear()
         self.end_of_backward_queued = False
         if self.is_last_backward:
@@ -329,6 +333,7 @@ class ModuleState:
             run_agreed_all_gathers(agreed, group)
         if not group.begin_backward():
             return
+        self.ctx.prefetched.discard(group)  # used: what remains at the end of backward is stale
         group.wait_for_unshard()  # before prefetching: see pre_forward
         group.expect_grads()
         index = group.take_backward_prefetch_index()
