@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from .presentation import DTensorShards
 
 
 class TrainingState(enum.Enum):
@@ -39,6 +40,7 @@ class UnitConfig:
     full_precision_in_eval: bool = False  # eval-mode forwards gather and compute in the parameters' dtype
     flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
+    presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
 
 
 @dataclass

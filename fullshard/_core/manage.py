@@ -25,6 +25,7 @@ from .init import (
 )
 from .mesh import GroupInfo, MeshInfo, post_forward_group
 from .param import ShardParam
+from .presentation import DTENSOR_SHARDS
 from .state import ModuleState
 
 
@@ -73,7 +74,10 @@ def manage_module(
     buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
     infos = get_param_module_infos(params, module)
     mp_policy = config.mp_policy
-    shard_params = [ShardParam(p, info, mesh_info, mp_policy.param_dtype) for p, info in zip(params, infos)]
+    shard_params = [
+        ShardParam(p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS)
+        for p, info in zip(params, infos)
+    ]
     names = {id(p): name for name, p in module.named_parameters()}
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
