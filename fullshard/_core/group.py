@@ -50,9 +50,9 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _outside_transforms(method: _Method) -> _Method:
-    """Runs a buffer transition with functorch transforms (``torch.func.jvp``,
-    ``vmap``) switched off: buffers it allocates must stay plain tensors whose
-    storage can be freed, not wrappers of the transform's level."""
+    """Runs a buffer transition with functorch transforms (``torch.func.jvp``)
+    switched off: buffers it allocates must stay plain tensors whose storage
+    can be freed, not wrappers of the transform's level."""
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:

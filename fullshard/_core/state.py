@@ -122,10 +122,8 @@ class IterationContext:
 class _InputGradHook(torch.autograd.Function):
     """Identity whose backward tells the unit that its backward has finished.
 
-    ``setup_context`` and ``jvp`` let it run under ``torch.func`` transforms
-    (``jvp``, ``vmap``) and forward-mode AD: the tangents pass through."""
-
-    generate_vmap_rule = True
+    ``setup_context`` and ``jvp`` let it run under ``torch.func.jvp`` and
+    forward-mode AD: the tangents pass through."""
 
     @staticmethod
     def forward(group: ParamGroup, use: UnitUse, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
