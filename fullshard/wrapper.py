@@ -38,7 +38,7 @@ from ._core.common import UnitConfig, map_tensors, module_class_name
 from ._core.full_params import full_params
 from ._core.init import get_managed_modules
 from ._core.manage import manage_module
-from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
+from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
 from ._core.state import ModuleState, get_state
 from .api import (
@@ -589,7 +589,7 @@ def _resolve_ignored(
 
 def _device_type(device_id: int | torch.device | None) -> str:
     if device_id is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return default_device_type()
     if isinstance(device_id, int):
         torch.cuda.set_device(device_id)
         return "cuda"

@@ -23,7 +23,7 @@ from .init import (
     validate_devices,
     validate_ignored_params,
 )
-from .mesh import GroupInfo, MeshInfo, post_forward_group
+from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
 from .state import ModuleState
@@ -64,6 +64,7 @@ def manage_module(
 ) -> ModuleState:
     """Shards ``module``'s parameters (minus those of already-managed submodules)."""
     device = mesh_info.device
+    validate_mesh_backend(mesh_info, module_class_name(module))
     ignored = validate_ignored_params(module, ignored_params)
     reshard, post_forward = resolve_reshard_after_forward(config.reshard_after_forward, mesh_info, module)
     modules = get_managed_modules(module, ignored_modules)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, compat
 
 if TYPE_CHECKING:
     from .mesh import GroupInfo
@@ -71,7 +71,7 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
     copying chunk by chunk into views of ``out`` casts on the way, allocates
     nothing, and is as fast (faster when it would pad)."""
     if out.device.type != "cpu":
-        torch._chunk_cat(tensors, dim=0, num_chunks=out.size(0), out=out)
+        compat.chunk_cat(tensors, out.size(0), out)
         return
     world, offset = out.size(0), 0
     for tensor in tensors:

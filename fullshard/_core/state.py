@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from ..api import BackwardPrefetch
+from . import offload
 from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
 from .exec_order import ExecOrderValidator, validation_enabled
 from .group import ParamGroup, UnitUse
@@ -116,6 +117,7 @@ class IterationContext:
         self.end_of_backward_queued = False
         if self.is_last_backward:
             self.reductions.drain()
+            offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
             self.post_forward_order.clear()
 
 
