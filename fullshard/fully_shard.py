@@ -174,6 +174,14 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.reduce_settings.post_reduce_hook = hook
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the step's last (default True). Only the last
+        one waits for every gradient reduction at its end; with False (earlier
+        micro-batches) reductions stay in flight and finish during later
+        backwards, so ``.grad`` is complete only after a last backward. Applies
+        to every unit under the root until set again."""
+        self._fsdp_state().ctx.is_last_backward = is_last_backward
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False skips this unit's all-gather in backward: for units whose backward
         reads no parameter values (an embedding's gradient needs only its

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
@@ -247,11 +248,25 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """Calls ``fn`` on every submodule, children first, with the full parameters
         visible and written back into the shards afterwards: how FSDP1 code
-        (re)initialises a wrapped model, e.g. ``model.apply(init_weights)``."""
-        if self._state.summoned:  # inside an enclosing apply or summon_full_params
+        (re)initialises a wrapped model, e.g. ``model.apply(init_weights)``.
+
+        Raises:
+            ValueError: inside ``summon_full_params`` (as PyTorch's FSDP1).
+        """
+        global _applying
+        if _applying:  # a nested wrapper, inside the enclosing wrapper's apply
             return super().apply(fn)
-        with self.summon_full_params(self, recurse=True, writeback=True):
-            return super().apply(fn)
+        if self._state.summoned:
+            raise ValueError(
+                f"apply expects no summon_full_params in progress but {module_class_name(self.module)} is "
+                "summoned; call apply outside the summon_full_params block (apply summons the parameters itself)"
+            )
+        _applying = True
+        try:
+            with self.summon_full_params(self, recurse=True, writeback=True):
+                return super().apply(fn)
+        finally:
+            _applying = False
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         result = super()._apply(*args, **kwargs)
@@ -310,7 +325,14 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulates gradients locally (no communication) inside the block."""
+        """Accumulates gradients locally (no communication) inside the block.
+
+        Raises:
+            RuntimeError: not the root wrapper (as PyTorch's FSDP1).
+        """
+        self._state.lazy_init()
+        if not self._state.is_root:
+            raise RuntimeError("no_sync expects to be called on the root FullyShardedDataParallel instance")
         groups = [s.group for s in _states_below(self) if s.group is not None]
         previous = [g.requires_gradient_sync for g in groups]
         for group in groups:
@@ -490,6 +512,8 @@ class FullyShardedDataParallel(nn.Module):
 
 FSDP = FullyShardedDataParallel
 
+_applying = False  # inside a wrapper's apply: the wrappers below it run nn.Module.apply
+
 
 OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 
@@ -652,6 +676,8 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
         backward_prefetch=settings["backward_prefetch"],
         cast_root_inputs=precision.param_dtype is not None,
         keep_low_precision_grads=precision.keep_low_precision_grads,
+        # Read when wrapping, as PyTorch's FSDP1 does.
+        full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
         flat_param=not settings["use_orig_params"],
         presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD) if settings["use_orig_params"] else None,

@@ -57,6 +57,7 @@ class ShardParam:
         self.global_size = param.size()
         self.global_stride = _contiguous_stride(param.size())
         self._requested_param_dtype = param_dtype
+        self.full_precision = False  # compute in orig_dtype despite param_dtype (ParamGroup.set_full_precision)
         if isinstance(param, DTensor):
             local = self._init_tensor_parallel(param)
         else:
@@ -139,8 +140,10 @@ class ShardParam:
         local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
         self._bound_rows = local
-        if self.sharded_param is None:
-            self.sharded_param = nn.Parameter(self.present(local), requires_grad=self.requires_grad)
+        retyped = self.sharded_param is not None and self.sharded_param.dtype != local.dtype
+        if self.sharded_param is None or (retyped and not self.presentation.keeps_user_param):  # new, or model.half()
+            requires_grad = self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
+            self.sharded_param = nn.Parameter(self.present(local), requires_grad=requires_grad)
             self.to_sharded()
             return
         self.presentation.rebind(self.sharded_param, self.present(local))
@@ -237,7 +240,7 @@ class ShardParam:
     # -- unsharded form -----------------------------------------------------
     @property
     def param_dtype(self) -> torch.dtype:
-        return self._requested_param_dtype or self.orig_dtype
+        return self.orig_dtype if self.full_precision else (self._requested_param_dtype or self.orig_dtype)
 
     def padded_unsharded(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""

@@ -21,19 +21,19 @@ implicit choice.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..api import BackwardPrefetch
 from . import offload
-from .common import TrainingState, UnitConfig, cast_floating, map_tensors
+from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
 from .exec_order import ExecOrderValidator, validation_enabled
-from .group import ParamGroup
+from .group import ParamGroup, UnitUse
 from .reduction import ReductionQueue
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()
@@ -55,6 +55,9 @@ class IterationContext:
         self.post_forward_order: list[ParamGroup] = []
         self.prefetched: set[ParamGroup] = set()
         self.end_of_backward_queued = False
+        # False: this backward is not the step's last (micro-batching); its end leaves
+        # reductions in flight instead of waiting, and keeps the prefetch order.
+        self.is_last_backward = True
         self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
 
     def begin_iteration(self, root: "ModuleState") -> None:
@@ -106,25 +109,40 @@ class IterationContext:
             if state.group is not None:
                 state.group.finish_backward()
             state.training_state = TrainingState.IDLE
-        self.reductions.drain()
-        offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
+        for group in self.prefetched:
+            # Issued by a reduction finished here (BACKWARD_POST): it gathered the values
+            # the optimizer is about to change, so the next forward must not use them.
+            group.reshard()
         self.prefetched.clear()
-        self.post_forward_order.clear()
         self.end_of_backward_queued = False
+        if self.is_last_backward:
+            self.reductions.drain()
+            offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
+            self.post_forward_order.clear()
 
 
 class _InputGradHook(torch.autograd.Function):
-    """Identity whose backward tells the unit that its backward has finished."""
+    """Identity whose backward tells the unit that its backward has finished.
+
+    ``setup_context`` and ``jvp`` let it run under ``torch.func.jvp`` and
+    forward-mode AD: the tangents pass through."""
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(group: ParamGroup, use: UnitUse, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group, ctx.use = inputs[0], inputs[1]
+
+    @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.on_input_grads()
-        return (None, *grads)
+        ctx.group.on_input_grads(ctx.use)
+        return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, use_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
 
 
 class ModuleState:
@@ -157,6 +175,7 @@ class ModuleState:
         self.summoned = False  # inside summon_full_params
         self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
         self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
+        self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
         _STATES[module] = self
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -214,8 +233,7 @@ class ModuleState:
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.in_registered_method:  # forward called from a registered method: already gathered
             return args, kwargs
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            # Recomputation inside backward (activation checkpointing).
+        if self.recomputing:
             if self.group is not None:
                 self.group.unshard()
                 self.group.wait_for_unshard()
@@ -231,6 +249,8 @@ class ModuleState:
         if group is None:
             return args, kwargs
         group.training_state = TrainingState.FORWARD
+        if self.config.full_precision_in_eval:
+            group.set_full_precision(not self.module.training)
         self.ctx.prefetched.discard(group)
         if self.ctx.validator is not None:
             agreed = self.ctx.validator.gate_forward(group, group.unshard_needs_collective())
@@ -253,7 +273,7 @@ class ModuleState:
     def post_forward(self, output: Any) -> Any:
         if self.in_registered_method:
             return output
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.recomputing:  # the unit's own backward reshards it
             return self._cast_output(output)
         if self.group is not None:
             self.group.post_forward(record_order=torch.is_grad_enabled())
@@ -264,8 +284,15 @@ class ModuleState:
             self.ctx.end_forward()
         return self._cast_output(output)
 
+    @property
+    def recomputing(self) -> bool:
+        """A forward run by backward (activation checkpointing recomputes a block,
+        and with it the units nested in it that have not started their backward):
+        it gathers, but starts no step, registers no hooks and reshards nothing."""
+        return self.training_state is TrainingState.PRE_BACKWARD or torch._C._current_graph_task_id() != -1
+
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._cast_inputs_to is None:
+        if self._cast_inputs_to is None or (self.config.full_precision_in_eval and not self.module.training):
             return args, kwargs
         return cast_floating(self._cast_inputs_to, args), cast_floating(self._cast_inputs_to, kwargs)
 
@@ -273,25 +300,28 @@ class ModuleState:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
     def _hook_input_grads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not indices:
+        inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return args, kwargs
-        hooked = _InputGradHook.apply(self.group, *(flat[i] for i in indices))
-        for i, tensor in zip(indices, hooked):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        self._use = UnitUse()
+        hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, self._use, *inputs)))
+        return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
     def _hook_output_grads(self, output: Any) -> None:
-        flat, _ = tree_flatten(output)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)
+        use, self._use = self._use, None
+        hook = functools.partial(self._pre_backward, use=use)
+        for tensor in flatten_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(hook)
 
     # -- backward ------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, grad: torch.Tensor, use: UnitUse | None = None) -> None:
         self.ctx.queue_end_of_backward()
+        if self.group is not None:
+            self.group.start_use_backward(use)
         if self.training_state is TrainingState.PRE_BACKWARD:
+            if self.group is not None:
+                self.group.gather_for_another_use()
             return
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
@@ -303,6 +333,7 @@ class ModuleState:
             run_agreed_all_gathers(agreed, group)
         if not group.begin_backward():
             return
+        self.ctx.prefetched.discard(group)  # used: what remains at the end of backward is stale
         group.wait_for_unshard()  # before prefetching: see pre_forward
         group.expect_grads()
         index = group.take_backward_prefetch_index()
