@@ -341,14 +341,15 @@ def _resolve_strategy(
 
 
 def _expand_ignored_modules(module: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
-    ignored = set(ignored_modules or ())
+    """The ignored modules below ``module``, with their subtrees; entries elsewhere
+    are skipped (one list may serve several units, as with ``ignored_params``)."""
     below = set(module.modules())
-    for ignored_module in ignored:
-        if ignored_module not in below or ignored_module is module:
-            raise ValueError(
-                f"fully_shard expects ignored_modules to be proper submodules of {module_class_name(module)}, "
-                f"but got {module_class_name(ignored_module)}"
-            )
+    ignored = {m for m in ignored_modules or () if m in below}
+    if module in ignored:
+        raise ValueError(
+            f"fully_shard expects ignored_modules to be proper submodules of {module_class_name(module)}, "
+            f"but got {module_class_name(module)} itself; leave it unsharded instead"
+        )
     return {m for ignored_module in ignored for m in ignored_module.modules()}
 
 

@@ -125,6 +125,7 @@ class FullyShardedDataParallel(nn.Module):
         _check_not_wrapped_differently(module, strategy)
         ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         mesh_info = _mesh_info or _resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
+        strategy, mesh_info = _no_shard_on_one_rank(strategy, mesh_info)
         settings = dict(
             cpu_offload=cpu_offload, backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
             param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
@@ -135,6 +136,7 @@ class FullyShardedDataParallel(nn.Module):
             roots_groups = (process_group, device_mesh, device_id)
             _wrap_selected(module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info,
                            settings, roots_groups)
+        _check_one_use_orig_params(module, use_orig_params)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
         self._fsdp_mesh_info = mesh_info
@@ -492,32 +494,74 @@ def _check_not_wrapped_differently(module: nn.Module, strategy: ShardingStrategy
         )
 
 
+def _no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tuple[ShardingStrategy, MeshInfo]:
+    """FULL_SHARD and SHARD_GRAD_OP over one rank are NO_SHARD (FSDP1 switches, and warns)."""
+    if strategy in HYBRID_STRATEGIES or strategy is ShardingStrategy.NO_SHARD or mesh_info.shard.size != 1:
+        return strategy, mesh_info
+    warnings.warn(
+        f"FullyShardedDataParallel switches from {strategy} to ShardingStrategy.NO_SHARD: the "
+        "process group has one rank, so there is nothing to shard",
+        UserWarning, stacklevel=3,
+    )
+    return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
+
+
+def _check_one_use_orig_params(module: nn.Module, use_orig_params: bool) -> None:
+    """Wrappers under one root share use_orig_params: the optimizer and the
+    state dicts see either flat or original parameters, not a mix."""
+    for nested in module.modules():
+        state = get_state(nested) if isinstance(nested, FullyShardedDataParallel) else None
+        if state is not None and state.config.flat_param == use_orig_params:
+            raise ValueError(
+                f"FullyShardedDataParallel expects one use_orig_params for all wrappers, but "
+                f"{module_class_name(module)} gets use_orig_params={use_orig_params} and its nested wrapper "
+                f"of {module_class_name(nested)} has use_orig_params={not use_orig_params}"
+            )
+
+
 def _resolve_ignored(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,
     ignored_states: Iterable[nn.Parameter | nn.Module] | None,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The ignored modules (with their subtrees) and parameters below ``module``.
+
+    Entries elsewhere are skipped: one list may be given to several wrappers,
+    each taking what lies below it (as FSDP1 does).
+    """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "FullyShardedDataParallel expects ignored_modules or ignored_states, not both; pass all "
             "of them as ignored_states"
         )
     items = list(ignored_modules or ignored_states or ())
-    modules = {m for m in items if isinstance(m, nn.Module)}
-    params = {p for p in items if isinstance(p, nn.Parameter)}
+    kinds = {nn.Module if isinstance(item, nn.Module) else nn.Parameter for item in items}
+    if len(kinds) > 1:
+        raise ValueError(
+            "FullyShardedDataParallel expects ignored_states to be all parameters or all modules, but got "
+            f"{sorted(type(item).__name__ for item in items)}; ignore the modules' parameters instead"
+        )
+    for item in items:
+        if not isinstance(item, (nn.Module, nn.Parameter)):
+            raise ValueError(
+                f"FullyShardedDataParallel expects ignored states to be modules or parameters but got "
+                f"{type(item).__name__}"
+            )
+        if isinstance(item, FullyShardedDataParallel):
+            raise ValueError(
+                f"FullyShardedDataParallel expects ignored modules that are not wrapped, but "
+                f"{module_class_name(item)} is a FullyShardedDataParallel; ignore the module it wraps "
+                "before wrapping it instead"
+            )
+    if any(item is module for item in items):
+        raise ValueError(
+            f"FullyShardedDataParallel expects the wrapped module itself not to be ignored "
+            f"({module_class_name(module)}); ignore its submodules instead"
+        )
     own = set(module.modules())
-    for ignored in modules:
-        if ignored not in own:
-            raise ValueError(
-                f"FullyShardedDataParallel expects ignored modules to be submodules of "
-                f"{module_class_name(module)}, but {module_class_name(ignored)} is not"
-            )
-        if ignored is module:
-            raise ValueError(
-                f"FullyShardedDataParallel expects the wrapped module itself not to be ignored "
-                f"({module_class_name(module)}); ignore its submodules instead"
-            )
-    expanded = {m for ignored in modules for m in ignored.modules()}
+    expanded = {m for ignored in items if isinstance(ignored, nn.Module) and ignored in own for m in ignored.modules()}
+    own_params = set(module.parameters())
+    params = {p for p in items if isinstance(p, nn.Parameter) and p in own_params}
     params |= {p for m in expanded for p in m.parameters()}
     return expanded, params
 

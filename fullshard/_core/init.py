@@ -86,23 +86,17 @@ def get_param_module_infos(params: list[nn.Parameter], root: nn.Module) -> list[
 def validate_module(module: nn.Module, api: str) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{api} expects an nn.Module but got {module_class_name(module)}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        # Forward hooks on a container that is never called would never run.
+        raise ValueError(
+            f"{api} expects a module with a forward but got a {module_class_name(module)}, which has none; "
+            f"apply {api} to each of its modules, or pass them as a list to make one unit"
+        )
     if get_state(module) is not None:
         raise ValueError(
             f"{api} expects a module that fully_shard/replicate has not been applied to, but "
             f"{module_class_name(module)} already has; apply it once per module"
         )
-
-
-def validate_ignored_params(module: nn.Module, ignored_params: Iterable[nn.Parameter] | None) -> set[nn.Parameter]:
-    ignored = set(ignored_params or ())
-    own = {id(p) for p in module.parameters()}
-    for param in ignored:
-        if id(param) not in own:
-            raise ValueError(
-                "fully_shard expects ignored_params to be parameters of the module it shards, but "
-                f"got a parameter of shape {tuple(param.shape)} that is not in {module_class_name(module)}"
-            )
-    return ignored
 
 
 def validate_devices(root: nn.Module, params: list[nn.Parameter]) -> None:

@@ -21,7 +21,6 @@ from .init import (
     get_param_module_infos,
     move_buffers,
     validate_devices,
-    validate_ignored_params,
 )
 from .mesh import GroupInfo, MeshInfo, post_forward_group
 from .param import ShardParam
@@ -38,9 +37,9 @@ def resolve_reshard_after_forward(
         return value, None
     shard_size = mesh_info.shard.size
     if not isinstance(value, int):
-        raise TypeError(
+        raise ValueError(
             f"fully_shard expects reshard_after_forward to be None, a bool or an int but got "
-            f"{type(value).__name__} for {module_class_name(module)}"
+            f"{value!r} ({type(value).__name__}) for {module_class_name(module)}"
         )
     if value < 1 or shard_size % value != 0:
         raise ValueError(
@@ -63,7 +62,9 @@ def manage_module(
 ) -> ModuleState:
     """Shards ``module``'s parameters (minus those of already-managed submodules)."""
     device = mesh_info.device
-    ignored = validate_ignored_params(module, ignored_params)
+    # Entries outside the module are not an error: one ignore list may serve
+    # several units, each taking what lies below it.
+    ignored = set(ignored_params or ())
     reshard, post_forward = resolve_reshard_after_forward(config.reshard_after_forward, mesh_info, module)
     modules = get_managed_modules(module, ignored_modules)
     params, buffers = get_managed_states(modules, ignored)

@@ -1,0 +1,160 @@
+"""Construction as torch's FSDP does it: the same body runs against torch 2.13's
+``fully_shard`` (FSDP2) / ``FullyShardedDataParallel`` (FSDP1) on gloo and against
+fullshard, and must give the same result (issue 13)."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fullshard
+from fullshard.testing import distributed, full_value
+
+CPU = torch.device("cpu")
+
+
+def api(lib: str) -> types.SimpleNamespace:
+    """The names a user imports, from torch or from fullshard."""
+    if lib == "torch":
+        from torch.distributed import fsdp
+
+        return types.SimpleNamespace(
+            fully_shard=fsdp.fully_shard, FSDP=fsdp.FullyShardedDataParallel, ShardingStrategy=fsdp.ShardingStrategy,
+            CPUOffloadPolicy=fsdp.CPUOffloadPolicy,
+        )
+    return types.SimpleNamespace(
+        fully_shard=fullshard.fully_shard, FSDP=fullshard.FullyShardedDataParallel,
+        ShardingStrategy=fullshard.ShardingStrategy, CPUOffloadPolicy=fullshard.CPUOffloadPolicy,
+    )
+
+
+def three_stage_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 4))
+
+
+def train(model: nn.Module, steps: int = 3, dim: int = 4) -> list[float]:
+    """SGD steps on rank-dependent data; the losses."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(3, dim)).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every entry of the state dict as a full tensor, names without wrapper prefixes."""
+    return {k.replace("_fsdp_wrapped_module.", ""): full_value(v) for k, v in model.state_dict().items()}
+
+
+def assert_same_training(runs: dict[str, tuple[list[float], dict[str, torch.Tensor]]]) -> None:
+    (losses, state), (other_losses, other_state) = runs["torch"], runs["fullshard"]
+    assert losses == pytest.approx(other_losses, rel=1e-6)
+    assert state.keys() == other_state.keys()
+    for name in state:
+        torch.testing.assert_close(other_state[name], state[name], msg=lambda m: f"{name}: {m}")
+
+
+# -- item 14: one ignore list for several units --------------------------------------------------------
+@distributed(world_size=2)
+def test_one_ignored_params_list_for_several_units():
+    """torch's docs pass one set to every fully_shard call; each unit takes what lies below it."""
+    runs = {}
+    for lib in ("torch", "fullshard"):
+        model = three_stage_model()
+        ignored = {model[0].weight, model[1][1].weight}
+        api(lib).fully_shard(model[1], ignored_params=ignored)
+        api(lib).fully_shard(model, ignored_params=ignored)
+        assert not isinstance(model[0].weight, torch.distributed.tensor.DTensor)
+        runs[lib] = (train(model), full_state(model))
+    assert_same_training(runs)
+
+
+@distributed(world_size=2)
+def test_one_ignored_modules_list_for_several_wrappers():
+    runs = {}
+    for lib in ("torch", "fullshard"):
+        model = three_stage_model()
+        ignored = [model[0], model[1][1]]
+        model[1] = api(lib).FSDP(model[1], ignored_modules=ignored, device_id=CPU)
+        model = api(lib).FSDP(model, ignored_modules=ignored, device_id=CPU)
+        runs[lib] = (train(model), full_state(model))
+    assert_same_training(runs)
+
+
+# -- misuse torch rejects: one behaviour per case --------------------------------------------------------
+def _fsdp_inside_ignored(ns: types.SimpleNamespace) -> None:
+    model = three_stage_model()
+    model[1] = ns.FSDP(model[1], device_id=CPU)
+    ns.FSDP(model, ignored_modules=[model[1]], device_id=CPU)
+
+
+def _mixed_ignored_states(ns: types.SimpleNamespace) -> None:
+    model = three_stage_model()
+    ns.FSDP(model, ignored_states=[model[0], model[2].weight], device_id=CPU)
+
+
+def _ignored_modules_and_states(ns: types.SimpleNamespace) -> None:
+    model = three_stage_model()
+    ns.FSDP(model, ignored_modules=[model[0]], ignored_states=[model[2].weight], device_id=CPU)
+
+
+def _mixed_use_orig_params(ns: types.SimpleNamespace) -> None:
+    """torch raises at the first forward, fullshard when the outer wrapper is built."""
+    model = three_stage_model()
+    model[1] = ns.FSDP(model[1], device_id=CPU, use_orig_params=True)
+    ns.FSDP(model, device_id=CPU, use_orig_params=False)(torch.ones(2, 4))
+
+
+MISUSE = {
+    "container_without_forward_list": lambda ns: ns.fully_shard(nn.ModuleList([nn.Linear(4, 4)])),
+    "container_without_forward_dict": lambda ns: ns.fully_shard(nn.ModuleDict({"a": nn.Linear(4, 4)})),
+    "reshard_after_forward_not_a_divisor": lambda ns: ns.fully_shard(three_stage_model(), reshard_after_forward=3),
+    "reshard_after_forward_zero": lambda ns: ns.fully_shard(three_stage_model(), reshard_after_forward=0),
+    "reshard_after_forward_str": lambda ns: ns.fully_shard(three_stage_model(), reshard_after_forward="yes"),
+    "reshard_after_forward_float": lambda ns: ns.fully_shard(three_stage_model(), reshard_after_forward=2.0),
+    "fsdp_module_inside_ignored_modules": _fsdp_inside_ignored,
+    "mixed_ignored_states_types": _mixed_ignored_states,
+    "ignored_modules_and_ignored_states": _ignored_modules_and_states,
+    "different_use_orig_params": _mixed_use_orig_params,
+}
+
+
+def _outcome(case, lib: str) -> type | None:
+    try:
+        case(api(lib))
+    except Exception as exc:  # noqa: BLE001 - the type is the result
+        return type(exc)
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(MISUSE))
+@distributed(world_size=2)
+def test_misuse_rejected_as_torch(case):
+    assert _outcome(MISUSE[case], "torch") is ValueError, "torch changed: update the table"
+    assert _outcome(MISUSE[case], "fullshard") is ValueError
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@distributed(world_size=1)
+def test_one_rank_switches_to_no_shard(strategy):
+    for lib in ("torch", "fullshard"):
+        ns = api(lib)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapper = ns.FSDP(three_stage_model(), sharding_strategy=getattr(ns.ShardingStrategy, strategy),
+                              device_id=CPU)
+        switched = [w for w in caught if issubclass(w.category, UserWarning) and "NO_SHARD" in str(w.message)]
+        assert len(switched) == 1, (lib, [str(w.message) for w in caught])
+        assert wrapper.sharding_strategy.name == "NO_SHARD", lib
+        assert train(wrapper, steps=2)  # trains as NO_SHARD
