@@ -707,15 +707,42 @@ def _wrap_selected(
 def _materialize_meta(
     module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, device: torch.device, ignored: set[nn.Module]
 ) -> None:
-    """FSDP1: meta-device modules are initialized when wrapped."""
-    managed = get_managed_modules(module, ignored)
+    """FSDP1: meta-device modules are initialized when wrapped.
+
+    ``param_init_fn`` (or ``to_empty`` + ``reset_parameters``) is applied to each
+    module the wrapper manages, parents before children (breadth first, as FSDP1
+    does, so seeded random initialisation gives FSDP1's values); nested
+    wrappers were initialized by their own constructor.
+    """
+    managed = _breadth_first(get_managed_modules(module, ignored), module)
     tensors = [t for m in managed for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
     if not any(t.is_meta for t in tensors):
         return
-    if param_init_fn is not None:
-        param_init_fn(module)
-        return
-    for submodule in managed:
-        submodule.to_empty(device=device, recurse=False)
-        if hasattr(submodule, "reset_parameters"):
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(f"FullyShardedDataParallel expects a callable param_init_fn but got {param_init_fn!r}")
+    with torch.no_grad():
+        for submodule in managed:
+            if param_init_fn is not None:
+                param_init_fn(submodule)
+                continue
+            if not any(True for _ in (*submodule.parameters(recurse=False), *submodule.buffers(recurse=False))):
+                continue
+            if not hasattr(submodule, "reset_parameters"):
+                raise ValueError(
+                    f"FullyShardedDataParallel expects meta-device modules to define reset_parameters(), but "
+                    f"{module_class_name(submodule)} does not; give it one or pass param_init_fn"
+                )
+            submodule.to_empty(device=device, recurse=False)
             submodule.reset_parameters()
+
+
+def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]:
+    """``modules`` (a subtree of ``root``) in breadth-first order."""
+    wanted, order, frontier = set(modules), [], [root]
+    seen = {root}
+    while frontier:
+        order.extend(m for m in frontier if m in wanted)
+        children = [c for m in frontier for c in m.children() if c in wanted and c not in seen]
+        seen.update(children)
+        frontier = list(dict.fromkeys(children))
+    return order

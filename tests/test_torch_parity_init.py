@@ -158,3 +158,69 @@ def test_one_rank_switches_to_no_shard(strategy):
         assert len(switched) == 1, (lib, [str(w.message) for w in caught])
         assert wrapper.sharding_strategy.name == "NO_SHARD", lib
         assert train(wrapper, steps=2)  # trains as NO_SHARD
+
+
+# -- item 12: meta-device initialization -----------------------------------------------------------------
+def seeded_init(module: nn.Module) -> None:
+    """A per-module param_init_fn (FSDP1 calls it on each module it manages)."""
+    module.to_empty(device=CPU, recurse=False)
+    if isinstance(module, nn.Linear):
+        torch.manual_seed(module.in_features * 10 + module.out_features)
+        module.reset_parameters()
+
+
+def wrap_nested(ns: types.SimpleNamespace, model: nn.Sequential, **kwargs) -> nn.Module:
+    model[1] = ns.FSDP(model[1], device_id=CPU, **kwargs)
+    return ns.FSDP(model, device_id=CPU, **kwargs)
+
+
+@pytest.mark.parametrize("init", ["param_init_fn", "reset_parameters"])
+@distributed(world_size=2)
+def test_wrapper_materializes_meta_modules(init):
+    kwargs = {"param_init_fn": seeded_init} if init == "param_init_fn" else {}
+    runs = {}
+    for lib in ("torch", "fullshard"):
+        with torch.device("meta"):
+            model = three_stage_model()
+        torch.manual_seed(0)
+        model = wrap_nested(api(lib), model, **kwargs)
+        assert all(p.device == CPU for p in model.parameters()), lib
+        runs[lib] = (train(model), full_state(model))
+    assert_same_training(runs)
+    if init == "param_init_fn":  # the same values as initialising first, then wrapping
+        with torch.device("meta"):
+            reference = three_stage_model()
+        for module in reference.modules():
+            seeded_init(module)
+        reference = wrap_nested(api("fullshard"), reference)
+        runs["torch"] = (train(reference), full_state(reference))
+        assert_same_training(runs)
+
+
+def load_piece_by_piece(ns: types.SimpleNamespace, full: dict[str, torch.Tensor]) -> nn.Module:
+    """fully_shard on meta, then each parameter assigned as a sharded DTensor (a
+    torchtitan-style loader that never holds the model twice)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.device("meta"):
+        model = three_stage_model()
+    for module in (model[1], model):
+        ns.fully_shard(module, offload_policy=ns.CPUOffloadPolicy(pin_memory=False))
+    for name, value in full.items():
+        target = model.state_dict()[name]
+        model.load_state_dict({name: distribute_tensor(value, target.device_mesh, target.placements)},
+                              strict=False, assign=True)
+    return model
+
+
+@distributed(world_size=2)
+def test_fully_shard_meta_model_loaded_with_assign():
+    full = three_stage_model().state_dict()
+    runs = {lib: load_piece_by_piece(api(lib), full) for lib in ("torch", "fullshard")}
+    runs = {lib: (train(model), full_state(model)) for lib, model in runs.items()}
+    assert_same_training(runs)
+    reference = three_stage_model()  # not on meta: sharded with its values
+    for module in (reference[1], reference):
+        fullshard.fully_shard(module, offload_policy=fullshard.CPUOffloadPolicy(pin_memory=False))
+    runs["torch"] = (train(reference), full_state(reference))
+    assert_same_training(runs)

@@ -171,6 +171,14 @@ class ParamGroup:
         else:
             self._build_shard_buffer([p.local_shard for p in self.params])
 
+    def adopt_registered_shards(self) -> None:
+        """Takes the parameters now registered on the modules as the shards, when
+        the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
+        model's parameters assigned piece by piece): their values move into the
+        unit's buffer, which they then view."""
+        if self.flat_param is None and any(p.module_registration() is not p.sharded_param for p in self.params):
+            self.rebind_shards()
+
     # -- the FSDP1 flat parameter --------------------------------------------------
     def expose_flat_param(self, module: torch.nn.Module, name: str) -> torch.nn.Parameter:
         """Registers the shard buffer as ``module.<name>``, one ``nn.Parameter`` the

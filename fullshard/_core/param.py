@@ -174,7 +174,7 @@ class ShardParam:
             raise ValueError(
                 f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}"
             )
-        device = self.local_shard.device if self.local_shard.device.type != "cpu" else value.device
+        device = self.local_shard.device if self.local_shard.device.type not in ("cpu", "meta") else value.device
         return distribute_tensor(value.to(device), self.spmd_mesh, self.placements, src_data_rank=None)
 
     def module_registration(self) -> torch.Tensor | None:

@@ -183,6 +183,7 @@ class ModuleState:
             state.ctx = self.ctx
             if state.group is not None:
                 state.group.ctx = self.ctx
+                state.group.adopt_registered_shards()
         if validation_enabled():
             self.ctx.validator = ExecOrderValidator([s.group for s in states if s.group is not None])
         if self.config.reshard_after_forward is None and self.group is not None:
