@@ -26,7 +26,7 @@ from ._core.common import UnitConfig, module_class_name
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
-from ._core.init import validate_dtensor_meshes, validate_module
+from ._core.init import root_modules, validate_dtensor_meshes, validate_module
 from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
 from .state_dict import default_settings, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
@@ -233,7 +233,7 @@ def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -251,7 +251,10 @@ def fully_shard(
     on a submodule are left to it.
 
     Args:
-        module: the module to shard (changed in place and returned).
+        module: the module to shard (changed in place and returned), or a list
+            of modules that become one unit (gathered once for all of them, e.g.
+            embeddings, final norm and output head): the pass starts at the
+            first of them to run forward and ends after the last.
         mesh: 1D mesh (FSDP) or 2D ``(replicate, shard)`` mesh (HSDP). Default:
             all ranks, on the current accelerator if there is one, else CPU.
         reshard_after_forward: True frees the full parameters after forward
@@ -269,7 +272,8 @@ def fully_shard(
         ignored_modules: submodules left alone, with everything below them.
 
     Returns:
-        ``module``, whose class now also derives from ``FSDPModule``.
+        ``module`` (each of them, for a list), whose class now also derives from
+        ``FSDPModule``.
 
     Raises:
         ValueError: the module is already managed, the mesh is not 1D/2D (or
@@ -277,19 +281,22 @@ def fully_shard(
             an int ``reshard_after_forward`` does not divide the shard size, or
             an ignored parameter/module is not in the module.
     """
-    validate_module(module, "fully_shard")
+    roots = root_modules([module] if isinstance(module, nn.Module) else list(module))
+    for root in roots:
+        validate_module(root, "fully_shard")
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
-    mesh, replicate_only, reshard_after_forward = _resolve_strategy(module, mesh, strategy, reshard_after_forward)
-    validate_dtensor_meshes(module, mesh.device_type)
+    mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
+    for root in roots:
+        validate_dtensor_meshes(root, mesh.device_type)
     mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
-    ignored = _expand_ignored_modules(module, ignored_modules)
+    ignored = set().union(*(_expand_ignored_modules(root, ignored_modules) for root in roots))
     ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
     if policy is not None:
         arguments = dict(
             mesh=mesh_info.mesh, reshard_after_forward=requested_reshard, mp_policy=mp_policy,
             offload_policy=offload_policy, strategy=strategy,
         )
-        for child, overrides in select_modules(module, policy, ignored):
+        for child, overrides in (item for root in roots for item in select_modules(root, policy, ignored)):
             below = set(child.modules())
             fully_shard(
                 child,
@@ -298,9 +305,10 @@ def fully_shard(
                 ignored_modules=[m for m in ignored if m in below],
             )
     config = UnitConfig(reshard_after_forward, mp_policy, offload_policy)
-    state = manage_module(module, mesh_info, config, ignored_params, ignored)
+    state = manage_module(roots, mesh_info, config, ignored_params, ignored)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
-    swap_class(module, FSDPModule, "FSDP")
+    for root in roots:
+        swap_class(root, FSDPModule, "FSDP")
     return module
 
 

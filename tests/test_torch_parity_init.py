@@ -224,3 +224,60 @@ def test_fully_shard_meta_model_loaded_with_assign():
         fullshard.fully_shard(module, offload_policy=fullshard.CPUOffloadPolicy(pin_memory=False))
     runs["torch"] = (train(reference), full_state(reference))
     assert_same_training(runs)
+
+
+# -- torch 2.13: fully_shard([module_a, module_b]) ----------------------------------------------------------
+class TinyLM(nn.Module):
+    """torchtitan's shape: embeddings, blocks, final norm, output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.norm = nn.LayerNorm(8)
+        self.output = nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.output(self.norm(h))
+
+
+def train_lm(model: nn.Module, steps: int = 3) -> list[float]:
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 16, (2, 5))
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@distributed(world_size=2)
+def test_one_unit_over_several_modules(reshard_after_forward):
+    from fullshard._core import comm
+
+    runs = {}
+    for lib in ("torch", "fullshard"):
+        shard = api(lib).fully_shard
+        model = TinyLM()
+        for layer in model.layers:
+            shard(layer, reshard_after_forward=reshard_after_forward)
+        grouped = [model.embed, model.norm, model.output]
+        assert shard(grouped, reshard_after_forward=reshard_after_forward) is grouped
+        shard(model)
+        assert shard.state(model.embed) is shard.state(model.output), lib
+        assert type(model.norm).__name__ == "FSDPLayerNorm", lib
+        runs[lib] = (train_lm(model), full_state(model))
+        if lib == "fullshard":  # one all-gather per unit and forward: the group's three modules share one
+            with comm.record_comms() as records, torch.no_grad():
+                model(torch.zeros(2, 5, dtype=torch.long))
+            assert sum(r.op == "all_gather" for r in records) == 3
+    assert_same_training(runs)
