@@ -21,6 +21,7 @@ import torch
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.manage import manage_module
@@ -237,6 +238,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -261,6 +263,10 @@ def fully_shard(
             (re-gathered in backward); False keeps them; an int ``k`` keeps
             1/k of them so backward re-gathers within groups of ``k`` ranks;
             None: True, except for the root (the first module to run forward).
+        shard_placement_fn: ``fn(param)`` returns ``Shard(dim)`` to shard that
+            parameter on ``dim`` (e.g. experts on dim 1), or None for dim 0.
+            Sizes need not divide evenly. Not with tensor-parallel parameters
+            or an int ``reshard_after_forward``.
         mp_policy: parameter/reduction/output dtypes (``MixedPrecisionPolicy``).
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, moved or reduced).
@@ -276,10 +282,13 @@ def fully_shard(
         ``FSDPModule``.
 
     Raises:
-        ValueError: the module is already managed, the mesh is not 1D/2D (or
-            does not suit ``strategy``), parameters sit on different devices,
-            an int ``reshard_after_forward`` does not divide the shard size, or
-            an ignored parameter/module is not in the module.
+        ValueError: the module is already managed or is a container without
+            forward (``nn.ModuleList``), the mesh is not 1D/2D (or does not suit
+            ``strategy``), parameters sit on different devices,
+            ``reshard_after_forward`` is neither a bool nor an int dividing the
+            shard size, ``shard_placement_fn`` returns something other than
+            ``Shard(dim)``/None, or ``module`` itself is in ``ignored_modules``.
+            Ignored parameters/modules outside ``module`` are skipped.
     """
     roots = root_modules([module] if isinstance(module, nn.Module) else list(module))
     for root in roots:
@@ -294,6 +303,7 @@ def fully_shard(
     if policy is not None:
         arguments = dict(
             mesh=mesh_info.mesh, reshard_after_forward=requested_reshard, mp_policy=mp_policy,
+            shard_placement_fn=shard_placement_fn,
             offload_policy=offload_policy, strategy=strategy,
         )
         for child, overrides in (item for root in roots for item in select_modules(root, policy, ignored)):
@@ -304,7 +314,7 @@ def fully_shard(
                 ignored_params={p for p in ignored_params if any(p is q for q in child.parameters())},
                 ignored_modules=[m for m in ignored if m in below],
             )
-    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy)
+    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy, shard_placement_fn=shard_placement_fn)
     state = manage_module(roots, mesh_info, config, ignored_params, ignored)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     for root in roots:

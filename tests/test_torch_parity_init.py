@@ -281,3 +281,90 @@ def test_one_unit_over_several_modules(reshard_after_forward):
                 model(torch.zeros(2, 5, dtype=torch.long))
             assert sum(r.op == "all_gather" for r in records) == 3
     assert_same_training(runs)
+
+
+# -- torch 2.13: fully_shard(..., shard_placement_fn=fn) -------------------------------------------------
+def dim1_for_matrices(param: nn.Parameter):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.ndim == 2 else None  # None: dim 0
+
+
+def local_shapes(model: nn.Module) -> list[tuple]:
+    return [(n, tuple(p.to_local().shape), tuple(p.placements)) for n, p in model.named_parameters()]
+
+
+@distributed(world_size=2)
+def test_shard_placement_fn_as_torch():
+    """Even sizes (torch supports no other on dims but 0): the same shards and training."""
+    runs, shapes = {}, {}
+    for lib in ("torch", "fullshard"):
+        model = three_stage_model()
+        for module in (model[1], model):
+            api(lib).fully_shard(module, shard_placement_fn=dim1_for_matrices)
+        shapes[lib] = local_shapes(model)
+        runs[lib] = (train(model), full_state(model))
+    assert shapes["torch"] == shapes["fullshard"]
+    assert ("0.weight", (8, 2), (torch.distributed.tensor.Shard(1),)) in shapes["fullshard"]
+    assert_same_training(runs)
+
+
+class Experts(nn.Module):
+    """Expert weights (expert, in, out) sharded on dims that split unevenly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w_in = nn.Parameter(torch.randn(3, 4, 5) * 0.3)  # dim 2: 5 = 3 + 2 rows
+        self.w_out = nn.Parameter(torch.randn(3, 5, 4) * 0.3)  # dim 1: 5 = 3 + 2
+        self.gate = nn.Parameter(torch.ones(4, 1))  # dim 1: 1 = 1 + 0 (rank 1 holds padding only)
+        self.proj = nn.Linear(4, 4)  # dim 0 (None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("bi,eih->beh", x * self.gate.squeeze(1), self.w_in).relu()
+        return self.proj(torch.einsum("beh,eho->bo", h, self.w_out))
+
+
+def experts_placement(param: nn.Parameter):
+    from torch.distributed.tensor import Shard
+
+    if param.ndim == 3:
+        return Shard(-1) if param.shape[-1] == 5 else Shard(1)
+    return Shard(1) if param.shape == (4, 1) else None
+
+
+@distributed(world_size=2)
+def test_shard_placement_fn_uneven_against_single_process():
+    """Uneven dims torch rejects: training equal to one process, state dicts right."""
+    from fullshard.testing import DataParallelReference, assert_params_equal
+
+    model, reference = Experts(), Experts()
+    fullshard.fully_shard(model, shard_placement_fn=experts_placement)
+    rank = dist.get_rank()
+    assert [tuple(p.to_local().shape) for p in model.parameters()] == (
+        [(3, 4, 3), (3, 3, 4), (4, 1), (2, 4), (2,)] if rank == 0 else [(3, 4, 2), (3, 2, 4), (4, 0), (2, 4), (2,)]
+    )
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_optim = torch.optim.Adam(reference.parameters(), lr=0.01)
+    loss_fn = lambda m, batch: m(batch[0]).square().mean()  # noqa: E731
+    ref = DataParallelReference(reference, loss_fn)
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        batches = [(torch.randn(3, 4),) for _ in range(2)]
+        loss = loss_fn(model, batches[rank])
+        loss.backward()
+        ref.backward(batches)
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        torch.testing.assert_close(full_value(model.w_in), reference.w_in.detach())
+    assert_params_equal(model, reference)
+    state = model.state_dict()
+    assert state["w_in"].placements == (torch.distributed.tensor.Shard(2),)
+    fresh = Experts()
+    fullshard.fully_shard(fresh, shard_placement_fn=experts_placement)
+    fresh.load_state_dict(state)
+    assert_params_equal(fresh, reference)
+    with torch.no_grad():  # a forward after loading gathers the loaded values
+        torch.testing.assert_close(fresh(torch.ones(2, 4)), reference(torch.ones(2, 4)))

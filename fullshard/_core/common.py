@@ -36,6 +36,7 @@ class UnitConfig:
     buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
     flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
 
 
 @dataclass

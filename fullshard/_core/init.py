@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from . import comm
 from .common import ParamModuleInfo, module_class_name
@@ -109,6 +109,34 @@ def validate_module(module: nn.Module, api: str) -> None:
             f"{api} expects a module that fully_shard/replicate has not been applied to, but "
             f"{module_class_name(module)} already has; apply it once per module"
         )
+
+
+def shard_dims(
+    params: list[nn.Parameter], shard_placement_fn: Callable[[nn.Parameter], Any] | None, names: dict[int, str]
+) -> list[int]:
+    """Each parameter's shard dim from ``shard_placement_fn`` (None: dim 0)."""
+    if shard_placement_fn is None:
+        return [0] * len(params)
+    dims = []
+    for param in params:
+        placement = shard_placement_fn(param)
+        name = names.get(id(param), "?")
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(
+                f"fully_shard expects shard_placement_fn to return Shard(dim) or None but got {placement!r} "
+                f"for {name}"
+            )
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.ndim:
+            raise ValueError(
+                f"fully_shard expects shard_placement_fn to return a dim of {name}'s {param.ndim}D shape "
+                f"{tuple(param.shape)} but got Shard({placement.dim})"
+            )
+        dims.append(dim)
+    return dims
 
 
 def validate_devices(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -> None:

@@ -21,6 +21,7 @@ from .init import (
     get_param_module_infos,
     move_buffers,
     root_modules,
+    shard_dims,
     validate_devices,
 )
 from .mesh import GroupInfo, MeshInfo, post_forward_group
@@ -77,8 +78,16 @@ def manage_module(
     buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
     infos = get_param_module_infos(params, roots)
     mp_policy = config.mp_policy
-    shard_params = [ShardParam(p, info, mesh_info, mp_policy.param_dtype) for p, info in zip(params, infos)]
     names = {id(p): name for root in roots for name, p in root.named_parameters()}
+    dims = shard_dims(params, config.shard_placement_fn, names)
+    if post_forward is not None and any(dims):
+        raise NotImplementedError(
+            f"fully_shard does not support an int reshard_after_forward with shard_placement_fn's "
+            f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
+        )
+    shard_params = [
+        ShardParam(p, info, mesh_info, mp_policy.param_dtype, dim) for p, info, dim in zip(params, infos, dims)
+    ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
     owner = "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
