@@ -368,3 +368,30 @@ def test_shard_placement_fn_uneven_against_single_process():
     assert_params_equal(fresh, reference)
     with torch.no_grad():  # a forward after loading gathers the loaded values
         torch.testing.assert_close(fresh(torch.ones(2, 4)), reference(torch.ones(2, 4)))
+
+
+class Skipping(nn.Module):
+    """``head`` runs only on odd steps: the grouped unit's pass then ends with the root's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        h = self.mid(torch.relu(self.inp(x)))
+        return self.head(h) if self.step % 2 else h[:, :4]
+
+
+@distributed(world_size=2)
+def test_one_unit_with_a_module_that_does_not_run():
+    runs = {}
+    for lib in ("torch", "fullshard"):
+        model = Skipping()
+        api(lib).fully_shard(model.mid)
+        api(lib).fully_shard([model.inp, model.head])
+        api(lib).fully_shard(model)
+        runs[lib] = (train(model, steps=4), full_state(model))
+    assert_same_training(runs)
