@@ -290,9 +290,10 @@ def fully_shard(
             ``Shard(dim)``/None, or ``module`` itself is in ``ignored_modules``.
             Ignored parameters/modules outside ``module`` are skipped.
     """
-    roots = root_modules([module] if isinstance(module, nn.Module) else list(module))
-    for root in roots:
-        validate_module(root, "fully_shard")
+    listed = list(module) if isinstance(module, (list, tuple)) else [module]
+    for candidate in listed:
+        validate_module(candidate, "fully_shard")
+    roots = root_modules(listed)
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
     mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
     for root in roots:
