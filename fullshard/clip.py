@@ -48,7 +48,7 @@ def _owned_local_grad(param: torch.Tensor) -> tuple[torch.Tensor | None, float]:
             if isinstance(placement, Replicate) and coordinate[dim] != 0:
                 return None, 0.0
         return grad._local_tensor, mesh.size() / world
-    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter
+    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter, or a plain shard view
     if unit is not None:
         owned = unit.mesh_info.replicate.rank == 0
         return (grad if owned else None), unit.mesh_info.mesh.size() / world

@@ -17,7 +17,7 @@ takes its MAX over ``process_group`` (one all-reduce per optimizer step, through
 scale off identically everywhere. A rank with no gradients at all (no rows of
 any trainable parameter) still joins the all-reduce with a zero flag.
 
-DTensor gradients (``use_orig_params=True``, ``fully_shard``) are unscaled as
+DTensor gradients (``fully_shard``) are unscaled as
 their local tensors: DTensor's own rule for the unscale kernel all-reduces the
 flag over the parameter's mesh, a second, hidden collective per (device, dtype).
 
@@ -25,7 +25,7 @@ flag over the parameter's mesh, a second, hidden collective per (device, dtype).
 A parameter belongs to a group when the group contains every rank that holds a
 piece of it: all ranks of its ``DeviceMesh`` (shard, replicate and TP axes
 alike) for a DTensor, all ranks of its unit's mesh for the wrapper's flat
-parameter. Skipping together only works over such a group, so ``unscale_``
+parameter or plain shard views (``use_orig_params=True``). Skipping together only works over such a group, so ``unscale_``
 checks it and raises otherwise (a larger group is fine). Plain tensors carry no
 mesh; any group is accepted for them.
 
@@ -224,7 +224,7 @@ class ShardedGradScaler(GradScaler):
             group = dist.group.WORLD
         ranks: set[int] | None = None
         for param in _params(optimizer):
-            mesh, owner = _mesh_of(param)
+            mesh = _mesh_of(param)
             if mesh is None or (id(group), id(mesh)) in self._checked:
                 continue
             ranks = _ranks_of(group) if ranks is None else ranks
@@ -232,7 +232,7 @@ class ShardedGradScaler(GradScaler):
             if not needed <= ranks:
                 raise ValueError(
                     f"ShardedGradScaler expects process_group to contain every rank holding a piece of the "
-                    f"optimizer's parameters, but {owner} lives on ranks {sorted(needed)} and process_group "
+                    f"optimizer's parameters, but {_describe(param)} lives on ranks {sorted(needed)} and process_group "
                     f"has ranks {sorted(ranks)}; pass the group the model is sharded over (None: the default group)"
                 )
             self._checked[(id(group), id(mesh))] = (group, mesh)  # holding them keeps the ids unique
@@ -255,14 +255,23 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from param_group["params"]
 
 
-def _mesh_of(param: torch.Tensor) -> tuple[DeviceMesh | None, str]:
-    """The mesh of ranks holding pieces of ``param`` (None for a plain tensor), and a name for messages."""
+def _mesh_of(param: torch.Tensor) -> DeviceMesh | None:
+    """The mesh of ranks holding pieces of ``param`` (None for a plain tensor)."""
     if isinstance(param, DTensor):
-        return param.device_mesh, f"a parameter of shape {tuple(param.shape)}"
-    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter
+        return param.device_mesh
+    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter, or a plain shard view
+    return unit.mesh_info.mesh if unit is not None else None
+
+
+def _describe(param: torch.Tensor) -> str:
+    """``param`` named for messages (it has a mesh: see ``_mesh_of``)."""
+    unit = getattr(param, "_fullshard_unit", None)
+    if unit is not None and param is unit.flat_param:
+        return f"the flat parameter of {unit.owner_name}"
     if unit is not None:
-        return unit.mesh_info.mesh, f"the flat parameter of {unit.owner_name}"
-    return None, ""
+        shape = next(tuple(p.global_size) for p in unit.params if p.sharded_param is param)
+        return f"a parameter of shape {shape}"
+    return f"a parameter of shape {tuple(param.shape)}"
 
 
 def _ranks_of(group: Any) -> set[int]:

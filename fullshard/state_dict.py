@@ -229,7 +229,7 @@ def _save_params(
             state_dict.pop(key, None)
             continue
         if kind is StateDictType.SHARDED_STATE_DICT:
-            value = param.sharded_param.detach()
+            value = param.sharded_value()
             if offload:
                 value = param.sharded_dtensor_of(value._local_tensor.cpu())
         else:
@@ -282,7 +282,7 @@ def _load_params(
             continue
         shard = param.shard_of(state_dict[key])
         if param.register_sharded:
-            state_dict[key] = shard  # nn.Module copies it into the registered shard
+            state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
         else:
             group.write_shard(index, shard._local_tensor)
             del state_dict[key]
@@ -381,6 +381,9 @@ def _split_state(
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if unit is not None and unit.flat_param is not None and param is unit.flat_param:
                 value = unit.param_view_of_flat(unit.params.index(shard_param), value, full=full)
+            elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
+                value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
+                value = value.full_tensor() if full else value
             elif isinstance(value, DTensor) and full:
                 value = value.full_tensor()
             if offload:
@@ -488,9 +491,11 @@ def _join_state(
                     local = shard_param.shard_of(values[key])._local_tensor
                     unit.write_shard(unit.params.index(shard_param), local, into=flat)
             result[key] = flat
-        elif isinstance(param, DTensor):
+        elif per_param[0][0] is not None:
             shard_param = per_param[0][0]
-            result[key] = shard_param.shard_of(value) if shard_param is not None else _like(param, value)
+            result[key] = shard_param.present(shard_param.shard_of(value)._local_tensor)
+        elif isinstance(param, DTensor):
+            result[key] = _like(param, value)
         else:
             result[key] = value.full_tensor() if isinstance(value, DTensor) else value
     return result

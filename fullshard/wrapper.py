@@ -16,12 +16,15 @@ engine (see DESIGN.md): FULL_SHARD and HYBRID_SHARD reshard after forward
 (except the root), SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep the parameters,
 NO_SHARD replicates. With ``use_orig_params=False`` the optimizer sees one
 flat parameter per unit (``_flat_param``, the unit's shard buffer itself);
-with True, the original parameters as DTensor shards.
+with True, the user's own parameter objects, showing plain 1D views of this
+rank's shard outside forward and the full tensors inside (see [Note:
+Presentations] in ``_core/presentation.py``), as FSDP1 does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
@@ -35,6 +38,7 @@ from ._core.full_params import full_params
 from ._core.init import get_managed_modules
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
+from ._core.presentation import LocalViews
 from ._core.state import ModuleState, get_state
 from .api import (
     HYBRID_STRATEGIES,
@@ -59,6 +63,14 @@ __all__ = ["FullyShardedDataParallel", "FSDP"]
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
 _PREFIX = FSDP_WRAPPED_MODULE + "."
+
+
+class TrainingState(enum.Enum):
+    """What a wrapper is doing (``FullyShardedDataParallel.training_state``), as FSDP1 reports it."""
+
+    IDLE = enum.auto()  # between steps
+    FORWARD_BACKWARD = enum.auto()  # inside a forward or backward of its unit
+    SUMMON_FULL_PARAMS = enum.auto()  # inside summon_full_params (or apply)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -86,8 +98,8 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: gather the next unit while the current one runs forward.
         limit_all_gathers: accepted for compatibility; at most one all-gather is
             ever prefetched, so the limit always holds.
-        use_orig_params: expose the original parameters (DTensor shards) instead
-            of one flat parameter per unit.
+        use_orig_params: keep the original parameter objects (plain 1D views of
+            this rank's shard outside forward) instead of one flat parameter per unit.
         ignored_states: parameters or modules to ignore (instead of ``ignored_modules``).
         device_mesh: a 1D mesh, or 2D ``(replicate, shard)`` for hybrid strategies.
 
@@ -139,10 +151,19 @@ class FullyShardedDataParallel(nn.Module):
         _check_one_use_orig_params(module, use_orig_params)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.use_orig_params = self._use_orig_params = use_orig_params
         self._fsdp_mesh_info = mesh_info
         _materialize_meta(module, param_init_fn, mesh_info.device, ignored_mods)
         config = _unit_config(strategy, settings)
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
+        if use_orig_params and state.group is not None:
+            for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
+                param.sharded_param._fullshard_unit = state.group
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if config.flat_param and state.group is not None:
@@ -164,6 +185,30 @@ class FullyShardedDataParallel(nn.Module):
         """The group parameters are sharded over (replicated over, for NO_SHARD)."""
         info = self._fsdp_mesh_info
         return info.replicate.group if info.shard_axis is None else info.shard.group
+
+    @property
+    def world_size(self) -> int:
+        """The size of ``process_group``."""
+        return self.process_group.size()
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in ``process_group``."""
+        return self.process_group.rank()
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the unit computes and communicates."""
+        return self._fsdp_mesh_info.device
+
+    @property
+    def training_state(self) -> TrainingState:
+        """IDLE, FORWARD_BACKWARD or SUMMON_FULL_PARAMS."""
+        state = self._state
+        if state.summoned:
+            return TrainingState.SUMMON_FULL_PARAMS
+        busy = state.group.training_state if state.group is not None else state.training_state
+        return TrainingState.IDLE if busy.name == "IDLE" else TrainingState.FORWARD_BACKWARD
 
     @property
     def _inter_node_pg(self) -> dist.ProcessGroup | None:
@@ -657,6 +702,7 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
         keep_low_precision_grads=precision.keep_low_precision_grads,
         buffer_dtype=precision.buffer_dtype,
         flat_param=not settings["use_orig_params"],
+        presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD) if settings["use_orig_params"] else None,
         sync_module_states=settings["sync_module_states"],
     )
 

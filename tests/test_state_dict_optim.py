@@ -147,6 +147,9 @@ def test_hsdp_save_load_state_dict():
         load_model.load_state_dict(msd)
         FSDP.optim_state_dict_to_load(load_model, load_optim, osd)
     load_optim.load_state_dict(osd)  # as in the seed: the FQN-keyed dict loads directly
+    # Its sharded states are DTensors, the parameters plain shard views (FSDP1's
+    # use_orig_params=True): optim_state_dict_to_load gives states to train with.
+    load_optim.load_state_dict(FSDP.optim_state_dict_to_load(load_model, load_optim, osd))
 
     for p, q in zip(model.parameters(), load_model.parameters()):
         torch.testing.assert_close(full_value(p), full_value(q))

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from fullshard import (
     FSDP,
@@ -182,13 +183,19 @@ def test_summon_full_params(use_orig_params):
         if dist.get_rank() == 0:
             torch.testing.assert_close(weight, expected["norm.weight"] + 1.0)
         else:
-            assert weight.to_local().numel() == 8  # rank 1 keeps its shard
+            assert _local_numel(weight) == 8  # rank 1 keeps its shard
     with FSDP.summon_full_params(model.module.layers[0], recurse=False):
         assert model.module.layers[0].module.attention.wq.weight.shape == (16, 16)
-        assert model.module.norm.weight.to_local().numel() == 8  # the root stayed sharded
+        assert _local_numel(model.module.norm.weight) == 8  # the root stayed sharded
     with pytest.raises(ValueError, match="writeback=False with rank0_only=True"):
         with FSDP.summon_full_params(model, rank0_only=True):
             pass
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    """Elements this rank holds: a DTensor shard (flat parameters' attributes) or a
+    plain 1D shard view (use_orig_params=True, see test_wrapper_param_contract.py)."""
+    return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()
 
 
 def _reinitialise(module: nn.Module) -> None:

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from .presentation import DTensorShards
 
 
 class TrainingState(enum.Enum):
@@ -37,6 +38,7 @@ class UnitConfig:
     flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
+    presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
 
 
 @dataclass

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from .common import TrainingState
 from .group import ParamGroup
@@ -49,7 +47,7 @@ def full_params(
                 f"{group.owner_name} is in {group.training_state.name}"
             )
     keep = not rank0_only or dist.get_rank() == 0
-    summoned: list[tuple[ParamGroup, list[torch.Tensor]]] = []
+    summoned: list[ParamGroup] = []
     try:
         for group in groups:
             group.reshard()  # drop a low-precision unsharded copy kept after forward
@@ -61,20 +59,18 @@ def full_params(
                 values = [v.cpu() for v in values]
                 grads = [g.cpu() if g is not None else None for g in grads]
             for param, value, grad in zip(group.params, values, grads):
-                full = nn.Parameter(param.full_form(value), requires_grad=param.sharded_param.requires_grad)
-                full.grad = param.full_form(grad) if grad is not None else None
-                param.register(full)
+                param.show_full(value, grad, with_grads)
             if group.flat_param_home is not None:  # the full parameters stand in for it
                 home, name = group.flat_param_home
                 del home._parameters[name]
-            summoned.append((group, values))
+            summoned.append(group)
         yield
     finally:
-        for group, values in summoned:
+        for group in summoned:
             if writeback:
-                group.write_back(values)
+                group.write_back([param.full_shown() for param in group.params])
             for param in group.params:
-                param.to_sharded()
+                param.end_show_full()
             if group.flat_param_home is not None:
                 home, name = group.flat_param_home
                 home._parameters[name] = group.flat_param

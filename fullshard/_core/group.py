@@ -32,6 +32,7 @@ from .common import TrainingState, UnitConfig, clean_fqn
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
+from .presentation import DTENSOR_SHARDS
 from .reduction import GradReduction, ReduceSettings
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class ParamGroup:
         self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
         self._pin_memory = self.offload and config.offload_policy.pin_memory and torch.cuda.is_available()
         self.mp_policy = config.mp_policy
+        self.presentation = config.presentation or DTENSOR_SHARDS
         self.keep_low_precision_grads = config.keep_low_precision_grads
         self.flat_param: torch.nn.Parameter | None = None  # see expose_flat_param
         self.flat_param_home: tuple[torch.nn.Module, str] | None = None  # where it is registered
@@ -88,6 +90,7 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: _AllGatherInFlight | None = None
+        self._shows_shards_unsharded = False  # see show_shards
         self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
         self._awaiting_grads: set[ShardParam] = set()
         self._post_forward_indices: list[int] = []
@@ -176,7 +179,10 @@ class ParamGroup:
         the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
         model's parameters assigned piece by piece): their values move into the
         unit's buffer, which they then view."""
-        if self.flat_param is None and any(p.module_registration() is not p.sharded_param for p in self.params):
+        if self.flat_param is None and any(
+            isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
+            for p in self.params
+        ):
             self.rebind_shards()
 
     # -- the FSDP1 flat parameter --------------------------------------------------
@@ -254,8 +260,8 @@ class ParamGroup:
         for index, param in enumerate(self.params):
             grad = param.sharded_param.grad
             present.append(grad is not None)
-            if grad is not None and grad._local_tensor.numel() > 0:
-                local = grad._local_tensor
+            local = param.rows_of(grad) if grad is not None else None
+            if local is not None and local.numel() > 0:
                 self.storage_layout.region(buffer, index, param.orig_dtype)[: local.numel()].copy_(local.reshape(-1))
         return buffer, present
 
@@ -372,6 +378,8 @@ class ParamGroup:
         """Finishes an in-flight unshard: copy-out and registration of full parameters."""
         in_flight, self._all_gather = self._all_gather, None
         if in_flight is None:
+            if self._shows_shards_unsharded:  # kept unsharded but showing the shards
+                self._register_unsharded()
             return
         if in_flight.work is not None:
             in_flight.work.wait()
@@ -383,9 +391,20 @@ class ParamGroup:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, self._split_views(padded))
         self._post_forward_shard = None
+        self._register_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _register_unsharded(self) -> None:
         for param in self.params:
             param.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
+        self._shows_shards_unsharded = False
+
+    def show_shards(self) -> None:
+        """Registers the shards but keeps the full parameters for the next use
+        (a no-grad forward under a presentation that asks for it)."""
+        for param in self.params:
+            param.to_sharded()
+        self._shows_shards_unsharded = True
 
     def reshard(self) -> None:
         """Frees the full parameters and registers the shards."""
@@ -399,6 +418,7 @@ class ParamGroup:
             param.free_unsharded()
         for param in self.params:
             param.to_sharded()
+        self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
 
@@ -422,6 +442,8 @@ class ParamGroup:
                 self._reshard_to_post_forward()
             else:
                 self.reshard()
+        elif self.is_unsharded and not torch.is_grad_enabled() and self.presentation.sharded_after_no_grad_forward:
+            self.show_shards()
         if record_order:
             self._post_forward_indices.append(self.ctx.record_post_forward(self))
         self.training_state = TrainingState.IDLE
@@ -565,9 +587,9 @@ class ParamGroup:
             padded = padded.to(self.storage_device, self._grad_dtype(param))
             sharded = param.sharded_param
             if sharded.grad is None:
-                sharded.grad = param.sharded_dtensor(padded)
+                sharded.grad = param.present_padded(padded)
             else:
-                local = sharded.grad._local_tensor
+                local = param.rows_of(sharded.grad)
                 local.add_(padded[: local.numel()].view_as(local))
 
     def _accept_flat_grad(self, params: list[ShardParam], output: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from .init import (
 )
 from .mesh import GroupInfo, MeshInfo, post_forward_group
 from .param import ShardParam
+from .presentation import DTENSOR_SHARDS
 from .state import ModuleState
 
 
@@ -86,7 +87,8 @@ def manage_module(
             f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
         )
     shard_params = [
-        ShardParam(p, info, mesh_info, mp_policy.param_dtype, dim) for p, info, dim in zip(params, infos, dims)
+        ShardParam(p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS, dim)
+        for p, info, dim in zip(params, infos, dims)
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init

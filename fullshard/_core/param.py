@@ -1,10 +1,11 @@
 """One original parameter: its shard, its DTensor view, its unsharded form.
 
 [Note: Parameter forms]
-- sharded: an ``nn.Parameter`` wrapping a ``DTensor`` (``Shard(0)`` on the
-  shard axis, ``Replicate()`` on the replicate axis, followed by tensor-parallel
-  placements if the parameter already was a DTensor). Its local tensor is a
-  view into the unit's shard buffer, so the optimizer's in-place updates land
+- sharded: by default an ``nn.Parameter`` wrapping a ``DTensor`` (``Shard(0)``
+  on the shard axis, ``Replicate()`` on the replicate axis, followed by
+  tensor-parallel placements if the parameter already was a DTensor); the FSDP1
+  wrapper may present it otherwise (see [Note: Presentations]). Either way it is
+  a view into the unit's shard buffer, so the optimizer's in-place updates land
   there and the next all-gather sends them without any copy. This is the form
   registered on the module outside forward/backward.
 - unsharded: a plain ``nn.Parameter`` (a TP ``DTensor`` for TP parameters)
@@ -27,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .common import ParamModuleInfo, module_class_name, set_module_param, set_module_tensor
 from .mesh import MeshInfo
+from .presentation import DTENSOR_SHARDS, DTensorShards
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -46,9 +48,11 @@ class ShardParam:
         module_info: ParamModuleInfo,
         mesh_info: MeshInfo,
         param_dtype: torch.dtype | None,
+        presentation: DTensorShards = DTENSOR_SHARDS,
         shard_dim: int = 0,
     ) -> None:
         self.module_info = module_info
+        self.presentation = presentation
         self.shard_dim = shard_dim  # the tensor dim split across the shard group; see layout.py
         self.mesh_info = mesh_info
         self.fqn = module_info.param_name  # made root-relative at lazy init
@@ -90,7 +94,9 @@ class ShardParam:
         self.initial_shard: torch.Tensor | None = local.narrow(
             shard_dim, min(first_row, self.num_rows), self.num_valid_rows
         )
-        self.sharded_param: nn.Parameter | None = None
+        self.sharded_param: nn.Parameter | None = param if presentation.keeps_user_param else None
+        self._bound_rows: torch.Tensor | None = None  # the rows bind_shard last pointed at
+        self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
         self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
         # False under the wrapper's flat parameter: the module then shows the
@@ -141,15 +147,65 @@ class ShardParam:
         """Points the sharded parameter at ``padded_shard`` (its region of the buffer)."""
         local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
+        self._bound_rows = local
         if self.sharded_param is None:
-            self.sharded_param = nn.Parameter(self.sharded_dtensor_of(local), requires_grad=self.requires_grad)
+            self.sharded_param = nn.Parameter(self.present(local), requires_grad=self.requires_grad)
             self.to_sharded()
             return
-        self.sharded_param._local_tensor = local
+        self.presentation.rebind(self.sharded_param, self.present(local))
 
     @property
     def local_shard(self) -> torch.Tensor:
-        return self.sharded_param._local_tensor
+        """This rank's rows (``num_valid_rows`` x the other dims), a view of the buffer."""
+        return self.rows_of(self.sharded_param)
+
+    def present(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (of the parameter, its gradient or an optimizer state)
+        as the user sees them. See [Note: Presentations]."""
+        return self.presentation.present(self, rows)
+
+    def present_padded(self, padded_shard: torch.Tensor) -> torch.Tensor:
+        """``present`` of a padded region laid out like the shard buffer's."""
+        return self.present(self._unpadded(padded_shard))
+
+    def rows_of(self, presented: torch.Tensor) -> torch.Tensor:
+        """The rows behind a presented tensor (the inverse of ``present``)."""
+        return self.presentation.rows_of(self, presented)
+
+    def show_full(self, value: torch.Tensor, grad: torch.Tensor | None, with_grads: bool) -> None:
+        """Registers the full ``value`` (``summon_full_params``): the sharded
+        parameter object itself when the presentation keeps it, else a new one."""
+        if not self.presentation.keeps_user_param:
+            full = nn.Parameter(self.full_form(value), requires_grad=self.sharded_param.requires_grad)
+            full.grad = self.full_form(grad) if grad is not None else None
+            self._register(full)
+            return
+        param = self.sharded_param
+        self._grad_while_full = param.grad
+        if with_grads:
+            param.grad = None  # its shape is the shard's
+        param.data = value
+        if with_grads:
+            param.grad = grad
+
+    def full_shown(self) -> torch.Tensor:
+        """The full value registered by ``show_full`` (edited or replaced by the user)."""
+        shown = self.module_registration().detach()
+        return shown._local_tensor if isinstance(shown, DTensor) else shown
+
+    def end_show_full(self) -> None:
+        """Registers the sharded form again after ``show_full``."""
+        if self.presentation.keeps_user_param:
+            param = self.sharded_param
+            param.grad = None
+            param.data = self.present(self._bound_rows)
+            param.grad = self._grad_while_full
+            self._grad_while_full = None
+        self.to_sharded()
+
+    def sharded_value(self) -> DTensor:
+        """The sharded parameter as a DTensor (for state dicts), sharing its storage."""
+        return self.sharded_dtensor_of(self.local_shard.detach())
 
     @property
     def local_dtype(self) -> torch.dtype:
@@ -270,10 +326,6 @@ class ShardParam:
         self.aliases_shard = False
 
     # -- registration on modules ----------------------------------------------
-    def register(self, param: nn.Parameter) -> None:
-        """Registers ``param`` under this parameter's name on every module sharing it."""
-        self._register(param)
-
     def full_form(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a full, TP-local tensor) as the user sees the full parameter."""
         if self.tp_mesh is None:

@@ -1,0 +1,79 @@
+"""How a unit shows a sharded parameter to the user (module attribute, ``.grad``, optimizer).
+
+[Note: Presentations]
+The engine keeps this rank's rows of every parameter in the unit's shard
+buffer (see [Note: Unit buffers]); a presentation decides what object stands
+for those rows outside forward and backward:
+  - ``DTensorShards`` (``fully_shard``): a new ``nn.Parameter`` wrapping a
+    DTensor (``Shard(0)``, ...) whose local tensor is the rows.
+  - ``LocalViews`` (the FSDP1 wrapper's ``use_orig_params=True``): the user's
+    own ``nn.Parameter`` object, its ``.data`` a plain view of the rows:
+    flattened to 1D, as FSDP1 shows a parameter's part of the unit's flat
+    shard, or in the parameter's shape when nothing is sharded (NO_SHARD).
+    The object never changes, so optimizers built before wrapping, parameter
+    groups and ``requires_grad_`` keep working; its ``.grad`` has its shape.
+Both present gradients and optimizer states the same way as the parameter,
+and both convert to and from DTensors, the layout-carrying form that state
+dicts and resharding use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from .param import ShardParam
+
+
+class DTensorShards:
+    """See [Note: Presentations]."""
+
+    keeps_user_param = False  # a new Parameter stands for the shard
+    # Whether a unit kept unsharded after a no-grad forward shows its shards
+    # again (FSDP1 does; FSDP2 keeps the full parameters registered).
+    sharded_after_no_grad_forward = False
+
+    def present(self, param: "ShardParam", rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (this rank's unpadded rows of ``param``) in the presented form."""
+        return param.sharded_dtensor_of(rows)
+
+    def rows_of(self, param: "ShardParam", presented: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``present``: the rows behind a presented tensor."""
+        return presented._local_tensor if isinstance(presented, DTensor) else presented
+
+    def rebind(self, sharded: nn.Parameter, presented: torch.Tensor) -> None:
+        """Points the existing sharded parameter at new rows."""
+        sharded._local_tensor = presented._local_tensor
+
+
+class LocalViews(DTensorShards):
+    """See [Note: Presentations].
+
+    Args:
+        flatten: show 1D views (sharded strategies) rather than the parameter's
+            shape (NO_SHARD, where the rows are the whole parameter).
+    """
+
+    keeps_user_param = True
+    sharded_after_no_grad_forward = True
+
+    def __init__(self, flatten: bool) -> None:
+        self.flatten = flatten
+
+    def present(self, param: "ShardParam", rows: torch.Tensor) -> torch.Tensor:
+        return rows.reshape(-1) if self.flatten else rows
+
+    def rows_of(self, param: "ShardParam", presented: torch.Tensor) -> torch.Tensor:
+        if isinstance(presented, DTensor):
+            return presented._local_tensor
+        return presented.view(param.chunk_size(param.num_valid_rows))
+
+    def rebind(self, sharded: nn.Parameter, presented: torch.Tensor) -> None:
+        sharded.data = presented
+
+
+DTENSOR_SHARDS = DTensorShards()
