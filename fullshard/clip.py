@@ -81,8 +81,7 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     device = _local_grads(params[0]).device if params else torch.device("cpu")
-    if device.type == "cpu" and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = comm.device_for(dist.group.WORLD, device)  # offloaded gradients on NCCL: summed on the GPU
     local = torch.zeros((), dtype=torch.float32, device=device)
     for param in params:
         owned, weight = _owned_local_grad(param)

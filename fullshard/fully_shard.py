@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.manage import manage_module
-from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
+from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
 from ._core.init import root_modules, validate_dtensor_meshes, validate_module
 from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
@@ -347,7 +347,7 @@ def _resolve_strategy(
         )
     reshard = False if keeps else reshard_after_forward
     if strategy in HYBRID_STRATEGIES:
-        mesh = mesh if mesh is not None else hybrid_mesh("cuda" if torch.cuda.is_available() else "cpu")
+        mesh = mesh if mesh is not None else hybrid_mesh(default_device_type())
         if mesh.ndim != 2:
             raise ValueError(f"fully_shard expects a 2D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
         return mesh, False, reshard

@@ -20,19 +20,28 @@ The FSDP1 wrapper additionally removes (and on load re-inserts) its
 Optimizer state dicts are keyed by parameter FQN. Per-parameter states follow
 the model's state-dict type; the wrapper's flat parameters are split into the
 original parameters' states (and joined back for loading).
+
+[Note: Model order]
+Gathering or re-laying out a state is a collective, so all ranks must treat
+the parameters in one order. The optimizer's order is no such order: each rank
+may list its parameters differently (param groups built from sets or dicts).
+Every optimizer-state call therefore walks ``model.named_parameters()`` and
+picks the optimizer's parameters from it; the optimizer's order only decides
+how the result's param groups list them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._core import comm
 from ._core.common import WRAPPER_PREFIX, clean_fqn
 from ._core.group import ParamGroup
 from ._core.param import ShardParam
@@ -89,7 +98,8 @@ def set_state_dict_type(
         The previous settings (of the first unit found).
 
     Raises:
-        ValueError: ``module`` contains no unit, or a config does not match the type.
+        ValueError: ``module`` contains no unit.
+        RuntimeError: a config does not match the type (as PyTorch's FSDP).
     """
     states = _states_below(module)
     if not states:
@@ -101,7 +111,7 @@ def set_state_dict_type(
     config = state_dict_config or expected_config()
     optim_config = optim_state_dict_config or expected_optim()
     if not isinstance(config, expected_config) or not isinstance(optim_config, expected_optim):
-        raise ValueError(
+        raise RuntimeError(
             f"set_state_dict_type expects a {expected_config.__name__} and a {expected_optim.__name__} "
             f"for {state_dict_type.name} but got {type(config).__name__} and {type(optim_config).__name__}"
         )
@@ -162,6 +172,8 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
     if group is not None:
         for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
             unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
+            # Before the parameters' load hooks below: they see the sharded registration.
+            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, state))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.params):
             info = param.module_info
@@ -188,21 +200,29 @@ def install_flat_param_hooks(state: ModuleState) -> None:
 
 
 def install_prefix_hooks(wrapper: nn.Module) -> None:
-    """Keys of the wrapper's subtree without (and, loading, with) ``_fsdp_wrapped_module.``."""
+    """Keys of the wrapper's subtree without (and, loading, with) ``_fsdp_wrapped_module.``;
+    the keys a load reports missing or unexpected without it too."""
     wrapper.register_state_dict_post_hook(_strip_wrapper_prefix)
     wrapper.register_load_state_dict_pre_hook(_add_wrapper_prefix)
+    wrapper.register_load_state_dict_post_hook(_strip_reported_prefix)
 
 
 def _settings(state: ModuleState) -> StateDictSettings:
     return state.state_dict_settings
 
 
+def _reshard_unit(state: ModuleState, *args: Any) -> None:
+    """Outside forward and backward, a unit may still be unsharded (the root after a
+    forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
+    write the shards."""
+    if state.group.training_state.name == "IDLE":
+        state.group.reshard()
+
+
 def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    group = state.group
-    if group.training_state.name == "IDLE":
-        group.reshard()
+    _reshard_unit(state)
     if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
-        state.full_values = group.gather_full()
+        state.full_values = state.group.gather_full()
 
 
 def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -310,16 +330,25 @@ def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def _strip_reported_prefix(module: nn.Module, incompatible_keys: Any) -> None:
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [clean_fqn(key) for key in keys]
+
+
 # -- optimizer state dicts ---------------------------------------------------------------------------
-def _param_entries(model: nn.Module) -> dict[int, list[tuple[str, ShardParam | None, ParamGroup | None]]]:
-    """id(parameter the optimizer sees) -> [(FQN, ShardParam or None, its unit or None)].
+Entry = tuple[str, ShardParam | None, ParamGroup | None]
+
+
+def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
+    """id(parameter the optimizer sees) -> [(FQN, ShardParam or None, its unit or None)],
+    in the model's parameter order. See [Note: Model order].
 
     A flat parameter maps to all the original parameters it holds; any other
     parameter to itself (with its ShardParam when it is one's sharded form).
     """
-    module_paths = {id(m): clean_fqn(n) for n, m in model.named_modules()}
+    module_paths = {id(m): n for n, m in model.named_modules()}
     by_sharded: dict[int, tuple[ShardParam, ParamGroup]] = {}
-    entries: dict[int, list[tuple[str, ShardParam | None, ParamGroup | None]]] = {}
+    flat_units: dict[int, ParamGroup] = {}
     for state in _states_below(model):
         group = state.group
         if group is None:
@@ -327,12 +356,16 @@ def _param_entries(model: nn.Module) -> dict[int, list[tuple[str, ShardParam | N
         for param in group.params:
             by_sharded[id(param.sharded_param)] = (param, group)
         if group.flat_param is not None:
-            entries[id(group.flat_param)] = [
-                (_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name), p, group)
-                for p in group.params
-            ]
+            flat_units[id(group.flat_param)] = group
+    entries: dict[int, list[Entry]] = {}
     for name, param in model.named_parameters():
-        if id(param) not in entries:
+        unit = flat_units.get(id(param))
+        if unit is not None:
+            entries[id(param)] = [
+                (clean_fqn(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
+                for p in unit.params
+            ]
+        else:
             shard_param, group = by_sharded.get(id(param), (None, None))
             entries[id(param)] = [(clean_fqn(name), shard_param, group)]
     return entries
@@ -342,30 +375,89 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def _in_model_order(model: nn.Module, entries: dict[int, list[Entry]], params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` (an optimizer's) in ``model``'s parameter order. See [Note: Model order].
+
+    Raises:
+        KeyError: a parameter that is not ``model``'s (as PyTorch's FSDP: it has no name to key it by).
+    """
+    wanted = {id(p): p for p in params}
+    for param in wanted.values():
+        if id(param) not in entries:
+            raise KeyError(
+                f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not a parameter of "
+                f"{type(model).__name__}: optimizer state dicts are keyed by the model's parameter names; "
+                "give the optimizer only the model's parameters"
+            )
+    return [wanted[key] for key in entries if key in wanted]
+
+
+def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: str) -> None:
+    """The ranks of each shard group must hold states for the same parameters: their
+    collectives pair up parameter by parameter. Only the units' own groups are asked
+    (other ranks, e.g. another pipeline stage, need not call).
+
+    Raises:
+        RuntimeError: two ranks differ (as PyTorch's FSDP), naming both and the parameters.
+    """
+    groups: dict[int, dist.ProcessGroup] = {}
+    for state in _states_below(model):
+        shard = state.group.mesh_info.shard if state.group is not None else None
+        if shard is not None and shard.size > 1:
+            groups.setdefault(id(shard.group), shard.group)
+    for group in groups.values():
+        every = comm.all_gather_objects(sorted(fqns), group)
+        for index, theirs in enumerate(every):
+            if theirs != every[0]:
+                first, other = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
+                raise RuntimeError(
+                    f"{caller} expects every rank's optimizer to hold states for the same parameters, but rank "
+                    f"{first} has {sorted(set(every[0]) - set(theirs))} that rank {other} lacks and rank {other} "
+                    f"has {sorted(set(theirs) - set(every[0]))} that rank {first} lacks; give every rank's "
+                    "optimizer the same parameters"
+                )
+
+
+def optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``optim``'s state keyed by parameter FQN, full or sharded like the model's state dict.
 
     Per-parameter states (``exp_avg``, ``momentum_buffer``, ...) are DTensor
     shards for SHARDED, full tensors for FULL (``rank0_only``: other ranks get
     ``{}``); a flat parameter's states are split into its original parameters'.
-    A collective for FULL: every rank must call it.
+    A collective: every rank must call it.
+
+    Args:
+        optim_state_dict: the index-keyed dict to convert (default:
+            ``optim.state_dict()``); its indices count ``optim``'s parameters.
+
+    Raises:
+        KeyError: ``optim`` holds a parameter ``model`` does not have.
+        RuntimeError: the ranks' optimizers hold states for different parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
     settings = get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     offload = settings.optim_state_dict_config.offload_to_cpu
     entries = _param_entries(model)
-    saved = optim.state_dict()
+    saved = optim_state_dict if optim_state_dict is not None else optim.state_dict()
+    index_of = {
+        id(param): index
+        for saved_group, group in zip(saved["param_groups"], optim.param_groups)
+        for index, param in zip(saved_group["params"], group["params"])
+    }
+    stepped = [p for p in _in_model_order(model, entries, (p for g in optim.param_groups for p in g["params"]))
+               if index_of[id(p)] in saved["state"]]
+    _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
     state: dict[str, dict[str, Any]] = {}
-    param_groups = []
-    for saved_group, group in zip(saved["param_groups"], optim.param_groups):
-        fqns = []
-        for index, param in zip(saved_group["params"], group["params"]):
-            for fqn, shard_param, unit in entries.get(id(param), [(str(index), None, None)]):
-                fqns.append(fqn)
-                if index in saved["state"]:
-                    state[fqn] = _split_state(saved["state"][index], param, shard_param, unit, full, offload)
-        param_groups.append({**saved_group, "params": fqns})
+    for param in stepped:
+        for fqn, shard_param, unit in entries[id(param)]:
+            state[fqn] = _split_state(saved["state"][index_of[id(param)]], param, shard_param, unit, full, offload)
+    param_groups = [
+        {**saved_group, "params": [fqn for p in group["params"] for fqn, _, _ in entries[id(p)]]}
+        for saved_group, group in zip(saved["param_groups"], optim.param_groups)
+    ]
     if full and settings.optim_state_dict_config.rank0_only and dist.get_rank() != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
@@ -375,10 +467,14 @@ def _split_state(
     values: dict[str, Any], param: torch.Tensor, shard_param: ShardParam | None, unit: ParamGroup | None,
     full: bool, offload: bool,
 ) -> dict[str, Any]:
-    """One parameter's optimizer states in the requested form."""
+    """One parameter's optimizer states in the requested form. Scalar tensors (Adam's
+    ``step``) are copies: the optimizer increments its own in place, and the
+    originals of a flat parameter would otherwise share one."""
     result = {}
     for key, value in values.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.clone()
+        elif isinstance(value, torch.Tensor):
             if unit is not None and unit.flat_param is not None and param is unit.flat_param:
                 value = unit.param_view_of_flat(unit.params.index(shard_param), value, full=full)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
@@ -408,16 +504,20 @@ def optim_state_dict_for_params(
     if param_groups is None:
         param_groups = _groups_by_fqn(model, entries, optim_state_dict)
     saved_state = optim_state_dict["state"]
+    joined: dict[int, dict[str, Any]] = {}
+    for param in _in_model_order(model, entries, (p for params in param_groups for p in params)):
+        owned = entries[id(param)]
+        per_param = [(shard_param, saved_state.get(fqn)) for fqn, shard_param, _ in owned]
+        if any(values is not None for _, values in per_param):
+            joined[id(param)] = _join_state(param, owned[0][2], per_param)
     state: dict[int, dict[str, Any]] = {}
     result_groups = []
     index = 0
     for saved_group, params in zip(optim_state_dict["param_groups"], param_groups):
         indices = []
         for param in params:
-            owned = entries[id(param)]
-            per_param = [(shard_param, saved_state.get(fqn)) for fqn, shard_param, _ in owned]
-            if any(values is not None for _, values in per_param):
-                state[index] = _join_state(param, owned[0][2], per_param)
+            if id(param) in joined:
+                state[index] = joined[id(param)]
             indices.append(index)
             index += 1
         result_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
@@ -482,7 +582,8 @@ def _join_state(
     result: dict[str, Any] = {}
     for key, value in first.items():
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            result[key] = value
+            # A copy, or the loaded parameters would all step one shared counter.
+            result[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
         if unit is not None and unit.flat_param is not None and param is unit.flat_param:
             flat = torch.zeros_like(unit.flat_param)

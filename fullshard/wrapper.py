@@ -37,7 +37,7 @@ from ._core.common import UnitConfig, map_tensors, module_class_name
 from ._core.full_params import full_params
 from ._core.init import get_managed_modules
 from ._core.manage import manage_module
-from ._core.mesh import MeshInfo, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
+from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
 from ._core.state import ModuleState, get_state
 from .api import (
@@ -362,18 +362,10 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
                          group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """``optim``'s state keyed by parameter FQN, full or sharded like the model's
-        state dict (see ``fullshard.state_dict.optim_state_dict``).
-
-        Raises:
-            NotImplementedError: ``optim_state_dict`` given (the optimizer's own state is read).
-        """
-        if optim_state_dict is not None:
-            raise NotImplementedError(
-                "FSDP.optim_state_dict reads optim's current state; it cannot convert a separate "
-                "optim_state_dict: call it with optim_state_dict=None"
-            )
+        state dict (see ``fullshard.state_dict.optim_state_dict``). ``optim_state_dict``:
+        the index-keyed dict to convert instead of ``optim.state_dict()``."""
         _warn_if_group_given(group, "FSDP.optim_state_dict")
-        return state_dicts.optim_state_dict(model, optim)
+        return state_dicts.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
@@ -403,7 +395,7 @@ class FullyShardedDataParallel(nn.Module):
         """``optim_state_dict`` under FULL_STATE_DICT (CPU tensors; ``{}`` off rank 0
         with ``rank0_only``), whatever the model's state-dict type. A collective.
 
-        ``optim_input`` is ignored with a warning: ``optim`` itself lists its parameters.
+        ``optim_input`` is deprecated (a FutureWarning, as in PyTorch): ``optim`` lists its parameters.
         """
         _param_groups(optim, optim_input, "FSDP.full_optim_state_dict")
         _warn_if_group_given(group, "FSDP.full_optim_state_dict")
@@ -507,9 +499,13 @@ OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 def _param_groups(optim: torch.optim.Optimizer | None, optim_input: OptimInput, caller: str) -> list[list[torch.Tensor]] | None:
     """The optimizer's parameters per group: ``optim``'s, else ``optim_input``'s (its
     constructor argument: parameters or param-group dicts), else None."""
+    if optim_input is not None:
+        warnings.warn(
+            f"{caller}: the optim_input argument is deprecated (as in PyTorch's FSDP); pass optim instead, "
+            "or neither to use the model's parameters",
+            FutureWarning, stacklevel=3,
+        )
     if optim is not None:
-        if optim_input is not None:
-            warnings.warn(f"{caller} ignores optim_input: optim lists its own parameters", UserWarning, stacklevel=3)
         return [list(group["params"]) for group in optim.param_groups]
     if optim_input is None:
         return None
@@ -613,7 +609,7 @@ def _resolve_ignored(
 
 def _device_type(device_id: int | torch.device | None) -> str:
     if device_id is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return default_device_type()
     if isinstance(device_id, int):
         torch.cuda.set_device(device_id)
         return "cuda"

@@ -5,9 +5,6 @@ root, as in test_fully_shard_comm.py) at world sizes 1, 2 and 4 and checks the
 predicted peak memory per rank within 10% and the bytes per step exactly.
 """
 
-import contextlib
-import ctypes
-import gc
 import itertools
 import os
 import subprocess
@@ -17,12 +14,9 @@ import time
 import pytest
 import tomllib
 import torch
-import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 import fullshard
-from fullshard import MixedPrecisionPolicy, fully_shard, hybrid_mesh, replicate
-from fullshard._core import comm
+from fullshard import fully_shard
 from fullshard.cli import plan as plan_cli
 from fullshard.cli.__main__ import main
 from fullshard.cli.text import human_bytes
@@ -30,6 +24,7 @@ from fullshard.models import PRESETS, ModelArgs, Transformer, get_preset
 from fullshard.plan import STRATEGIES, PlanConfig, estimate
 from fullshard.plan.units import model_units
 from fullshard.testing import run_distributed
+from fullshard.testing.memory import measure_step
 
 # 66 and 253 rows do not split evenly over 4 ranks: padding is part of what is checked.
 ARGS = ModelArgs(n_layers=3, dim=66, n_heads=6, vocab_size=253, max_seq_len=30)
@@ -213,105 +208,14 @@ def test_cli_plot_without_matplotlib(tmp_path, monkeypatch):
         main(["plan", "--plot", str(tmp_path / "plan.png")])
 
 
-# -- against the real engine ------------------------------------------------------------------
-@contextlib.contextmanager
-def _allocator_tracks_every_thread():
-    """Sets c10's FLAGS_caffe2_report_cpu_memory_usage for the block (see _measure_step)."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-    flag.value = True
-    try:
-        yield
-    finally:
-        flag.value = False
-
-
-def _storage_bytes(tensors) -> int:
-    storages = {}
-    for tensor in tensors:
-        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _profiled_step_peak(step) -> tuple[int, list]:
-    """(peak bytes above the start, collective records) of one call of ``step``."""
-    with (
-        comm.record_comms() as records,
-        _allocator_tracks_every_thread(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
-    ):
-        step()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == torch._C._profiler._EventType.Allocation:
-            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
-    events.sort()
-    start_total = events[0][2] - events[0][1]
-    return max(total for _, _, total in events) - start_total, records
-
-
-def _measure_step(strategy: str, bf16: bool) -> dict:
-    """Peak bytes allocated on this rank during a training step, and what a step communicated.
-
-    The profiler (``profile_memory=True``) records every CPU allocation and
-    free with the allocator's running total of live bytes; a step's peak is
-    the largest total minus the total before the step, plus what was alive
-    before it (shards and optimizer states, counted from their storages). The
-    allocator's reporter only hears frees on threads the profiler follows, and
-    gloo's worker threads sometimes drop the last reference to a collective's
-    tensors: FLAGS_caffe2_report_cpu_memory_usage makes it track every thread.
-    That late release is also why we keep the least peak of three steps: when
-    gloo's thread lets go of a finished collective's buffer after the engine
-    did, the step's peak can rise by up to one unit-sized buffer (timing, not
-    the engine's allocation pattern). Two warm-up steps come first (optimizer
-    states; the forward order that prefetch follows).
-    """
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-    mesh = hybrid_mesh("cpu", RANKS_PER_NODE) if strategy == "hybrid" else None
-    for module in [*model.layers, model]:
-        if strategy == "no-shard":
-            replicate(module, mp_policy=mp)
-        else:
-            fully_shard(module, mesh=mesh, reshard_after_forward=strategy != "grad-op", mp_policy=mp)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(dist.get_rank())
-    tokens = torch.randint(ARGS.vocab_size, (BATCH, ARGS.max_seq_len), generator=generator)
-
-    def step():
-        model.loss(tokens, tokens).backward()
-        optim.step()
-        optim.zero_grad()
-
-    step()
-    step()
-    gc.collect()
-    states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    before = _storage_bytes([*model.parameters(), *states])
-    peaks, records = zip(*(_profiled_step_peak(step) for _ in range(3)))
-    comm_bytes: dict[str, int] = {}
-    for record in records[0]:
-        comm_bytes[record.op] = comm_bytes.get(record.op, 0) + record.nbytes
-    return {
-        "peak": before + min(peaks),
-        "late_release": max(peaks) - min(peaks),
-        "comm": comm_bytes,
-        "shard_numels": [fully_shard.state(m).group.shard_buffer.numel() for m in [model, *model.layers]],
-    }
-
-
+# -- against the real engine (see [Note: Measured step memory on CPU]) --------------------------
 @pytest.mark.parametrize(
     "strategy, world_size, bf16",
     [("full", 1, False), ("full", 2, False), ("full", 4, False), ("grad-op", 2, False),
      ("no-shard", 2, False), ("hybrid", 4, False), ("full", 4, True)],
 )
 def test_prediction_matches_measured_step(strategy, world_size, bf16):
-    measured = run_distributed(_measure_step, world_size, strategy, bf16)
+    measured = run_distributed(measure_step, world_size, ARGS, BATCH, strategy, bf16, RANKS_PER_NODE)
     config = PlanConfig(
         ARGS, world_size, strategy, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None, device="cpu",

@@ -182,7 +182,7 @@ def _start(flags: list[str], tmp_path: Path) -> subprocess.Popen:
     return subprocess.Popen(
         _command(*flags), cwd=tmp_path, start_new_session=True, text=True,
         stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},  # gloo on CPU, as the harness
     )
 
 

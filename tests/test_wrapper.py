@@ -231,8 +231,6 @@ def test_apply_sees_full_parameters_and_writes_them_back(use_orig_params):
 def test_optim_state_dict_arguments_it_cannot_honour():
     model, _ = wrapped(use_orig_params=True)
     optim = torch.optim.Adam(model.parameters())
-    with pytest.raises(NotImplementedError, match="cannot convert a separate optim_state_dict"):
-        FSDP.optim_state_dict(model, optim, optim_state_dict=optim.state_dict())
     with pytest.warns(UserWarning, match="FSDP.optim_state_dict ignores group"):
         osd = FSDP.optim_state_dict(model, optim, group=dist.group.WORLD)
     with pytest.raises(NotImplementedError, match="not NamedOptimizer"):

@@ -117,7 +117,7 @@ def test_full_optim_state_dict_matches_torch(use_orig_params, optimizer):
         assert (osd == {}) == (rank0_only and dist.get_rank() == 1)
     # The model's own state-dict settings are left as they were.
     assert FSDP.get_state_dict_type(model).state_dict_type.name == "FULL_STATE_DICT"
-    with pytest.warns(UserWarning, match="optim_input"):
+    with pytest.warns(FutureWarning, match="optim_input"):
         FSDP.full_optim_state_dict(model, optim, optim_input=list(model.parameters()))
     with pytest.warns(UserWarning, match="full_optim_state_dict ignores group"):
         FSDP.full_optim_state_dict(model, optim, group=dist.group.WORLD)
@@ -141,7 +141,8 @@ def test_full_optim_state_dict_round_trip(use_orig_params, how):
     elif how == "shard-no-optim":  # the optimizer was built from model.parameters()
         loadable = FSDP.shard_full_optim_state_dict(full, other)
     elif how == "shard-optim-input":  # the optimizer's constructor argument
-        loadable = FSDP.shard_full_optim_state_dict(full, other, optim_input=list(other.parameters()))
+        with pytest.warns(FutureWarning, match="optim_input"):
+            loadable = FSDP.shard_full_optim_state_dict(full, other, optim_input=list(other.parameters()))
     else:
         group = dist.group.WORLD if how == "scatter-group" else None
         given = full if dist.get_rank() == 0 else None

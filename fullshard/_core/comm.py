@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from . import compat
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -117,7 +119,7 @@ def all_gather(
     if _listeners:
         _notify("all_gather", group, output, [output, input])
     if not _is_gloo(group):
-        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+        return compat.all_gather_into(output, input, group, async_op)
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))
     works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
@@ -139,21 +141,43 @@ def reduce_scatter(
     if _listeners:
         _notify("reduce_scatter", group, input, [output, input])
     if not _is_gloo(group):
-        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return compat.reduce_scatter_into(output, input, op, group, async_op)
     mine = input.view(group.size(), -1)[group.rank()]
     work = dist.all_reduce(input, op=op, group=group, async_op=True)
     return _finish(_Pending([work], then=lambda: output.copy_(mine)), async_op)
 
 
-def device_for(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device ``group``'s backend communicates on first: CPU for gloo, the
+    current CUDA device for NCCL (the order of the backend's registered devices)."""
+    kind = compat.backend_device_types(group)[0]
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def bind_local_device(local_rank: int) -> torch.device:
+    """Makes accelerator ``local_rank`` current when the default group's backend
+    communicates on one (NCCL), and returns the device this rank computes on
+    (CPU for gloo)."""
+    kind = compat.backend_device_types()[0]
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device(kind, local_rank)
+    getattr(torch, kind).set_device(device)
+    return device
+
+
+def device_for(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
     """Where a tensor now on ``device`` must be for a collective over ``group``.
 
-    NCCL takes no CPU tensors, so those go to the current CUDA device; gloo (and
-    a mixed ``cpu:gloo,cuda:nccl`` group) takes them where they are.
+    Where it is if the backend takes that device type (gloo: CPU and CUDA; a
+    mixed ``cpu:gloo,cuda:nccl`` group), else the backend's own device (NCCL
+    takes no CPU tensors: they go to the current CUDA device).
     """
-    if device.type == "cpu" and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    if device.type in compat.backend_device_types(group):
+        return device
+    return backend_device(group)
 
 
 def all_reduce(

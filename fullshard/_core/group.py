@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
-from . import comm
+from . import comm, compat, offload
 from .common import TrainingState, UnitConfig, clean_fqn
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
@@ -73,7 +73,8 @@ class ParamGroup:
         self.post_forward_group = post_forward  # None unless resharding to a smaller group
         self.device = device  # where compute and communication happen
         self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
-        self._pin_memory = self.offload and config.offload_policy.pin_memory and torch.cuda.is_available()
+        # Pinned host memory makes copies to and from an accelerator asynchronous.
+        self._pin_memory = self.offload and config.offload_policy.pin_memory and device.type != "cpu"
         self.mp_policy = config.mp_policy
         self.presentation = config.presentation or DTENSOR_SHARDS
         self.keep_low_precision_grads = config.keep_low_precision_grads
@@ -101,7 +102,7 @@ class ParamGroup:
         for param in params:
             param.initial_shard = None
             if self.keep_low_precision_grads:
-                param.sharded_param.grad_dtype = self.reduce_dtype
+                compat.set_grad_dtype(param.sharded_param, self.reduce_dtype, unit_name)
 
     # -- buffers -----------------------------------------------------------------
     @property
@@ -162,6 +163,8 @@ class ParamGroup:
             if isinstance(registered, DTensor) and registered is not param.sharded_param:
                 param.sharded_param = registered  # _apply replaced rather than swapped
             param.forget_unsharded()
+        if self.offload:
+            self._check_on_host()
         if self.flat_param is not None:
             buffer = self.flat_param.detach()
             self.storage_layout = Layout.build([p.shard_numel for p in self.params], [buffer.dtype] * len(self.params))
@@ -184,6 +187,18 @@ class ParamGroup:
             for p in self.params
         ):
             self.rebind_shards()
+
+    def _check_on_host(self) -> None:
+        """Offloaded shards live in host memory: a module moved (or materialized) onto
+        an accelerator would put the whole sharded model there at once."""
+        moved = [self.flat_param] if self.flat_param is not None else [p.local_shard for p in self.params]
+        devices = {t.device for t in moved if t.device.type not in ("cpu", "meta")}
+        if devices:
+            raise RuntimeError(
+                f"CPU offload expects the parameters of {self.owner_name} on the CPU, but they were moved to "
+                f"{devices.pop()}; materialize a meta-device model with module.to_empty(device='cpu') (or load a "
+                "CPU state dict) and do not move it: offloaded shards reach the GPU only while gathered"
+            )
 
     # -- the FSDP1 flat parameter --------------------------------------------------
     def expose_flat_param(self, module: torch.nn.Module, name: str) -> torch.nn.Parameter:
@@ -213,7 +228,7 @@ class ParamGroup:
         self.flat_param = torch.nn.Parameter(self.shard_buffer, requires_grad=requires_grad.pop())
         self.flat_param._fullshard_unit = self  # lets clip_grad_norm_ find its replicas
         if self.keep_low_precision_grads:
-            self.flat_param.grad_dtype = self.reduce_dtype
+            compat.set_grad_dtype(self.flat_param, self.reduce_dtype, self.owner_name)
         module.register_parameter(name, self.flat_param)
         self.flat_param_home = (module, name)
         for param in self.params:
@@ -317,15 +332,25 @@ class ParamGroup:
                 "on each module."
             )
 
+    def _copy_stream(self) -> contextlib.AbstractContextManager:
+        """Where the offloaded shards travel to the device and their all-gather is
+        issued (see [Note: CPU offload] in offload.py)."""
+        return offload.on_copy_stream(self.device) if self.offload else contextlib.nullcontext()
+
     def _all_gather_input(self) -> torch.Tensor:
-        if not self._needs_cast:
-            return self.shard_buffer.to(self.device, non_blocking=True)
+        """This rank's shards on the compute device, in the gather dtype."""
+        if not self._needs_cast and self.shard_buffer.device == self.device:
+            return self.shard_buffer
         staged = torch.empty(self.gather_layout.total, dtype=self.gather_layout.dtype, device=self.device)
-        torch._foreach_copy_(
-            [self.gather_layout.region(staged, i, p.param_dtype) for i, p in enumerate(self.params)],
-            [self.storage_layout.region(self.shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
-            non_blocking=True,
-        )
+        with self._copy_stream():
+            if not self._needs_cast:
+                staged.copy_(self.shard_buffer, non_blocking=True)
+            else:
+                torch._foreach_copy_(
+                    [self.gather_layout.region(staged, i, p.param_dtype) for i, p in enumerate(self.params)],
+                    [self.storage_layout.region(self.shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
+                    non_blocking=True,
+                )
         return staged
 
     def unshard(self, async_op: bool = False) -> None:
@@ -346,7 +371,8 @@ class ParamGroup:
             output, work = source, None
         else:
             output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-            work = comm.all_gather(output, source, group.group, async_op=async_op)
+            with self._copy_stream():  # after the copy-in, not after the compute enqueued before it
+                work = comm.all_gather(output, source, group.group, async_op=async_op)
         self._all_gather = _AllGatherInFlight(work, source, output, layout, group.size)
 
     def unshard_needs_collective(self) -> bool:
@@ -366,7 +392,10 @@ class ParamGroup:
             source, group = self._all_gather_input(), self.mesh_info.shard
         if group.size > 1:
             scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-            comm.all_gather(scratch, source, group.group, async_op=False)
+            with self._copy_stream():
+                comm.all_gather(scratch, source, group.group, async_op=False)
+            if self.offload:
+                offload.join_copy_stream(self.device)
 
     def _alias_unsharded(self) -> None:
         for index, param in enumerate(self.params):
@@ -383,6 +412,8 @@ class ParamGroup:
             return
         if in_flight.work is not None:
             in_flight.work.wait()
+        if self.offload:
+            offload.join_copy_stream(self.device)
         padded = [p.padded_unsharded(self.device) for p in self.params]
         # Saved activations of an earlier forward alias this storage: the refill
         # must not look like an in-place change to autograd.
@@ -584,18 +615,19 @@ class ParamGroup:
         for param in params:
             padded = output[offset : offset + param.shard_numel]
             offset += param.shard_numel
-            padded = padded.to(self.storage_device, self._grad_dtype(param))
+            padded = self._to_storage(padded, self._grad_dtype(param))
             sharded = param.sharded_param
             if sharded.grad is None:
                 sharded.grad = param.present_padded(padded)
             else:
+                offload.wait_for_host_copies()  # the CPU adds now
                 local = param.rows_of(sharded.grad)
                 local.add_(padded[: local.numel()].view_as(local))
 
     def _accept_flat_grad(self, params: list[ShardParam], output: torch.Tensor) -> None:
         dtype = self._grad_dtype(params[0])
         if len(params) == len(self.params):  # every shard present: output has the buffer's layout
-            full = output.to(self.storage_device, dtype)
+            full = self._to_storage(output, dtype)
         else:
             full = torch.zeros(self.storage_layout.total, dtype=dtype, device=self.storage_device)
             offset = 0
@@ -607,7 +639,15 @@ class ParamGroup:
         if self.flat_param.grad is None:
             self.flat_param.grad = full
         else:
+            offload.wait_for_host_copies()
             self.flat_param.grad.add_(full)
+
+    def _to_storage(self, reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A reduced gradient shard where the shards live: offloaded, copied to host
+        memory off the compute stream (see [Note: CPU offload])."""
+        if self.offload:
+            return offload.to_host(reduced, dtype)
+        return reduced.to(self.storage_device, dtype)
 
     def _take_grads(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
         params, grads = [], []

@@ -24,7 +24,7 @@ from .init import (
     shard_dims,
     validate_devices,
 )
-from .mesh import GroupInfo, MeshInfo, post_forward_group
+from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
 from .state import ModuleState
@@ -67,6 +67,7 @@ def manage_module(
     all of them) minus those of already-managed submodules."""
     roots = (module,) if isinstance(module, nn.Module) else root_modules(module)
     device = mesh_info.device
+    validate_mesh_backend(mesh_info, module_class_name(roots[0]))
     # Entries outside the module are not an error: one ignore list may serve
     # several units, each taking what lies below it.
     ignored = set(ignored_params or ())

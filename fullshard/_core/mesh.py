@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from . import compat
+
 
 @dataclass(frozen=True)
 class GroupInfo:
@@ -88,6 +90,12 @@ def device_of_mesh(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def default_device_type() -> str:
+    """Where a front end computes when the user names no device or mesh: CUDA when
+    this process sees a GPU, else CPU (as torch's FSDP). The one place that decides."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def default_mesh(device_type: str | None = None) -> DeviceMesh:
     """A 1-D mesh over all ranks, on ``device_type`` (default: the accelerator, else CPU)."""
     if not dist.is_initialized():
@@ -95,7 +103,7 @@ def default_mesh(device_type: str | None = None) -> DeviceMesh:
             "fully_shard expects torch.distributed to be initialized (call "
             "torch.distributed.init_process_group) or an explicit mesh"
         )
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or default_device_type()
     # The mesh's rank tensor must be a real CPU tensor even under a
     # `with torch.device("meta")` model-construction context.
     with torch.device("cpu"):
@@ -111,6 +119,30 @@ def validate_mesh(mesh: DeviceMesh) -> None:
         raise TypeError(f"fully_shard expects a DeviceMesh for mesh but got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")
+
+
+def validate_mesh_backend(mesh_info: MeshInfo, owner: str) -> None:
+    """Each of the mesh's groups must communicate natively on the mesh's device.
+
+    Raises:
+        ValueError: a CPU mesh over NCCL (no CPU collectives: it would fail in the
+            first all-gather), or an accelerator mesh over gloo (host-staged, and
+            the engine's collectives would all run through it).
+    """
+    kind = mesh_info.mesh.device_type
+    for info in (mesh_info.shard, mesh_info.replicate):
+        if info.group is None or compat.native_device_type(info.group, kind):
+            continue
+        backend = dist.get_backend(info.group)
+        fix = (
+            "pass mesh=init_device_mesh('cuda', ...) to train on the GPU, or init_process_group('gloo') for CPU"
+            if kind == "cpu"
+            else "init_process_group('nccl') to train on the GPU, or pass mesh=init_device_mesh('cpu', ...) for CPU"
+        )
+        raise ValueError(
+            f"fully_shard expects a mesh whose process group communicates on its device, but {owner} got a "
+            f"{kind} mesh over the {backend} backend; {fix}"
+        )
 
 
 def post_forward_group(mesh_info: MeshInfo, reshard_after_forward: int) -> GroupInfo:

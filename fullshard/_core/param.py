@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from . import compat
 from .common import ParamModuleInfo, module_class_name, set_module_param, set_module_tensor
 from .mesh import MeshInfo
 from .presentation import DTENSOR_SHARDS, DTensorShards
@@ -118,7 +118,7 @@ class ShardParam:
                 f"{self.module_info.param_name} is on a {tp_mesh.ndim}D mesh"
             )
         try:
-            self.spmd_mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+            self.spmd_mesh = compat.concatenate_meshes([dp_mesh, tp_mesh])
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
             raise ValueError(
                 "fully_shard expects the data-parallel mesh and the tensor-parallel mesh of "
@@ -131,7 +131,7 @@ class ShardParam:
         num_tp_chunks = math.prod(
             tp_mesh.size(i) for i, p in enumerate(self.tp_placements) if p.is_shard(0)
         )
-        shard_placement = _StridedShard(0, split_factor=num_tp_chunks) if num_tp_chunks > 1 else Shard(0)
+        shard_placement = compat.StridedShard(0, split_factor=num_tp_chunks) if num_tp_chunks > 1 else Shard(0)
         info = self.mesh_info
         if info.shard_axis is None:
             dp_placements: tuple[Placement, ...] = (Replicate(),)
@@ -245,10 +245,7 @@ class ShardParam:
 
     def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter around an (unpadded) local tensor."""
-        return DTensor.from_local(
-            local, self.spmd_mesh, self.placements, run_check=False,
-            shape=self.global_size, stride=self.global_stride,
-        )
+        return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_of(self, value: torch.Tensor) -> DTensor:
         """``value`` (the full parameter, or a DTensor of any layout) as this

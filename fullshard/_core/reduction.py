@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, compat
 
 if TYPE_CHECKING:
     from .mesh import GroupInfo
@@ -74,7 +74,7 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     nothing, and is as fast (faster when it would pad)."""
     dims = dims or [0] * len(tensors)
     if out.device.type != "cpu" and not any(dims):
-        torch._chunk_cat(tensors, dim=0, num_chunks=out.size(0), out=out)
+        compat.chunk_cat(tensors, out.size(0), out)
         return
     world, offset = out.size(0), 0
     for tensor, dim in zip(tensors, dims):

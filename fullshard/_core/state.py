@@ -38,6 +38,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..api import BackwardPrefetch
+from . import offload
 from .common import TrainingState, UnitConfig, cast_floating, map_tensors
 from .exec_order import ExecOrderValidator, validation_enabled
 from .group import ParamGroup
@@ -114,6 +115,7 @@ class IterationContext:
                 state.group.finish_backward()
             state.training_state = TrainingState.IDLE
         self.reductions.drain()
+        offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
         self.prefetched.clear()
         self.post_forward_order.clear()
         self.end_of_backward_queued = False

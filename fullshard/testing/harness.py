@@ -8,6 +8,12 @@ gets a fresh default process group (rendezvous through a ``PrefixStore`` over
 one ``TCPStore`` hosted here), runs, and destroys every group it made, so tests
 do not leak groups or debug settings into each other.
 
+The ranks run gloo on CPU, also on a machine with a GPU: each worker hides
+CUDA from itself before torch first looks (``CUDA_VISIBLE_DEVICES=""``), so
+every default that picks "the accelerator if there is one" (the default mesh,
+the wrapper's device, ``fullshard train``'s backend) picks CPU, the device
+the tests' inputs and oracles are on. GPU tests live in tests/gpu/.
+
 A rank that raises sends its traceback back; the pool re-raises it here naming
 the rank. A task that does not finish within its timeout is reported with the
 stacks of every rank (``faulthandler``), and the pool is killed and replaced.
@@ -109,6 +115,7 @@ def _worker_main(
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: see [Note: Rank pool]
 
     import torch
     import torch.distributed as dist

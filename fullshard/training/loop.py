@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .._core import comm
 from ..clip import clip_grad_norm_
 from ..grad_scaler import ShardedGradScaler
 from ..models import Transformer
@@ -64,17 +65,11 @@ def _agree(loss: torch.Tensor, stop: bool, peak: int, model_states: int) -> _Ste
     stats = torch.zeros(2 + 2 * world, dtype=torch.float64)
     stats[0], stats[1] = loss.item(), float(stop)
     stats[2 + rank], stats[2 + world + rank] = float(peak), float(model_states)
+    stats = stats.to(comm.device_for(None, stats.device))  # NCCL takes no CPU tensors
     dist.all_reduce(stats)
+    stats = stats.cpu()
     values = [int(v) for v in stats[2:].tolist()]
     return _StepStats(stats[0].item() / world, stats[1].item() > 0, values[:world], values[world:])
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -107,11 +102,11 @@ def _validation_loss(model: Transformer, corpus: Corpus, config: TrainConfig, de
     """The mean loss on fixed validation batches (each rank its slice; averaged over ranks)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = config.batch // world
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=comm.device_for(None, torch.device("cpu")))
     for index in range(_VALIDATION_BATCHES):
         inputs, targets = corpus.batch(index, config.seed, config.batch, model.args.max_seq_len, validation=True)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        total += model.loss(inputs[mine].to(device), targets[mine].to(device)).double().cpu()
+        total += model.loss(inputs[mine].to(device), targets[mine].to(device)).double().to(total.device)
     dist.all_reduce(total)
     return total.item() / (world * _VALIDATION_BATCHES)
 
@@ -136,7 +131,7 @@ def train(config: TrainConfig) -> RunResult:
     """Trains ``config`` on this rank; rank 0 shows progress and prints the summary."""
     world, rank = dist.get_world_size(), dist.get_rank()
     config.validate_world(world)
-    device = _device()
+    device = comm.bind_local_device(int(os.environ.get("LOCAL_RANK", 0)))
     memory = PeakMemory(device)
     corpus = Corpus()
     model = build_sharded_model(config, device)
@@ -147,7 +142,7 @@ def train(config: TrainConfig) -> RunResult:
     per_rank = config.batch // world
     seq_len = model.args.max_seq_len
     tally = CommTally()
-    result = RunResult(config=config, world_size=world, start_step=start, steps_done=start)
+    result = RunResult(config=config, world_size=world, start_step=start, steps_done=start, device=device.type)
     stop = StopRequest()
     # Redrawn in place on a terminal; in a log file, one line every half minute.
     progress = tqdm(total=config.steps, initial=start, desc="fullshard train", unit="step", disable=rank != 0,

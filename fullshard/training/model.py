@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
-from .._core.mesh import hybrid_mesh
+from .._core.mesh import default_mesh, hybrid_mesh
 from ..fully_shard import fully_shard
 from ..models import Transformer, TransformerBlock
 from ..wrap import ModuleWrapPolicy
@@ -62,8 +62,8 @@ def build_sharded_model(config: TrainConfig, device: torch.device) -> Transforme
         model = Transformer(config.model_args())
     if config.strategy == "hybrid":
         sharding = {"mesh": hybrid_mesh(device.type, config.shard_size)}
-    else:
-        sharding = {"strategy": _STRATEGIES[config.strategy]}
+    else:  # the loop's device (its backend's), not whatever this process can see
+        sharding = {"mesh": default_mesh(device.type), "strategy": _STRATEGIES[config.strategy]}
     fully_shard(
         model,
         policy=ModuleWrapPolicy({TransformerBlock}),

@@ -31,6 +31,7 @@ class RunResult:
     world_size: int
     start_step: int
     steps_done: int
+    device: str = "cpu"  # where the step ran: "cuda" peaks are the allocator's max_memory_allocated
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
@@ -74,7 +75,7 @@ class RunResult:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "config": dataclasses.asdict(self.config), "world_size": self.world_size,
+            "config": dataclasses.asdict(self.config), "world_size": self.world_size, "device": self.device,
             "start_step": self.start_step, "steps_done": self.steps_done, "interrupted": self.interrupted,
             "final_loss": self.final_loss() if self.losses else None, "validation_loss": self.validation_loss,
             "tokens_per_s": self.tokens_per_second() if self.step_seconds else None,
@@ -95,7 +96,7 @@ def _predicted_peaks(result: RunResult) -> tuple[int, int]:
     compute = _DTYPES[config.mixed_precision]
     common = {"batch_size": config.batch // result.world_size, "param_dtype": compute,
               "reduce_dtype": torch.float32 if compute else None, "cpu_offload": config.cpu_offload,
-              "device": "cuda" if torch.cuda.is_available() else "cpu"}
+              "device": "cuda" if result.device == "cuda" else "cpu"}
     sharded = PlanConfig(config.model_args(), result.world_size, config.strategy,
                          ranks_per_node=config.shard_size or result.world_size, **common)
     alone = PlanConfig(config.model_args(), 1, "no-shard", **common)
@@ -139,7 +140,8 @@ def print_summary(result: RunResult) -> None:
 
 def _memory_table(result: RunResult) -> str:
     predicted, predicted_alone = _predicted_peaks(result)
-    rows = [["memory", "model states", "peak, measured", "peak, predicted"]]
+    measured = "peak, max_memory_allocated" if result.device == "cuda" else "peak, measured"
+    rows = [["memory", "model states", measured, "peak, predicted"]]
     ranks = range(result.world_size) if result.world_size <= 8 else [0, result.world_size - 1]
     for rank in ranks:
         rows.append([f"rank {rank}", human_bytes(result.model_states[rank]), human_bytes(result.peaks[rank]),
@@ -148,5 +150,6 @@ def _memory_table(result: RunResult) -> str:
                  human_bytes(predicted_alone)])
     return align(rows) + (
         "\n(model states: parameters, gradients and AdamW states; peak: the most a step holds at once"
-        + ("" if torch.cuda.is_available() else ", measured in step 2 on CPU") + "; predictions: fullshard plan)"
+        + (" on the GPU" if result.device == "cuda" else ", measured in step 2 on CPU")
+        + "; predictions: fullshard plan)"
     )

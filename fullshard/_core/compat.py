@@ -1,0 +1,133 @@
+"""Every difference between the torch versions fullshard supports, in one place.
+
+pyproject declares the range (``torch>=2.8,<2.15``); ``make check-torch`` runs
+the engine's tests on both ends. A torch name that differs between supported
+versions (renamed collectives, DTensor and DeviceMesh internals, newer tensor
+attributes) is reached through a helper here, and nothing outside this module
+looks at ``torch.__version__``: each helper detects the feature, not the
+version. The private names used elsewhere are the same in every supported
+version: ``DTensor._local_tensor`` (the local tensor itself, where
+``to_local()`` returns an autograd view), ``torch._foreach_copy_``,
+``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``
+and ``torch.autograd._unsafe_preserve_version_counter``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = [
+    "StridedShard",
+    "all_gather_into",
+    "backend_device_types",
+    "chunk_cat",
+    "concatenate_meshes",
+    "dtensor_of_local",
+    "native_device_type",
+    "reduce_scatter_into",
+    "set_grad_dtype",
+]
+
+# A dim-0 shard nested inside another mesh dimension's dim-0 shard (FSDP + TP).
+StridedShard = _StridedShard
+
+# Newer torch names the tensor collectives ``*_single``; older releases only have
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same semantics).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    """The backend's native all-gather of ``input`` into ``output`` (group size x input)."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup,
+    async_op: bool,
+) -> dist.Work | None:
+    """The backend's native reduce-scatter of ``input`` into ``output``."""
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
+    """The device types the group's backend communicates on (``["cuda"]`` for NCCL).
+
+    A mixed backend string (``"cpu:gloo,cuda:nccl"``) lists each device it names.
+    """
+    backend = str(dist.get_backend(group))
+    if ":" in backend:
+        return [part.split(":")[0] for part in backend.split(",")]
+    return list(dist.Backend.backend_capability.get(backend.lower(), ["cpu"]))
+
+
+def native_device_type(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether ``group`` communicates on ``device_type`` natively: through the backend
+    a mixed string names for it, else through a backend whose own device it is (NCCL
+    for CUDA; gloo takes CUDA tensors only by staging them in host memory)."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        named = dict(part.split(":") for part in backend.split(","))
+        backend = named.get(device_type, "")
+    types = dist.Backend.backend_capability.get(backend, [])
+    return device_type in types if device_type == "cpu" else types[:1] == [device_type]
+
+
+def dtensor_of_local(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """A DTensor around ``local`` exactly as it is, with no copy and no device move.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device type, which
+    would put CPU-offloaded shards (host memory under a CUDA mesh) on the GPU
+    and make the parameter a copy of its buffer region instead of a view.
+    """
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh over the dimensions of named slices of a common root mesh (FSDP + TP).
+
+    Raises:
+        ValueError: the meshes are not named slices of one root mesh.
+    """
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate(meshes)
+    from torch.distributed.device_mesh import _mesh_resources  # older torch: slice the root by names
+
+    root = _mesh_resources.get_root_mesh(meshes[0])
+    names = tuple(name for mesh in meshes for name in (mesh.mesh_dim_names or ()))
+    if root is meshes[0] or len(names) != sum(mesh.ndim for mesh in meshes):
+        raise ValueError("the meshes are not named slices of one DeviceMesh")
+    return root[names]
+
+
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """``torch._chunk_cat`` (one fused kernel on accelerators)."""
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+def set_grad_dtype(param: torch.Tensor, dtype: torch.dtype, owner: str) -> None:
+    """Lets ``param.grad`` have ``dtype`` instead of the parameter's dtype.
+
+    Raises:
+        NotImplementedError: this torch has no ``Tensor.grad_dtype``.
+    """
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        raise NotImplementedError(
+            f"keep_low_precision_grads on {owner} needs Tensor.grad_dtype, which this torch "
+            f"({torch.__version__}) lacks; upgrade torch or keep gradients in the parameter dtype"
+        )
+    param.grad_dtype = dtype

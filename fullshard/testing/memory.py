@@ -1,0 +1,119 @@
+"""Per-rank memory of one training step on CPU, for checking ``fullshard plan``'s prediction.
+
+[Note: Measured step memory on CPU]
+A rank's memory in a step is the bytes of live tensors: what was alive before
+the step (parameter shards and optimizer states, counted from their storages)
+plus the highest rise of the CPU allocator's running total of live bytes
+during the step, read from the profiler (``profile_memory=True``), which
+records every allocation and free with that total. Freed-but-cached memory and
+the Python heap do not count. The allocator's reporter only hears frees on
+threads the profiler follows, and gloo's worker threads sometimes drop the last
+reference to a collective's tensors: FLAGS_caffe2_report_cpu_memory_usage
+makes it track every thread. That late release is also why the least peak of
+three steps is kept: when gloo's thread lets go of a finished collective's
+buffer after the engine did, the step's peak can rise by up to one unit-sized
+buffer (timing, not the engine's allocation pattern). Two warm-up steps come
+first (optimizer states; the forward order that prefetch follows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from .._core import comm
+from ..api import MixedPrecisionPolicy
+from .._core.mesh import default_mesh, hybrid_mesh
+from ..fully_shard import fully_shard
+from ..models import ModelArgs, Transformer
+from ..replicate import replicate
+
+__all__ = ["measure_step", "storage_bytes", "profiled_step_peak"]
+
+
+@contextlib.contextmanager
+def _allocator_tracks_every_thread() -> Iterator[None]:
+    """Sets c10's FLAGS_caffe2_report_cpu_memory_usage for the block."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = False
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local tensors)."""
+    storages = {}
+    for tensor in tensors:
+        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def profiled_step_peak(step: Callable[[], None]) -> tuple[int, list[comm.CommRecord]]:
+    """(peak bytes above the start, collective records) of one call of ``step``."""
+    with (
+        comm.record_comms() as records,
+        _allocator_tracks_every_thread(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        step()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == torch._C._profiler._EventType.Allocation:
+            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
+    events.sort()
+    start_total = events[0][2] - events[0][1]
+    return max(total for _, _, total in events) - start_total, records
+
+
+def measure_step(args: ModelArgs, batch: int, strategy: str, bf16: bool, ranks_per_node: int) -> dict:
+    """This rank's peak bytes in a training step of the reference Transformer (one
+    unit per block plus the root, as ``fullshard plan`` models it) and what the
+    step communicated. See [Note: Measured step memory on CPU]."""
+    torch.manual_seed(0)
+    model = Transformer(args)
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    # CPU explicitly: the default mesh would be CUDA's on a machine with a GPU.
+    mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu")
+    for module in [*model.layers, model]:
+        if strategy == "no-shard":
+            replicate(module, mesh=mesh, mp_policy=mp)
+        else:
+            fully_shard(module, mesh=mesh, reshard_after_forward=strategy != "grad-op", mp_policy=mp)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(args.vocab_size, (batch, args.max_seq_len), generator=generator)
+
+    def step() -> None:
+        model.loss(tokens, tokens).backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    step()
+    gc.collect()
+    states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    before = storage_bytes([*model.parameters(), *states])
+    peaks, records = zip(*(profiled_step_peak(step) for _ in range(3)))
+    comm_bytes: dict[str, int] = {}
+    for record in records[0]:
+        comm_bytes[record.op] = comm_bytes.get(record.op, 0) + record.nbytes
+    return {
+        "peak": before + min(peaks),
+        "late_release": max(peaks) - min(peaks),
+        "comm": comm_bytes,
+        "shard_numels": [fully_shard.state(m).group.shard_buffer.numel() for m in [model, *model.layers]],
+    }
