@@ -142,5 +142,7 @@ def test_strategy_errors():
 
         fully_shard(CompositeParamModel(), strategy=ShardingStrategy.HYBRID_SHARD, mesh=init_device_mesh("cpu", (2,)))
     model = CompositeParamModel()
-    with pytest.raises(ValueError, match=r"ignored_modules to be proper submodules of CompositeParamModel, but got Linear"):
-        fully_shard(model, ignored_modules=[nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"ignored_modules to be proper submodules of CompositeParamModel, but got CompositeParamModel itself"):
+        fully_shard(model, ignored_modules=[model])
+    # A module outside is skipped, as torch skips ignored parameters outside (one list, several units).
+    fully_shard(model, ignored_modules=[nn.Linear(2, 2)])

@@ -225,6 +225,17 @@ class ParamGroup:
         else:
             self._build_shard_buffer([p.local_shard for p in self.params])
 
+    def adopt_registered_shards(self) -> None:
+        """Takes the parameters now registered on the modules as the shards, when
+        the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
+        model's parameters assigned piece by piece): their values move into the
+        unit's buffer, which they then view."""
+        if self.flat_param is None and any(
+            isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
+            for p in self.params
+        ):
+            self.rebind_shards()
+
     def _check_on_host(self) -> None:
         """Offloaded shards live in host memory: a module moved (or materialized) onto
         an accelerator would put the whole sharded model there at once."""
@@ -296,9 +307,9 @@ class ParamGroup:
                 torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=self.device)
                 for p in self.params
             ]
-            self.storage_layout.copy_out(output, shard.size, padded)
+            self.storage_layout.copy_out(output, shard.size, padded, self._split_views(padded))
         return [
-            t[: p.num_rows * p.row_numel].view(p.unsharded_size) if keep else None
+            p.unsharded_view(t) if keep else None
             for p, t, keep in zip(self.params, padded, present)
         ]
 
@@ -333,6 +344,12 @@ class ParamGroup:
         shard = self.params[index].sharded_dtensor(region)
         return shard.full_tensor() if full else shard
 
+    def _split_views(self, padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
+        """Per-rank views for parameters sharded on a dim other than 0 (see layout.py)."""
+        if all(p.shard_dim == 0 for p in self.params):
+            return None
+        return [p.split_views(t) for p, t in zip(self.params, padded)]
+
     @torch.no_grad()
     def write_back(self, values: list[torch.Tensor]) -> None:
         """Copies this rank's rows of full parameter values into the shards."""
@@ -340,10 +357,9 @@ class ParamGroup:
         for index, (param, value) in enumerate(zip(self.params, values)):
             if param.num_valid_rows == 0:
                 continue
-            rows = value.reshape(param.num_rows, -1)
-            mine = rows[rank * param.shard_rows : rank * param.shard_rows + param.num_valid_rows]
+            mine = param.rank_chunks(value.reshape(param.unsharded_size))[rank]
             region = self.storage_layout.region(self.shard_buffer, index, param.orig_dtype)
-            region[: mine.numel()].copy_(mine.reshape(-1))
+            region[: mine.numel()].view(mine.shape).copy_(mine)
 
     @property
     def owner_name(self) -> str:
@@ -464,7 +480,7 @@ class ParamGroup:
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for tensor in padded:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
-            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded)
+            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, self._split_views(padded))
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -632,6 +648,7 @@ class ParamGroup:
         reduction = GradReduction(
             grads,
             [p.shard_numel for p in params],
+            [p.shard_dim for p in params],
             self.mesh_info.shard,
             self.mesh_info.replicate,
             self.reduce_dtype,

@@ -17,6 +17,14 @@ handles; on accelerators the backend runs the collective on its own stream and
 decisions from the same order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
 implicit choice.
+
+[Note: One unit, several modules]
+``fully_shard([a, b])`` makes one unit whose forward pass runs from the first
+of its modules to be called to the last: the first one's pre-forward gathers,
+the others only cast their inputs, and the last one's post-forward reshards.
+Every module's outputs get the pre-backward hook, as any of them may start
+backward. A module that did not run is waited for until the root's forward
+ends, which then finishes the pass.
 """
 
 from __future__ import annotations
@@ -150,13 +158,16 @@ class ModuleState:
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: nn.Module | tuple[nn.Module, ...],
         group: ParamGroup | None,
         config: UnitConfig,
         device: torch.device,
         buffer_dtypes: dict[int, torch.dtype] | None = None,
     ) -> None:
-        self.module = module
+        # Several modules make one unit (fully_shard([a, b])): see [Note: One unit, several modules].
+        self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
+        self.module = self.modules[0]
+        self._modules_to_run: set[nn.Module] = set()  # this forward pass's modules not yet run
         self.group = group
         self.config = config
         self.is_root: bool | None = None  # decided at lazy init
@@ -176,9 +187,10 @@ class ModuleState:
         self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
         self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
         self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
-        _STATES[module] = self
-        module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward_hook, prepend=False)
+        for module in self.modules:
+            _STATES[module] = self
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
 
     # -- lazy initialization -------------------------------------------------------
     def lazy_init(self) -> None:
@@ -187,7 +199,7 @@ class ModuleState:
             return
         self.is_root = True
         states: list[ModuleState] = []
-        for name, module in self.module.named_modules():
+        for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is None or state in states:
                 continue
@@ -204,6 +216,7 @@ class ModuleState:
             state.ctx = self.ctx
             if state.group is not None:
                 state.group.ctx = self.ctx
+                state.group.adopt_registered_shards()
         if validation_enabled():
             self.ctx.validator = ExecOrderValidator([s.group for s in states if s.group is not None])
         if self.config.reshard_after_forward is None and self.group is not None:
@@ -215,20 +228,36 @@ class ModuleState:
 
     def _init_fqns(self, states: list["ModuleState"]) -> None:
         by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
-        for name, param in self.module.named_parameters():
+        for name, param in (item for root in self.modules for item in root.named_parameters()):
             if param in by_param:
                 by_param[param].fqn = name
-        for name, module in self.module.named_modules():
+        for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is not None and state.group is not None:
                 state.group.module_fqn = name
 
     # -- forward -------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(self.modules) > 1:
+            if self._modules_to_run and self.training_state is TrainingState.FORWARD:
+                return self._cast_inputs(args, kwargs)  # the pass is under way: gathered already
+            self._modules_to_run = set(self.modules)
         return self.pre_forward(args, kwargs)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if len(self.modules) > 1 and self.training_state is TrainingState.FORWARD:
+            self._modules_to_run.discard(module)
+            if self._modules_to_run:
+                if torch.is_grad_enabled():
+                    self._hook_output_grads(output, self._use)  # its backward may come first
+                return self._cast_output(output)
         return self.post_forward(output)
+
+    def finish_forward_pass(self) -> None:
+        """Ends a pass in which some of the unit's modules did not run."""
+        if self._modules_to_run and self.training_state is TrainingState.FORWARD:
+            self._modules_to_run.clear()
+            self.post_forward(None)
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.in_registered_method:  # forward called from a registered method: already gathered
@@ -277,10 +306,14 @@ class ModuleState:
             return self._cast_output(output)
         if self.group is not None:
             self.group.post_forward(record_order=torch.is_grad_enabled())
+        use, self._use = self._use, None
         if torch.is_grad_enabled():
-            self._hook_output_grads(output)
+            self._hook_output_grads(output, use)
         self.training_state = TrainingState.IDLE
         if self.ctx.iteration_root is self:
+            for state in self.ctx.all_states:
+                if state is not self:
+                    state.finish_forward_pass()
             self.ctx.end_forward()
         return self._cast_output(output)
 
@@ -307,8 +340,9 @@ class ModuleState:
         hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, self._use, *inputs)))
         return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
-    def _hook_output_grads(self, output: Any) -> None:
-        use, self._use = self._use, None
+    def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
+        """Every output's gradient starts ``use``'s backward (the modules of a
+        grouped unit share the pass's one use)."""
         hook = functools.partial(self._pre_backward, use=use)
         for tensor in flatten_tensors(output):
             if tensor.requires_grad:
