@@ -21,12 +21,13 @@ import torch
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
-from ._core.init import validate_dtensor_meshes, validate_module
+from ._core.init import root_modules, validate_dtensor_meshes, validate_module
 from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
 from .state_dict import default_settings, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
@@ -174,6 +175,14 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.reduce_settings.post_reduce_hook = hook
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the step's last (default True). Only the last
+        one waits for every gradient reduction at its end; with False (earlier
+        micro-batches) reductions stay in flight and finish during later
+        backwards, so ``.grad`` is complete only after a last backward. Applies
+        to every unit under the root until set again."""
+        self._fsdp_state().ctx.is_last_backward = is_last_backward
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False skips this unit's all-gather in backward: for units whose backward
         reads no parameter values (an embedding's gradient needs only its
@@ -233,10 +242,11 @@ def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -251,13 +261,20 @@ def fully_shard(
     on a submodule are left to it.
 
     Args:
-        module: the module to shard (changed in place and returned).
+        module: the module to shard (changed in place and returned), or a list
+            of modules that become one unit (gathered once for all of them, e.g.
+            embeddings, final norm and output head): the pass starts at the
+            first of them to run forward and ends after the last.
         mesh: 1D mesh (FSDP) or 2D ``(replicate, shard)`` mesh (HSDP). Default:
             all ranks, on the current accelerator if there is one, else CPU.
         reshard_after_forward: True frees the full parameters after forward
             (re-gathered in backward); False keeps them; an int ``k`` keeps
             1/k of them so backward re-gathers within groups of ``k`` ranks;
             None: True, except for the root (the first module to run forward).
+        shard_placement_fn: ``fn(param)`` returns ``Shard(dim)`` to shard that
+            parameter on ``dim`` (e.g. experts on dim 1), or None for dim 0.
+            Sizes need not divide evenly. Not with tensor-parallel parameters
+            or an int ``reshard_after_forward``.
         mp_policy: parameter/reduction/output dtypes (``MixedPrecisionPolicy``).
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, moved or reduced).
@@ -269,27 +286,36 @@ def fully_shard(
         ignored_modules: submodules left alone, with everything below them.
 
     Returns:
-        ``module``, whose class now also derives from ``FSDPModule``.
+        ``module`` (each of them, for a list), whose class now also derives from
+        ``FSDPModule``.
 
     Raises:
-        ValueError: the module is already managed, the mesh is not 1D/2D (or
-            does not suit ``strategy``), parameters sit on different devices,
-            an int ``reshard_after_forward`` does not divide the shard size, or
-            an ignored parameter/module is not in the module.
+        ValueError: the module is already managed or is a container without
+            forward (``nn.ModuleList``), the mesh is not 1D/2D (or does not suit
+            ``strategy``), parameters sit on different devices,
+            ``reshard_after_forward`` is neither a bool nor an int dividing the
+            shard size, ``shard_placement_fn`` returns something other than
+            ``Shard(dim)``/None, or ``module`` itself is in ``ignored_modules``.
+            Ignored parameters/modules outside ``module`` are skipped.
     """
-    validate_module(module, "fully_shard")
+    listed = list(module) if isinstance(module, (list, tuple)) else [module]
+    for candidate in listed:
+        validate_module(candidate, "fully_shard")
+    roots = root_modules(listed)
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
-    mesh, replicate_only, reshard_after_forward = _resolve_strategy(module, mesh, strategy, reshard_after_forward)
-    validate_dtensor_meshes(module, mesh.device_type)
+    mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
+    for root in roots:
+        validate_dtensor_meshes(root, mesh.device_type)
     mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
-    ignored = _expand_ignored_modules(module, ignored_modules)
+    ignored = set().union(*(_expand_ignored_modules(root, ignored_modules) for root in roots))
     ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
     if policy is not None:
         arguments = dict(
             mesh=mesh_info.mesh, reshard_after_forward=requested_reshard, mp_policy=mp_policy,
+            shard_placement_fn=shard_placement_fn,
             offload_policy=offload_policy, strategy=strategy,
         )
-        for child, overrides in select_modules(module, policy, ignored):
+        for child, overrides in (item for root in roots for item in select_modules(root, policy, ignored)):
             below = set(child.modules())
             fully_shard(
                 child,
@@ -297,10 +323,11 @@ def fully_shard(
                 ignored_params={p for p in ignored_params if any(p is q for q in child.parameters())},
                 ignored_modules=[m for m in ignored if m in below],
             )
-    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy)
-    state = manage_module(module, mesh_info, config, ignored_params, ignored)
+    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy, shard_placement_fn=shard_placement_fn)
+    state = manage_module(roots, mesh_info, config, ignored_params, ignored)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
-    swap_class(module, FSDPModule, "FSDP")
+    for root in roots:
+        swap_class(root, FSDPModule, "FSDP")
     return module
 
 
@@ -341,14 +368,15 @@ def _resolve_strategy(
 
 
 def _expand_ignored_modules(module: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
-    ignored = set(ignored_modules or ())
+    """The ignored modules below ``module``, with their subtrees; entries elsewhere
+    are skipped (one list may serve several units, as with ``ignored_params``)."""
     below = set(module.modules())
-    for ignored_module in ignored:
-        if ignored_module not in below or ignored_module is module:
-            raise ValueError(
-                f"fully_shard expects ignored_modules to be proper submodules of {module_class_name(module)}, "
-                f"but got {module_class_name(ignored_module)}"
-            )
+    ignored = {m for m in ignored_modules or () if m in below}
+    if module in ignored:
+        raise ValueError(
+            f"fully_shard expects ignored_modules to be proper submodules of {module_class_name(module)}, "
+            f"but got {module_class_name(module)} itself; leave it unsharded instead"
+        )
     return {m for ignored_module in ignored for m in ignored_module.modules()}
 
 

@@ -170,9 +170,10 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
     state.state_dict_settings = settings
     group = state.group
     if group is not None:
-        state.module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
-        # Before the parameters' load hooks below: they see the sharded registration.
-        state.module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, state))
+        for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
+            unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
+            # Before the parameters' load hooks below: they see the sharded registration.
+            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, state))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.params):
             info = param.module_info
@@ -183,7 +184,8 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
             module.register_load_state_dict_pre_hook(functools.partial(_load_params, state, entries))
         # After the hooks above: the unit module's own parameters are written
         # before its gathered values are dropped.
-        state.module.register_state_dict_post_hook(functools.partial(_release_unit, state))
+        for unit_module in state.modules:
+            unit_module.register_state_dict_post_hook(functools.partial(_release_unit, state))
     if state.buffer_dtypes:
         for module in state.module.modules():
             if any(id(b) in state.buffer_dtypes for b in module._buffers.values() if b is not None):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
@@ -137,6 +138,7 @@ class FullyShardedDataParallel(nn.Module):
         _check_not_wrapped_differently(module, strategy)
         ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         mesh_info = _mesh_info or _resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
+        strategy, mesh_info = _no_shard_on_one_rank(strategy, mesh_info)
         settings = dict(
             cpu_offload=cpu_offload, backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
             param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
@@ -147,6 +149,7 @@ class FullyShardedDataParallel(nn.Module):
             roots_groups = (process_group, device_mesh, device_id)
             _wrap_selected(module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info,
                            settings, roots_groups)
+        _check_one_use_orig_params(module, use_orig_params)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
         self.cpu_offload = cpu_offload or CPUOffload()
@@ -247,11 +250,25 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """Calls ``fn`` on every submodule, children first, with the full parameters
         visible and written back into the shards afterwards: how FSDP1 code
-        (re)initialises a wrapped model, e.g. ``model.apply(init_weights)``."""
-        if self._state.summoned:  # inside an enclosing apply or summon_full_params
+        (re)initialises a wrapped model, e.g. ``model.apply(init_weights)``.
+
+        Raises:
+            ValueError: inside ``summon_full_params`` (as PyTorch's FSDP1).
+        """
+        global _applying
+        if _applying:  # a nested wrapper, inside the enclosing wrapper's apply
             return super().apply(fn)
-        with self.summon_full_params(self, recurse=True, writeback=True):
-            return super().apply(fn)
+        if self._state.summoned:
+            raise ValueError(
+                f"apply expects no summon_full_params in progress but {module_class_name(self.module)} is "
+                "summoned; call apply outside the summon_full_params block (apply summons the parameters itself)"
+            )
+        _applying = True
+        try:
+            with self.summon_full_params(self, recurse=True, writeback=True):
+                return super().apply(fn)
+        finally:
+            _applying = False
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         result = super()._apply(*args, **kwargs)
@@ -310,7 +327,14 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulates gradients locally (no communication) inside the block."""
+        """Accumulates gradients locally (no communication) inside the block.
+
+        Raises:
+            RuntimeError: not the root wrapper (as PyTorch's FSDP1).
+        """
+        self._state.lazy_init()
+        if not self._state.is_root:
+            raise RuntimeError("no_sync expects to be called on the root FullyShardedDataParallel instance")
         groups = [s.group for s in _states_below(self) if s.group is not None]
         previous = [g.requires_gradient_sync for g in groups]
         for group in groups:
@@ -490,6 +514,8 @@ class FullyShardedDataParallel(nn.Module):
 
 FSDP = FullyShardedDataParallel
 
+_applying = False  # inside a wrapper's apply: the wrappers below it run nn.Module.apply
+
 
 OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 
@@ -533,32 +559,74 @@ def _check_not_wrapped_differently(module: nn.Module, strategy: ShardingStrategy
         )
 
 
+def _no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tuple[ShardingStrategy, MeshInfo]:
+    """FULL_SHARD and SHARD_GRAD_OP over one rank are NO_SHARD (FSDP1 switches, and warns)."""
+    if strategy in HYBRID_STRATEGIES or strategy is ShardingStrategy.NO_SHARD or mesh_info.shard.size != 1:
+        return strategy, mesh_info
+    warnings.warn(
+        f"FullyShardedDataParallel switches from {strategy} to ShardingStrategy.NO_SHARD: the "
+        "process group has one rank, so there is nothing to shard",
+        UserWarning, stacklevel=3,
+    )
+    return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
+
+
+def _check_one_use_orig_params(module: nn.Module, use_orig_params: bool) -> None:
+    """Wrappers under one root share use_orig_params: the optimizer and the
+    state dicts see either flat or original parameters, not a mix."""
+    for nested in module.modules():
+        state = get_state(nested) if isinstance(nested, FullyShardedDataParallel) else None
+        if state is not None and state.config.flat_param == use_orig_params:
+            raise ValueError(
+                f"FullyShardedDataParallel expects one use_orig_params for all wrappers, but "
+                f"{module_class_name(module)} gets use_orig_params={use_orig_params} and its nested wrapper "
+                f"of {module_class_name(nested)} has use_orig_params={not use_orig_params}"
+            )
+
+
 def _resolve_ignored(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,
     ignored_states: Iterable[nn.Parameter | nn.Module] | None,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The ignored modules (with their subtrees) and parameters below ``module``.
+
+    Entries elsewhere are skipped: one list may be given to several wrappers,
+    each taking what lies below it (as FSDP1 does).
+    """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "FullyShardedDataParallel expects ignored_modules or ignored_states, not both; pass all "
             "of them as ignored_states"
         )
     items = list(ignored_modules or ignored_states or ())
-    modules = {m for m in items if isinstance(m, nn.Module)}
-    params = {p for p in items if isinstance(p, nn.Parameter)}
+    kinds = {nn.Module if isinstance(item, nn.Module) else nn.Parameter for item in items}
+    if len(kinds) > 1:
+        raise ValueError(
+            "FullyShardedDataParallel expects ignored_states to be all parameters or all modules, but got "
+            f"{sorted(type(item).__name__ for item in items)}; ignore the modules' parameters instead"
+        )
+    for item in items:
+        if not isinstance(item, (nn.Module, nn.Parameter)):
+            raise ValueError(
+                f"FullyShardedDataParallel expects ignored states to be modules or parameters but got "
+                f"{type(item).__name__}"
+            )
+        if isinstance(item, FullyShardedDataParallel):
+            raise ValueError(
+                f"FullyShardedDataParallel expects ignored modules that are not wrapped, but "
+                f"{module_class_name(item)} is a FullyShardedDataParallel; ignore the module it wraps "
+                "before wrapping it instead"
+            )
+    if any(item is module for item in items):
+        raise ValueError(
+            f"FullyShardedDataParallel expects the wrapped module itself not to be ignored "
+            f"({module_class_name(module)}); ignore its submodules instead"
+        )
     own = set(module.modules())
-    for ignored in modules:
-        if ignored not in own:
-            raise ValueError(
-                f"FullyShardedDataParallel expects ignored modules to be submodules of "
-                f"{module_class_name(module)}, but {module_class_name(ignored)} is not"
-            )
-        if ignored is module:
-            raise ValueError(
-                f"FullyShardedDataParallel expects the wrapped module itself not to be ignored "
-                f"({module_class_name(module)}); ignore its submodules instead"
-            )
-    expanded = {m for ignored in modules for m in ignored.modules()}
+    expanded = {m for ignored in items if isinstance(ignored, nn.Module) and ignored in own for m in ignored.modules()}
+    own_params = set(module.parameters())
+    params = {p for p in items if isinstance(p, nn.Parameter) and p in own_params}
     params |= {p for m in expanded for p in m.parameters()}
     return expanded, params
 
@@ -652,6 +720,8 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
         backward_prefetch=settings["backward_prefetch"],
         cast_root_inputs=precision.param_dtype is not None,
         keep_low_precision_grads=precision.keep_low_precision_grads,
+        # Read when wrapping, as PyTorch's FSDP1 does.
+        full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
         flat_param=not settings["use_orig_params"],
         presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD) if settings["use_orig_params"] else None,
@@ -705,15 +775,42 @@ def _wrap_selected(
 def _materialize_meta(
     module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, device: torch.device, ignored: set[nn.Module]
 ) -> None:
-    """FSDP1: meta-device modules are initialized when wrapped."""
-    managed = get_managed_modules(module, ignored)
+    """FSDP1: meta-device modules are initialized when wrapped.
+
+    ``param_init_fn`` (or ``to_empty`` + ``reset_parameters``) is applied to each
+    module the wrapper manages, parents before children (breadth first, as FSDP1
+    does, so seeded random initialisation gives FSDP1's values); nested
+    wrappers were initialized by their own constructor.
+    """
+    managed = _breadth_first(get_managed_modules(module, ignored), module)
     tensors = [t for m in managed for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
     if not any(t.is_meta for t in tensors):
         return
-    if param_init_fn is not None:
-        param_init_fn(module)
-        return
-    for submodule in managed:
-        submodule.to_empty(device=device, recurse=False)
-        if hasattr(submodule, "reset_parameters"):
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(f"FullyShardedDataParallel expects a callable param_init_fn but got {param_init_fn!r}")
+    with torch.no_grad():
+        for submodule in managed:
+            if param_init_fn is not None:
+                param_init_fn(submodule)
+                continue
+            if not any(True for _ in (*submodule.parameters(recurse=False), *submodule.buffers(recurse=False))):
+                continue
+            if not hasattr(submodule, "reset_parameters"):
+                raise ValueError(
+                    f"FullyShardedDataParallel expects meta-device modules to define reset_parameters(), but "
+                    f"{module_class_name(submodule)} does not; give it one or pass param_init_fn"
+                )
+            submodule.to_empty(device=device, recurse=False)
             submodule.reset_parameters()
+
+
+def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]:
+    """``modules`` (a subtree of ``root``) in breadth-first order."""
+    wanted, order, frontier = set(modules), [], [root]
+    seen = {root}
+    while frontier:
+        order.extend(m for m in frontier if m in wanted)
+        children = [c for m in frontier for c in m.children() if c in wanted and c not in seen]
+        seen.update(children)
+        frontier = list(dict.fromkeys(children))
+    return order

@@ -46,9 +46,10 @@ def test_parameters_on_different_devices():
 
 
 @distributed(world_size=2)
-def test_ignored_params_not_in_module():
-    with pytest.raises(ValueError, match=r"ignored_params to be parameters of the module .* shape \(3, 3\) that is not in MLP"):
-        fully_shard(MLP(4), ignored_params={nn.Parameter(torch.ones(3, 3))})
+def test_ignored_params_not_in_module_are_skipped():
+    """As torch: one ignore list may serve several units (see test_torch_parity_init)."""
+    model = fully_shard(MLP(4), ignored_params={nn.Parameter(torch.ones(3, 3))})
+    assert all(hasattr(p, "placements") for p in model.parameters())
 
 
 @distributed(world_size=2)
@@ -66,7 +67,7 @@ def test_ignored_params_stay_local():
 
 @distributed(world_size=2)
 def test_reshard_after_forward_wrong_type():
-    with pytest.raises(TypeError, match=r"reshard_after_forward to be None, a bool or an int but got str for MLP"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward to be None, a bool or an int but got 'yes' \(str\) for MLP"):
         fully_shard(MLP(4), reshard_after_forward="yes")
 
 

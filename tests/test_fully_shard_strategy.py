@@ -164,6 +164,7 @@ STRATEGY_ERRORS = {
 
 @distributed(world_size=2)
 def test_strategy_errors():
+<<<<<<< HEAD
     for case, (error, match, call) in STRATEGY_ERRORS.items():
         try:
             with pytest.raises(error, match=match):
@@ -171,3 +172,21 @@ def test_strategy_errors():
         except BaseException as failure:
             failure.add_note(f"in case {case!r}")
             raise
+=======
+    with pytest.raises(ValueError, match=r"either strategy or reshard_after_forward, but got SHARD_GRAD_OP with reshard_after_forward=True for CompositeParamModel"):
+        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.SHARD_GRAD_OP, reshard_after_forward=True)
+    with pytest.raises(ValueError, match=r"either strategy or reshard_after_forward, but got FULL_SHARD with reshard_after_forward=False"):
+        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.FULL_SHARD, reshard_after_forward=False)
+    for reshard in (True, False):
+        with pytest.raises(ValueError, match=rf"no reshard_after_forward with NO_SHARD \(parameters are never sharded\) but got reshard_after_forward={reshard} for CompositeParamModel"):
+            fully_shard(CompositeParamModel(), strategy=ShardingStrategy.NO_SHARD, reshard_after_forward=reshard)
+    with pytest.raises(ValueError, match=r"2D DeviceMesh for HYBRID_SHARD but got DeviceMesh\(\[0, 1\]\)"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.HYBRID_SHARD, mesh=init_device_mesh("cpu", (2,)))
+    model = CompositeParamModel()
+    with pytest.raises(ValueError, match=r"ignored_modules to be proper submodules of CompositeParamModel, but got CompositeParamModel itself"):
+        fully_shard(model, ignored_modules=[model])
+    # A module outside is skipped, as torch skips ignored parameters outside (one list, several units).
+    fully_shard(model, ignored_modules=[nn.Linear(2, 2)])
+>>>>>>> main

@@ -187,7 +187,7 @@ def test_summon_full_params(use_orig_params):
     with FSDP.summon_full_params(model.module.layers[0], recurse=False):
         assert model.module.layers[0].module.attention.wq.weight.shape == (16, 16)
         assert _local_numel(model.module.norm.weight) == 8  # the root stayed sharded
-    with pytest.raises(ValueError, match="writeback=False with rank0_only=True"):
+    with pytest.raises(NotImplementedError, match="rank0_only=True is not yet supported with writeback=True"):
         with FSDP.summon_full_params(model, rank0_only=True):
             pass
 
@@ -251,7 +251,7 @@ def test_summon_full_params_with_grads_and_during_forward_error():
             pass
 
     model.module.layers[1].register_forward_pre_hook(summon_inside)
-    with pytest.raises(RuntimeError, match="expects no forward or backward in progress"):
+    with pytest.raises(AssertionError, match="expects no forward or backward in progress"):
         lm_loss(model, batch_for(0, 0))
 
 
@@ -397,9 +397,6 @@ BAD_INPUT = {
         ValueError, r"to share exactly this rank",
         lambda: FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU,
                      process_group=_same_group_twice())),
-    "ignored_module_outside": (
-        ValueError, r"ignored modules to be submodules of MLP, but Linear is not",
-        lambda: FSDP(MLP(4), ignored_modules=[nn.Linear(2, 2)], device_id=CPU)),
     "process_group_and_device_mesh": (
         ValueError, r"Cannot pass both process_group and device_mesh",
         lambda: FSDP(MLP(4), process_group=dist.group.WORLD, device_mesh=hybrid_mesh("cpu", 2), device_id=CPU)),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_map
 
 from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
 from .presentation import DTensorShards
@@ -35,8 +37,10 @@ class UnitConfig:
     cast_root_inputs: bool = False  # cast the root's inputs even without mp_policy.cast_forward_inputs
     keep_low_precision_grads: bool = False  # leave reduced gradients in the reduce dtype
     buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
+    full_precision_in_eval: bool = False  # eval-mode forwards gather and compute in the parameters' dtype
     flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
     presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
 
 
@@ -97,8 +101,29 @@ def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
-    return tree_map_only(torch.Tensor, cast, tree)
+    return map_tensors(cast, tree)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    return tree_map_only(torch.Tensor, fn, tree)
+    """``fn`` applied to every tensor in a nested structure: pytree containers and
+    dataclass instances (models pass activations between units in dataclasses;
+    a tensor missed here would miss its gradient hooks)."""
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            rebuilt = copy.copy(value)
+            for item in dataclasses.fields(value):
+                object.__setattr__(rebuilt, item.name, map_tensors(fn, getattr(value, item.name)))
+            return rebuilt
+        return value
+
+    return tree_map(leaf, tree)
+
+
+def flatten_tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor ``map_tensors`` would visit, in its order."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, tree)
+    return found

@@ -30,19 +30,19 @@ def full_params(
     """Registers every managed parameter of ``states`` unsharded for the block.
 
     Raises:
-        ValueError: ``writeback`` with ``rank0_only`` (other ranks would have
-            nothing to write back).
-        RuntimeError: called during forward or backward.
+        NotImplementedError: ``writeback`` with ``rank0_only`` (other ranks
+            would have nothing to write back); the type PyTorch's FSDP1 raises.
+        AssertionError: called during forward or backward (as PyTorch's FSDP1).
     """
     if writeback and rank0_only:
-        raise ValueError(
-            "summon_full_params expects writeback=False with rank0_only=True: only rank 0 holds "
-            "the full parameters, so the other ranks could not write changes back"
+        raise NotImplementedError(
+            "summon_full_params with rank0_only=True is not yet supported with writeback=True: only rank 0 "
+            "holds the full parameters, so the other ranks could not write changes back; pass writeback=False"
         )
     groups = [state.group for state in states if state.group is not None]
     for group in groups:
         if group.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
+            raise AssertionError(
                 f"summon_full_params expects no forward or backward in progress, but unit "
                 f"{group.owner_name} is in {group.training_state.name}"
             )

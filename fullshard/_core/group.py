@@ -11,16 +11,24 @@ Backward gives no "module finished" event, so two signals are combined:
      that requires grad has its gradient, the unit reduces immediately;
   2. a hook on the gradient of the unit's forward inputs: it fires after the
      unit's backward; it reshards units that expect no gradient (frozen).
+A unit may run several times in one forward, and a use's backward may need
+the parameters' values after every gradient is in (a frozen parameter behind a
+trainable one, a frozen unit called twice). So neither signal reshards while
+a use whose backward has started still waits for its input hook
+(``_uses_in_backward``), and a use whose backward starts after its unit was
+resharded gathers again. (Uses counted from their backward's start, not from
+forward: a forward whose graph is never backpropagated must not hold a unit.)
 Whatever neither signal finished (parameters unused this step, units whose
 inputs need no grad) is finished by the end-of-backward callback.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 import contextlib
-from typing import TYPE_CHECKING
+import enum
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +46,21 @@ from .reduction import GradReduction, ReduceSettings
 if TYPE_CHECKING:
     from .state import IterationContext
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _outside_transforms(method: _Method) -> _Method:
+    """Runs a buffer transition with functorch transforms (``torch.func.jvp``)
+    switched off: buffers it allocates must stay plain tensors whose storage
+    can be freed, not wrappers of the transform's level."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
 
 class ShardedState(enum.Enum):
     SHARDED = enum.auto()  # only this rank's shards exist
@@ -52,6 +75,16 @@ class _AllGatherInFlight:
     output: torch.Tensor
     layout: Layout
     num_chunks: int
+
+
+class UnitUse:
+    """One forward call of a unit whose inputs need gradients (see [Note: When a
+    unit's backward is done])."""
+
+    __slots__ = ("in_backward",)
+
+    def __init__(self) -> None:
+        self.in_backward = False
 
 
 class ParamGroup:
@@ -94,6 +127,7 @@ class ParamGroup:
         self._shows_shards_unsharded = False  # see show_shards
         self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
         self._awaiting_grads: set[ShardParam] = set()
+        self._uses_in_backward = 0  # uses whose backward started and whose input hook has not fired
         self._post_forward_indices: list[int] = []
         self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
         for param in params:
@@ -126,11 +160,17 @@ class ParamGroup:
                 region[: shard.numel()].view_as(shard).copy_(shard)
         self._bind_buffer(buffer)
 
-    def _bind_buffer(self, buffer: torch.Tensor) -> None:
-        """Makes ``buffer`` (storage layout) the home of every parameter's shard."""
-        for index, param in enumerate(self.params):
-            param.bind_shard(self.storage_layout.region(buffer, index, param.local_dtype))
+    def _bind_buffer(self, buffer: torch.Tensor, dtypes: list[torch.dtype] | None = None) -> None:
+        """Makes ``buffer`` (storage layout) the home of every parameter's shard,
+        each viewed as ``dtypes[i]`` (default: its current dtype)."""
+        dtypes = dtypes or [p.local_dtype for p in self.params]
+        for index, (param, dtype) in enumerate(zip(self.params, dtypes)):
+            param.bind_shard(self.storage_layout.region(buffer, index, dtype))
         self.shard_buffer = buffer  # 1D
+        self._set_gather_layout()
+        self.reduce_dtype = self._pick_reduce_dtype()
+
+    def _set_gather_layout(self) -> None:
         needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
         self.gather_layout = (
             Layout.build([p.shard_numel for p in self.params], [p.param_dtype for p in self.params])
@@ -138,7 +178,17 @@ class ParamGroup:
             else self.storage_layout
         )
         self._needs_cast = needs_cast
-        self.reduce_dtype = self._pick_reduce_dtype()
+
+    def set_full_precision(self, full_precision: bool) -> None:
+        """Gathers and computes in the parameters' own dtype (True) instead of the
+        mixed-precision ``param_dtype``; the unsharded forms change dtype, so a
+        change reshards first."""
+        if all(p.full_precision == full_precision for p in self.params):
+            return
+        self.reshard()
+        for param in self.params:
+            param.full_precision = full_precision
+        self._set_gather_layout()
 
     def _pick_reduce_dtype(self) -> torch.dtype:
         policy = self.mp_policy
@@ -167,15 +217,24 @@ class ParamGroup:
             self._check_on_host()
         if self.flat_param is not None:
             buffer = self.flat_param.detach()
-            self.storage_layout = Layout.build([p.shard_numel for p in self.params], [buffer.dtype] * len(self.params))
-            for param in self.params:
-                if param.sharded_param.dtype != buffer.dtype:
-                    param.sharded_param = None  # a new DTensor of the new dtype
-            self._bind_buffer(buffer)
+            dtypes = [buffer.dtype] * len(self.params)  # model.half(): the shards change dtype with it
+            self.storage_layout = Layout.build([p.shard_numel for p in self.params], dtypes)
+            self._bind_buffer(buffer, dtypes)
             for param in self.params:
                 param.to_sharded()
         else:
             self._build_shard_buffer([p.local_shard for p in self.params])
+
+    def adopt_registered_shards(self) -> None:
+        """Takes the parameters now registered on the modules as the shards, when
+        the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
+        model's parameters assigned piece by piece): their values move into the
+        unit's buffer, which they then view."""
+        if self.flat_param is None and any(
+            isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
+            for p in self.params
+        ):
+            self.rebind_shards()
 
     def _check_on_host(self) -> None:
         """Offloaded shards live in host memory: a module moved (or materialized) onto
@@ -248,9 +307,9 @@ class ParamGroup:
                 torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=self.device)
                 for p in self.params
             ]
-            self.storage_layout.copy_out(output, shard.size, padded)
+            self.storage_layout.copy_out(output, shard.size, padded, self._split_views(padded))
         return [
-            t[: p.num_rows * p.row_numel].view(p.unsharded_size) if keep else None
+            p.unsharded_view(t) if keep else None
             for p, t, keep in zip(self.params, padded, present)
         ]
 
@@ -285,6 +344,12 @@ class ParamGroup:
         shard = self.params[index].sharded_dtensor(region)
         return shard.full_tensor() if full else shard
 
+    def _split_views(self, padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
+        """Per-rank views for parameters sharded on a dim other than 0 (see layout.py)."""
+        if all(p.shard_dim == 0 for p in self.params):
+            return None
+        return [p.split_views(t) for p, t in zip(self.params, padded)]
+
     @torch.no_grad()
     def write_back(self, values: list[torch.Tensor]) -> None:
         """Copies this rank's rows of full parameter values into the shards."""
@@ -292,10 +357,9 @@ class ParamGroup:
         for index, (param, value) in enumerate(zip(self.params, values)):
             if param.num_valid_rows == 0:
                 continue
-            rows = value.reshape(param.num_rows, -1)
-            mine = rows[rank * param.shard_rows : rank * param.shard_rows + param.num_valid_rows]
+            mine = param.rank_chunks(value.reshape(param.unsharded_size))[rank]
             region = self.storage_layout.region(self.shard_buffer, index, param.orig_dtype)
-            region[: mine.numel()].copy_(mine.reshape(-1))
+            region[: mine.numel()].view(mine.shape).copy_(mine)
 
     @property
     def owner_name(self) -> str:
@@ -337,6 +401,7 @@ class ParamGroup:
                 )
         return staged
 
+    @_outside_transforms
     def unshard(self, async_op: bool = False) -> None:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
         if self.is_unsharded or self._all_gather is not None or not self.params:
@@ -381,12 +446,23 @@ class ParamGroup:
             if self.offload:
                 offload.join_copy_stream(self.device)
 
+    def _follow_flat_requires_grad(self) -> None:
+        """``requires_grad_`` on the flat parameter (``module.requires_grad_(False)``
+        on a wrapped unit) freezes or unfreezes every parameter in it."""
+        if self.flat_param is None:
+            return
+        for param in self.params:
+            if param.sharded_param.requires_grad != self.flat_param.requires_grad:
+                param.sharded_param.requires_grad_(self.flat_param.requires_grad)
+
     def _alias_unsharded(self) -> None:
+        self._follow_flat_requires_grad()
         for index, param in enumerate(self.params):
             param.alias_unsharded(self.storage_layout.region(self.shard_buffer, index, param.orig_dtype))
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
+    @_outside_transforms
     def wait_for_unshard(self) -> None:
         """Finishes an in-flight unshard: copy-out and registration of full parameters."""
         in_flight, self._all_gather = self._all_gather, None
@@ -404,12 +480,13 @@ class ParamGroup:
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for tensor in padded:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
-            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded)
+            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, self._split_views(padded))
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
     def _register_unsharded(self) -> None:
+        self._follow_flat_requires_grad()
         for param in self.params:
             param.to_unsharded()
         self._shows_shards_unsharded = False
@@ -421,6 +498,7 @@ class ParamGroup:
             param.to_sharded()
         self._shows_shards_unsharded = True
 
+    @_outside_transforms
     def reshard(self) -> None:
         """Frees the full parameters and registers the shards."""
         if self._all_gather is not None:
@@ -451,6 +529,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------
+    @_outside_transforms
     def post_forward(self, record_order: bool) -> None:
         if self.reshard_after_forward:
             if self.post_forward_group is not None and self.is_unsharded:
@@ -481,6 +560,18 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.post_forward_group = None
 
+    def start_use_backward(self, use: UnitUse | None) -> None:
+        """Backward reached the outputs of ``use`` (None: a use whose inputs need no grad)."""
+        if use is not None and not use.in_backward:
+            use.in_backward = True
+            self._uses_in_backward += 1
+
+    def gather_for_another_use(self) -> None:
+        """A use whose backward starts after this unit's backward resharded it."""
+        if self.unshard_in_backward and self.training_state is TrainingState.POST_BACKWARD:
+            self.unshard()
+            self.wait_for_unshard()
+
     def expect_grads(self) -> None:
         self._awaiting_grads = {p for p in self.params if p.unsharded_param.requires_grad}
 
@@ -492,11 +583,20 @@ class ParamGroup:
         if self.ctx is not None:
             self.ctx.queue_end_of_backward()
         self._awaiting_grads.discard(param)
-        if not self._awaiting_grads and self.training_state is TrainingState.PRE_BACKWARD:
-            self.post_backward()
+        self._maybe_finish_backward()
 
-    def on_input_grads(self) -> None:
-        if not self._awaiting_grads and self.training_state is TrainingState.PRE_BACKWARD:
+    def on_input_grads(self, use: UnitUse) -> None:
+        if use.in_backward:
+            use.in_backward = False
+            self._uses_in_backward -= 1
+        if self.training_state is TrainingState.POST_BACKWARD and not self._uses_in_backward:
+            if self.reshard_after_backward:
+                self.reshard()  # gathered again for a later use (gather_for_another_use)
+            return
+        self._maybe_finish_backward()
+
+    def _maybe_finish_backward(self) -> None:
+        if not self._awaiting_grads and not self._uses_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -548,6 +648,7 @@ class ParamGroup:
         reduction = GradReduction(
             grads,
             [p.shard_numel for p in params],
+            [p.shard_dim for p in params],
             self.mesh_info.shard,
             self.mesh_info.replicate,
             self.reduce_dtype,
@@ -606,6 +707,7 @@ class ParamGroup:
                 offload.wait_for_host_copies()  # the CPU adds now
                 local = param.rows_of(sharded.grad)
                 local.add_(padded[: local.numel()].view_as(local))
+        _step_in_backward_optimizers([p.sharded_param for p in params])
 
     def _accept_flat_grad(self, params: list[ShardParam], output: torch.Tensor) -> None:
         dtype = self._grad_dtype(params[0])
@@ -624,6 +726,7 @@ class ParamGroup:
         else:
             offload.wait_for_host_copies()
             self.flat_param.grad.add_(full)
+        _step_in_backward_optimizers([self.flat_param])
 
     def _to_storage(self, reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A reduced gradient shard where the shards live: offloaded, copied to host
@@ -665,6 +768,7 @@ class ParamGroup:
             self.reshard()
         self.training_state = TrainingState.IDLE
         self._awaiting_grads = set()
+        self._uses_in_backward = 0
         self._post_forward_indices.clear()
 
     def _has_pending_grads(self) -> bool:
@@ -676,6 +780,19 @@ class ParamGroup:
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.module_fqn or '<root>'}, {len(self.params)} params)"
+
+
+def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
+    """``torch.distributed.optim._apply_optimizer_in_backward`` attaches optimizers to
+    a parameter and steps them from its AccumulateGrad hook, which never fires for
+    a sharded parameter (its gradient is written, not accumulated): they step here,
+    once the reduced gradient landed, and drop it, as that hook would."""
+    for param in params:
+        optimizers = getattr(param, "_in_backward_optimizers", ())
+        for optimizer in optimizers:
+            optimizer.step()
+        if optimizers:
+            param.grad = None
 
 
 def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:

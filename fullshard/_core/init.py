@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from . import comm
 from .common import ParamModuleInfo, module_class_name
@@ -18,21 +18,31 @@ from .state import get_state
 _CLAIM_ATTR = "_fullshard_sharded_by"
 
 
-def get_managed_modules(root: nn.Module, ignored_modules: Iterable[nn.Module] = ()) -> list[nn.Module]:
-    """``root``'s subtree minus subtrees that another call already manages.
+def root_modules(modules: Iterable[nn.Module]) -> tuple[nn.Module, ...]:
+    """``modules`` minus those inside another one's subtree (one unit over several modules)."""
+    modules = tuple(dict.fromkeys(modules))
+    inside = {d for m in modules for d in m.modules() if d is not m}
+    return tuple(m for m in modules if m not in inside)
+
+
+def get_managed_modules(
+    roots: nn.Module | tuple[nn.Module, ...], ignored_modules: Iterable[nn.Module] = ()
+) -> list[nn.Module]:
+    """The subtrees of ``roots`` minus subtrees that another call already manages.
 
     Each module appears once even if it is registered at several places.
     """
+    roots = (roots,) if isinstance(roots, nn.Module) else roots
     ignored = set(ignored_modules)
     managed: list[nn.Module] = []
     visited: set[nn.Module] = set()
-    stack = [root]
+    stack = list(reversed(roots))
     while stack:
         module = stack.pop()
         if module in visited or module in ignored:
             continue
         visited.add(module)
-        if module is not root and get_state(module) is not None:
+        if module not in roots and get_state(module) is not None:
             continue
         managed.append(module)
         stack.extend(reversed(list(module.children())))
@@ -59,7 +69,7 @@ def get_managed_states(
     return params, buffers
 
 
-def get_param_module_infos(params: list[nn.Parameter], root: nn.Module) -> list[ParamModuleInfo]:
+def get_param_module_infos(params: list[nn.Parameter], roots: tuple[nn.Module, ...]) -> list[ParamModuleInfo]:
     """For each parameter, the module registering it first and every other registration.
 
     Traverses with duplicates: a module registered twice shows up as sharing
@@ -67,7 +77,7 @@ def get_param_module_infos(params: list[nn.Parameter], root: nn.Module) -> list[
     """
     wanted = {id(p) for p in params}
     infos: dict[int, ParamModuleInfo] = {}
-    for _, module in root.named_modules(remove_duplicate=False):
+    for _, module in (item for root in roots for item in root.named_modules(remove_duplicate=False)):
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if id(param) not in wanted:
                 continue
@@ -79,13 +89,21 @@ def get_param_module_infos(params: list[nn.Parameter], root: nn.Module) -> list[
                 info.shared_param_names.append(name)
     missing = [p for p in params if id(p) not in infos]
     if missing:
-        raise AssertionError(f"{len(missing)} managed parameters are not in the module tree of {module_class_name(root)}")
+        raise AssertionError(
+            f"{len(missing)} managed parameters are not in the module tree of {module_class_name(roots[0])}"
+        )
     return [infos[id(p)] for p in params]
 
 
 def validate_module(module: nn.Module, api: str) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{api} expects an nn.Module but got {module_class_name(module)}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        # Forward hooks on a container that is never called would never run.
+        raise ValueError(
+            f"{api} expects a module with a forward but got a {module_class_name(module)}, which has none; "
+            f"apply {api} to each of its modules, or pass them as a list to make one unit"
+        )
     if get_state(module) is not None:
         raise ValueError(
             f"{api} expects a module that fully_shard/replicate has not been applied to, but "
@@ -93,29 +111,45 @@ def validate_module(module: nn.Module, api: str) -> None:
         )
 
 
-def validate_ignored_params(module: nn.Module, ignored_params: Iterable[nn.Parameter] | None) -> set[nn.Parameter]:
-    ignored = set(ignored_params or ())
-    own = {id(p) for p in module.parameters()}
-    for param in ignored:
-        if id(param) not in own:
+def shard_dims(
+    params: list[nn.Parameter], shard_placement_fn: Callable[[nn.Parameter], Any] | None, names: dict[int, str]
+) -> list[int]:
+    """Each parameter's shard dim from ``shard_placement_fn`` (None: dim 0)."""
+    if shard_placement_fn is None:
+        return [0] * len(params)
+    dims = []
+    for param in params:
+        placement = shard_placement_fn(param)
+        name = names.get(id(param), "?")
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
             raise ValueError(
-                "fully_shard expects ignored_params to be parameters of the module it shards, but "
-                f"got a parameter of shape {tuple(param.shape)} that is not in {module_class_name(module)}"
+                f"fully_shard expects shard_placement_fn to return Shard(dim) or None but got {placement!r} "
+                f"for {name}"
             )
-    return ignored
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.ndim:
+            raise ValueError(
+                f"fully_shard expects shard_placement_fn to return a dim of {name}'s {param.ndim}D shape "
+                f"{tuple(param.shape)} but got Shard({placement.dim})"
+            )
+        dims.append(dim)
+    return dims
 
 
-def validate_devices(root: nn.Module, params: list[nn.Parameter]) -> None:
+def validate_devices(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -> None:
     """All managed parameters on one device (all on meta counts as one)."""
 
     def where(p: torch.Tensor) -> torch.device:
         return p._local_tensor.device if isinstance(p, DTensor) else p.device
 
     if len({where(p) for p in params}) > 1:
-        names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+        names = {id(p): n for root in roots for n, p in root.named_parameters(remove_duplicate=False)}
         listing = ", ".join(f"{names.get(id(p), '?')} on {where(p)}" for p in params)
         raise ValueError(
-            f"fully_shard expects all parameters of {module_class_name(root)} on one device but got: "
+            f"fully_shard expects all parameters of {module_class_name(roots[0])} on one device but got: "
             f"{listing}. Move the module to one device (or build it all on meta) first."
         )
 

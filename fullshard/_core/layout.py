@@ -15,6 +15,13 @@ Gradients take the reverse path: ``torch._chunk_cat`` lays the unsharded
 gradients out as ``(W, -1)`` blocks, and the reduce-scatter output has the same
 layout as the shard buffer.
 
+A parameter sharded on another dim ``d`` (``shard_placement_fn``) splits the
+same way along ``d``: its chunk holds this rank's slices along ``d``, contiguous
+in the parameter's own element order (so the local shard is a plain view), with
+the padding at the chunk's end. Copy-out then writes each rank's block into
+its slices of the unsharded parameter (one strided copy per rank), and the
+gradient copy-in reads them back; the unsharded parameter stays contiguous.
+
 A ``Layout`` records offsets in elements of its dtype. Parameters of different
 dtypes in one unit share a ``uint8`` layout counted in bytes, each offset
 aligned for its dtype.
@@ -68,13 +75,28 @@ class Layout:
         region = flat[start : start + size]
         return region if region.dtype == dtype else region.view(dtype)
 
-    def copy_out(self, gathered: torch.Tensor, num_chunks: int, outputs: list[torch.Tensor]) -> None:
+    def copy_out(
+        self,
+        gathered: torch.Tensor,
+        num_chunks: int,
+        outputs: list[torch.Tensor],
+        split_views: list[list[torch.Tensor] | None] | None = None,
+    ) -> None:
         """Scatters an all-gather output into per-parameter padded flat tensors.
 
         ``gathered`` is ``num_chunks`` blocks of this layout; ``outputs[i]`` is
         parameter i's padded unsharded data (``num_chunks * sizes[i]`` units).
+        ``split_views[i]``, for a parameter sharded on a dim other than 0, holds
+        each rank's slices inside ``outputs[i]`` (see ``ShardParam.split_views``).
         """
         blocks = gathered.view(num_chunks, -1)
-        for start, size, out in zip(self.offsets, self.sizes, outputs):
-            dst = out if out.dtype == self.dtype else out.view(self.dtype)
-            dst.view(num_chunks, size).copy_(blocks[:, start : start + size])
+        for index, (start, size, out) in enumerate(zip(self.offsets, self.sizes, outputs)):
+            block = blocks[:, start : start + size]
+            views = split_views[index] if split_views is not None else None
+            if views is None:
+                dst = out if out.dtype == self.dtype else out.view(self.dtype)
+                dst.view(num_chunks, size).copy_(block)
+                continue
+            block = block if block.dtype == out.dtype else block.view(out.dtype)
+            for rank, view in enumerate(views):
+                view.copy_(block[rank, : view.numel()].view(view.shape))

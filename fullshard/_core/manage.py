@@ -20,8 +20,9 @@ from .init import (
     get_managed_states,
     get_param_module_infos,
     move_buffers,
+    root_modules,
+    shard_dims,
     validate_devices,
-    validate_ignored_params,
 )
 from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
 from .param import ShardParam
@@ -39,9 +40,9 @@ def resolve_reshard_after_forward(
         return value, None
     shard_size = mesh_info.shard.size
     if not isinstance(value, int):
-        raise TypeError(
+        raise ValueError(
             f"fully_shard expects reshard_after_forward to be None, a bool or an int but got "
-            f"{type(value).__name__} for {module_class_name(module)}"
+            f"{value!r} ({type(value).__name__}) for {module_class_name(module)}"
         )
     if value < 1 or shard_size % value != 0:
         raise ValueError(
@@ -56,36 +57,43 @@ def resolve_reshard_after_forward(
 
 
 def manage_module(
-    module: nn.Module,
+    module: nn.Module | tuple[nn.Module, ...],
     mesh_info: MeshInfo,
     config: UnitConfig,
     ignored_params: Iterable[nn.Parameter] | None = None,
     ignored_modules: Iterable[nn.Module] = (),
 ) -> ModuleState:
-    """Shards ``module``'s parameters (minus those of already-managed submodules)."""
+    """Shards the parameters of ``module`` (or of several modules, one unit over
+    all of them) minus those of already-managed submodules."""
+    roots = (module,) if isinstance(module, nn.Module) else root_modules(module)
     device = mesh_info.device
-    validate_mesh_backend(mesh_info, module_class_name(module))
-    ignored = validate_ignored_params(module, ignored_params)
-    reshard, post_forward = resolve_reshard_after_forward(config.reshard_after_forward, mesh_info, module)
-    modules = get_managed_modules(module, ignored_modules)
+    validate_mesh_backend(mesh_info, module_class_name(roots[0]))
+    # Entries outside the module are not an error: one ignore list may serve
+    # several units, each taking what lies below it.
+    ignored = set(ignored_params or ())
+    reshard, post_forward = resolve_reshard_after_forward(config.reshard_after_forward, mesh_info, roots[0])
+    modules = get_managed_modules(roots, ignored_modules)
     params, buffers = get_managed_states(modules, ignored)
-    validate_devices(module, params)
+    validate_devices(roots, params)
     if config.sync_module_states:
         broadcast_from_first_rank(params, buffers, mesh_info)
     buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
-    infos = get_param_module_infos(params, module)
+    infos = get_param_module_infos(params, roots)
     mp_policy = config.mp_policy
+    names = {id(p): name for root in roots for name, p in root.named_parameters()}
+    dims = shard_dims(params, config.shard_placement_fn, names)
+    if post_forward is not None and any(dims):
+        raise NotImplementedError(
+            f"fully_shard does not support an int reshard_after_forward with shard_placement_fn's "
+            f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
+        )
     shard_params = [
-        ShardParam(p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS)
-        for p, info in zip(params, infos)
+        ShardParam(p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS, dim)
+        for p, info, dim in zip(params, infos, dims)
     ]
-    names = {id(p): name for name, p in module.named_parameters()}
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
-    claim_params(params, module_class_name(module))
-    group = (
-        ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard, module_class_name(module))
-        if shard_params
-        else None
-    )
-    return ModuleState(module, group, config, device, buffer_dtypes)
+    owner = "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
+    claim_params(params, owner)
+    group = ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard, owner) if shard_params else None
+    return ModuleState(roots, group, config, device, buffer_dtypes)

@@ -49,21 +49,29 @@ class ShardParam:
         mesh_info: MeshInfo,
         param_dtype: torch.dtype | None,
         presentation: DTensorShards = DTENSOR_SHARDS,
+        shard_dim: int = 0,
     ) -> None:
         self.module_info = module_info
         self.presentation = presentation
+        self.shard_dim = shard_dim  # the tensor dim split across the shard group; see layout.py
         self.mesh_info = mesh_info
         self.fqn = module_info.param_name  # made root-relative at lazy init
         self.global_size = param.size()
         self.global_stride = _contiguous_stride(param.size())
         self._requested_param_dtype = param_dtype
+        self.full_precision = False  # compute in orig_dtype despite param_dtype (ParamGroup.set_full_precision)
         if isinstance(param, DTensor):
+            if shard_dim != 0:
+                raise NotImplementedError(
+                    f"fully_shard does not support shard_placement_fn's Shard({shard_dim}) with tensor "
+                    f"parallelism yet ({module_info.param_name} is a DTensor); return None for it"
+                )
             local = self._init_tensor_parallel(param)
         else:
             self.tp_mesh: DeviceMesh | None = None
             self.tp_placements: tuple[Placement, ...] = ()
             self.spmd_mesh = mesh_info.mesh
-            self.placements = mesh_info.dp_placements
+            self.placements = tuple(Shard(shard_dim) if p.is_shard() else p for p in mesh_info.dp_placements)
             local = param.detach()
         if local.ndim == 0:
             raise NotImplementedError(
@@ -72,8 +80,9 @@ class ShardParam:
                 "(1,) or pass it in ignored_params"
             )
         self.unsharded_size = local.size()  # the TP-local size for TP parameters
-        self.num_rows = local.size(0)
-        self.row_numel = math.prod(local.size()[1:])
+        # "Rows" are the slices along the shard dim (dim 0 unless shard_placement_fn says otherwise).
+        self.num_rows = local.size(shard_dim)
+        self.row_numel = local.numel() // max(self.num_rows, 1)
         shard = mesh_info.shard
         self.shard_rows = -(-self.num_rows // shard.size)  # ceil; padded rows per rank
         self.shard_numel = self.shard_rows * self.row_numel
@@ -83,8 +92,9 @@ class ShardParam:
         self.requires_grad = param.requires_grad
         # This rank's rows of the unsharded value, copied into the unit's buffer
         # by ParamGroup and then dropped.
-        self.initial_shard: torch.Tensor | None = local.narrow(0, first_row, self.num_valid_rows) \
-            if self.num_valid_rows > 0 else local[:0]
+        self.initial_shard: torch.Tensor | None = local.narrow(
+            shard_dim, min(first_row, self.num_rows), self.num_valid_rows
+        )
         self.sharded_param: nn.Parameter | None = param if presentation.keeps_user_param else None
         self._bound_rows: torch.Tensor | None = None  # the rows bind_shard last pointed at
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
@@ -139,8 +149,10 @@ class ShardParam:
         local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
         self._bound_rows = local
-        if self.sharded_param is None:
-            self.sharded_param = nn.Parameter(self.present(local), requires_grad=self.requires_grad)
+        retyped = self.sharded_param is not None and self.sharded_param.dtype != local.dtype
+        if self.sharded_param is None or (retyped and not self.presentation.keeps_user_param):  # new, or model.half()
+            requires_grad = self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
+            self.sharded_param = nn.Parameter(self.present(local), requires_grad=requires_grad)
             self.to_sharded()
             return
         self.presentation.rebind(self.sharded_param, self.present(local))
@@ -208,9 +220,31 @@ class ShardParam:
         return self.sharded_dtensor_of(self._unpadded(padded_shard))
 
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
-        return padded_shard[: self.num_valid_rows * self.row_numel].view(
-            self.num_valid_rows, *self.unsharded_size[1:]
-        )
+        return padded_shard[: self.num_valid_rows * self.row_numel].view(self.chunk_size(self.num_valid_rows))
+
+    def chunk_size(self, num_rows: int) -> torch.Size:
+        """The size of ``num_rows`` rows along the shard dim."""
+        size = list(self.unsharded_size)
+        size[self.shard_dim] = num_rows
+        return torch.Size(size)
+
+    def unsharded_view(self, padded: torch.Tensor) -> torch.Tensor:
+        """The unsharded value inside its padded flat storage (1D, W * shard_numel)."""
+        return padded[: self.num_rows * self.row_numel].view(self.unsharded_size)
+
+    def split_views(self, padded: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each rank's rows inside padded flat unsharded storage, for a shard dim
+        other than 0 (None for dim 0, whose rows are the storage's rank blocks)."""
+        return self.rank_chunks(self.unsharded_view(padded)) if self.shard_dim != 0 else None
+
+    def rank_chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Each shard rank's rows of ``full`` (the unsharded, TP-local value): views,
+        empty for ranks that hold only padding."""
+        world, rows = self.mesh_info.shard.size, self.shard_rows
+        return [
+            full.narrow(self.shard_dim, min(r * rows, self.num_rows), max(0, min(rows, self.num_rows - r * rows)))
+            for r in range(world)
+        ]
 
     def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter around an (unpadded) local tensor."""
@@ -227,7 +261,7 @@ class ShardParam:
             raise ValueError(
                 f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}"
             )
-        device = self.local_shard.device if self.local_shard.device.type != "cpu" else value.device
+        device = self.local_shard.device if self.local_shard.device.type not in ("cpu", "meta") else value.device
         return distribute_tensor(value.to(device), self.spmd_mesh, self.placements, src_data_rank=None)
 
     def module_registration(self) -> torch.Tensor | None:
@@ -237,7 +271,7 @@ class ShardParam:
     # -- unsharded form -----------------------------------------------------
     @property
     def param_dtype(self) -> torch.dtype:
-        return self._requested_param_dtype or self.orig_dtype
+        return self.orig_dtype if self.full_precision else (self._requested_param_dtype or self.orig_dtype)
 
     def padded_unsharded(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""
@@ -267,7 +301,7 @@ class ShardParam:
             self._make_unsharded_param(shard_region)
 
     def _make_unsharded_param(self, padded: torch.Tensor) -> None:
-        data = padded[: self.num_rows * self.row_numel].view(self.unsharded_size)
+        data = self.unsharded_view(padded)
         if self.tp_mesh is not None:
             data = DTensor.from_local(
                 data, self.tp_mesh, self.tp_placements, run_check=False,

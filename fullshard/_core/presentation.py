@@ -70,7 +70,7 @@ class LocalViews(DTensorShards):
     def rows_of(self, param: "ShardParam", presented: torch.Tensor) -> torch.Tensor:
         if isinstance(presented, DTensor):
             return presented._local_tensor
-        return presented.view(param.num_valid_rows, *param.unsharded_size[1:])
+        return presented.view(param.chunk_size(param.num_valid_rows))
 
     def rebind(self, sharded: nn.Parameter, presented: torch.Tensor) -> None:
         sharded.data = presented

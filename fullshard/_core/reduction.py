@@ -61,26 +61,38 @@ def _split_factor(dtype: torch.dtype, factor: float) -> tuple[float, float]:
     return pre, factor / pre
 
 
-def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
-    """Row r of ``out`` (W, n) gets the r-th dim-0 chunk of every tensor, each
-    padded with zeros to ceil(dim 0 / W) rows, cast to ``out``'s dtype.
+def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | None = None) -> None:
+    """Row r of ``out`` (W, n) gets the r-th chunk of every tensor along its dim
+    (``dims``, default 0), each padded with zeros to ceil(size / W) slices, cast
+    to ``out``'s dtype. A chunk on a dim other than 0 is laid out contiguously
+    with its padding at the end (see [Note: Unit buffers]).
 
     ``torch._chunk_cat`` does this in one kernel on CUDA. On CPU it first makes
     a padded copy of every tensor that does not split evenly, and an
     input-sized temporary whenever it casts (bf16 gradients reduced in fp32);
     copying chunk by chunk into views of ``out`` casts on the way, allocates
     nothing, and is as fast (faster when it would pad)."""
-    if out.device.type != "cpu":
+    dims = dims or [0] * len(tensors)
+    if out.device.type != "cpu" and not any(dims):
         compat.chunk_cat(tensors, out.size(0), out)
         return
     world, offset = out.size(0), 0
-    for tensor in tensors:
-        rows = tensor.size(0)
+    for tensor, dim in zip(tensors, dims):
+        rows = tensor.size(dim)
         if rows == 0:
             continue
         chunk_rows = -(-rows // world)
         width = chunk_rows * (tensor.numel() // rows)
-        block, flat = out[:, offset : offset + width], tensor.reshape(-1)
+        block = out[:, offset : offset + width]
+        offset += width
+        if dim != 0:
+            chunks = tensor.chunk(world, dim)  # ceil-sized, as parameters are sharded; maybe fewer than W
+            for rank, chunk in enumerate(chunks):
+                block[rank, : chunk.numel()].view(chunk.shape).copy_(chunk)
+                block[rank, chunk.numel() :].zero_()
+            block[len(chunks) :].zero_()
+            continue
+        flat = tensor.reshape(-1)
         full = rows // chunk_rows  # chunks with no padding
         block[:full].copy_(flat[: full * width].view(full, width))
         if full < world:
@@ -88,7 +100,6 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
             block[full, : rest.numel()].copy_(rest)
             block[full, rest.numel() :].zero_()
             block[full + 1 :].zero_()
-        offset += width
 
 
 @dataclass
@@ -113,6 +124,7 @@ class GradReduction:
         self,
         grads: list[torch.Tensor],
         shard_numels: list[int],
+        shard_dims: list[int],
         shard: "GroupInfo",
         replicate: "GroupInfo",
         reduce_dtype: torch.dtype,
@@ -137,7 +149,7 @@ class GradReduction:
         reduced = self._output
         if shard.size > 1:
             reduced = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-        chunk_cat(grads, reduced.view(shard.size, -1))
+        chunk_cat(grads, reduced.view(shard.size, -1), shard_dims)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
             self._stages = [lambda: self._run_hook(*settings.comm_hook, reduced)]

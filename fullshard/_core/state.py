@@ -17,23 +17,31 @@ handles; on accelerators the backend runs the collective on its own stream and
 decisions from the same order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
 implicit choice.
+
+[Note: One unit, several modules]
+``fully_shard([a, b])`` makes one unit whose forward pass runs from the first
+of its modules to be called to the last: the first one's pre-forward gathers,
+the others only cast their inputs, and the last one's post-forward reshards.
+Every module's outputs get the pre-backward hook, as any of them may start
+backward. A module that did not run is waited for until the root's forward
+ends, which then finishes the pass.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..api import BackwardPrefetch
 from . import offload
-from .common import TrainingState, UnitConfig, cast_floating, map_tensors
+from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
 from .exec_order import ExecOrderValidator, validation_enabled
-from .group import ParamGroup
+from .group import ParamGroup, UnitUse
 from .reduction import ReductionQueue
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()
@@ -55,6 +63,9 @@ class IterationContext:
         self.post_forward_order: list[ParamGroup] = []
         self.prefetched: set[ParamGroup] = set()
         self.end_of_backward_queued = False
+        # False: this backward is not the step's last (micro-batching); its end leaves
+        # reductions in flight instead of waiting, and keeps the prefetch order.
+        self.is_last_backward = True
         self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
 
     def begin_iteration(self, root: "ModuleState") -> None:
@@ -106,25 +117,40 @@ class IterationContext:
             if state.group is not None:
                 state.group.finish_backward()
             state.training_state = TrainingState.IDLE
-        self.reductions.drain()
-        offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
+        for group in self.prefetched:
+            # Issued by a reduction finished here (BACKWARD_POST): it gathered the values
+            # the optimizer is about to change, so the next forward must not use them.
+            group.reshard()
         self.prefetched.clear()
-        self.post_forward_order.clear()
         self.end_of_backward_queued = False
+        if self.is_last_backward:
+            self.reductions.drain()
+            offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
+            self.post_forward_order.clear()
 
 
 class _InputGradHook(torch.autograd.Function):
-    """Identity whose backward tells the unit that its backward has finished."""
+    """Identity whose backward tells the unit that its backward has finished.
+
+    ``setup_context`` and ``jvp`` let it run under ``torch.func.jvp`` and
+    forward-mode AD: the tangents pass through."""
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(group: ParamGroup, use: UnitUse, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group, ctx.use = inputs[0], inputs[1]
+
+    @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.on_input_grads()
-        return (None, *grads)
+        ctx.group.on_input_grads(ctx.use)
+        return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, use_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
 
 
 class ModuleState:
@@ -132,13 +158,16 @@ class ModuleState:
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: nn.Module | tuple[nn.Module, ...],
         group: ParamGroup | None,
         config: UnitConfig,
         device: torch.device,
         buffer_dtypes: dict[int, torch.dtype] | None = None,
     ) -> None:
-        self.module = module
+        # Several modules make one unit (fully_shard([a, b])): see [Note: One unit, several modules].
+        self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
+        self.module = self.modules[0]
+        self._modules_to_run: set[nn.Module] = set()  # this forward pass's modules not yet run
         self.group = group
         self.config = config
         self.is_root: bool | None = None  # decided at lazy init
@@ -157,9 +186,11 @@ class ModuleState:
         self.summoned = False  # inside summon_full_params
         self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
         self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
-        _STATES[module] = self
-        module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward_hook, prepend=False)
+        self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
+        for module in self.modules:
+            _STATES[module] = self
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
 
     # -- lazy initialization -------------------------------------------------------
     def lazy_init(self) -> None:
@@ -168,7 +199,7 @@ class ModuleState:
             return
         self.is_root = True
         states: list[ModuleState] = []
-        for name, module in self.module.named_modules():
+        for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is None or state in states:
                 continue
@@ -185,6 +216,7 @@ class ModuleState:
             state.ctx = self.ctx
             if state.group is not None:
                 state.group.ctx = self.ctx
+                state.group.adopt_registered_shards()
         if validation_enabled():
             self.ctx.validator = ExecOrderValidator([s.group for s in states if s.group is not None])
         if self.config.reshard_after_forward is None and self.group is not None:
@@ -196,26 +228,41 @@ class ModuleState:
 
     def _init_fqns(self, states: list["ModuleState"]) -> None:
         by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
-        for name, param in self.module.named_parameters():
+        for name, param in (item for root in self.modules for item in root.named_parameters()):
             if param in by_param:
                 by_param[param].fqn = name
-        for name, module in self.module.named_modules():
+        for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is not None and state.group is not None:
                 state.group.module_fqn = name
 
     # -- forward -------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(self.modules) > 1:
+            if self._modules_to_run and self.training_state is TrainingState.FORWARD:
+                return self._cast_inputs(args, kwargs)  # the pass is under way: gathered already
+            self._modules_to_run = set(self.modules)
         return self.pre_forward(args, kwargs)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if len(self.modules) > 1 and self.training_state is TrainingState.FORWARD:
+            self._modules_to_run.discard(module)
+            if self._modules_to_run:
+                if torch.is_grad_enabled():
+                    self._hook_output_grads(output, self._use)  # its backward may come first
+                return self._cast_output(output)
         return self.post_forward(output)
+
+    def finish_forward_pass(self) -> None:
+        """Ends a pass in which some of the unit's modules did not run."""
+        if self._modules_to_run and self.training_state is TrainingState.FORWARD:
+            self._modules_to_run.clear()
+            self.post_forward(None)
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.in_registered_method:  # forward called from a registered method: already gathered
             return args, kwargs
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            # Recomputation inside backward (activation checkpointing).
+        if self.recomputing:
             if self.group is not None:
                 self.group.unshard()
                 self.group.wait_for_unshard()
@@ -231,6 +278,8 @@ class ModuleState:
         if group is None:
             return args, kwargs
         group.training_state = TrainingState.FORWARD
+        if self.config.full_precision_in_eval:
+            group.set_full_precision(not self.module.training)
         self.ctx.prefetched.discard(group)
         if self.ctx.validator is not None:
             agreed = self.ctx.validator.gate_forward(group, group.unshard_needs_collective())
@@ -253,19 +302,30 @@ class ModuleState:
     def post_forward(self, output: Any) -> Any:
         if self.in_registered_method:
             return output
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.recomputing:  # the unit's own backward reshards it
             return self._cast_output(output)
         if self.group is not None:
             self.group.post_forward(record_order=torch.is_grad_enabled())
+        use, self._use = self._use, None
         if torch.is_grad_enabled():
-            self._hook_output_grads(output)
+            self._hook_output_grads(output, use)
         self.training_state = TrainingState.IDLE
         if self.ctx.iteration_root is self:
+            for state in self.ctx.all_states:
+                if state is not self:
+                    state.finish_forward_pass()
             self.ctx.end_forward()
         return self._cast_output(output)
 
+    @property
+    def recomputing(self) -> bool:
+        """A forward run by backward (activation checkpointing recomputes a block,
+        and with it the units nested in it that have not started their backward):
+        it gathers, but starts no step, registers no hooks and reshards nothing."""
+        return self.training_state is TrainingState.PRE_BACKWARD or torch._C._current_graph_task_id() != -1
+
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._cast_inputs_to is None:
+        if self._cast_inputs_to is None or (self.config.full_precision_in_eval and not self.module.training):
             return args, kwargs
         return cast_floating(self._cast_inputs_to, args), cast_floating(self._cast_inputs_to, kwargs)
 
@@ -273,25 +333,29 @@ class ModuleState:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
     def _hook_input_grads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not indices:
+        inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return args, kwargs
-        hooked = _InputGradHook.apply(self.group, *(flat[i] for i in indices))
-        for i, tensor in zip(indices, hooked):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        self._use = UnitUse()
+        hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, self._use, *inputs)))
+        return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
-    def _hook_output_grads(self, output: Any) -> None:
-        flat, _ = tree_flatten(output)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)
+    def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
+        """Every output's gradient starts ``use``'s backward (the modules of a
+        grouped unit share the pass's one use)."""
+        hook = functools.partial(self._pre_backward, use=use)
+        for tensor in flatten_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(hook)
 
     # -- backward ------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, grad: torch.Tensor, use: UnitUse | None = None) -> None:
         self.ctx.queue_end_of_backward()
+        if self.group is not None:
+            self.group.start_use_backward(use)
         if self.training_state is TrainingState.PRE_BACKWARD:
+            if self.group is not None:
+                self.group.gather_for_another_use()
             return
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
@@ -303,6 +367,7 @@ class ModuleState:
             run_agreed_all_gathers(agreed, group)
         if not group.begin_backward():
             return
+        self.ctx.prefetched.discard(group)  # used: what remains at the end of backward is stale
         group.wait_for_unshard()  # before prefetching: see pre_forward
         group.expect_grads()
         index = group.take_backward_prefetch_index()
