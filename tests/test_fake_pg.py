@@ -190,7 +190,9 @@ def test_shard_dtensor_keeps_host_storage_under_an_accelerator_mesh():
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,))
         host = torch.zeros(2, 3)
-        with mock.patch.object(DeviceMesh, "device_type", new=property(lambda self: "cuda")):
+        # A class property wins over the instance attribute older torch (2.8) keeps it in.
+        cuda_type = property(lambda self: "cuda")
+        with mock.patch.object(DeviceMesh, "device_type", new=cuda_type, create=True):
             shard = compat.dtensor_of_local(host, mesh, (Shard(0),), torch.Size([8, 3]), (3, 1))
             assert shard._local_tensor is host and shard.device.type == "cpu" and shard.shape == (8, 3)
             assert shard.device_mesh.device_type == "cuda"
