@@ -12,7 +12,7 @@ TORCH_VERSIONS ?= 2.8.0 2.14.1
 CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py tests/test_wrapper.py \
 	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py
 
-.PHONY: install demo test bench clean check-torch
+.PHONY: install demo test test-fast bench clean check-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The inner loop: everything but the tests marked slow (CI runs `make test`, all of them).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
 
 $(TORCH_VENVS)/torch-%/.installed: pyproject.toml
 	$(PYTHON) -m venv $(@D)

@@ -158,6 +158,7 @@ def _load_step(path: str) -> tuple[object, float]:
     return extra, train(model, optim, range(2, 3))[0]
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     with pytest.raises(RankFailure):

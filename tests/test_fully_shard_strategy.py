@@ -128,21 +128,53 @@ def test_ignored_modules():
     assert not torch.equal(grads[0], grads[1])  # not reduced
 
 
+def _one_dim_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2,))
+
+
+def _ignoring_itself() -> None:
+    model = CompositeParamModel()
+    fully_shard(model, ignored_modules=[model])
+
+
+def _no_shard_row(reshard: bool) -> tuple:
+    return (
+        ValueError,
+        rf"no reshard_after_forward with NO_SHARD \(parameters are never sharded\) but got reshard_after_forward={reshard} for CompositeParamModel",
+        lambda: fully_shard(CompositeParamModel(), strategy=ShardingStrategy.NO_SHARD, reshard_after_forward=reshard),
+    )
+
+
+# One behaviour per row: (exception type, message pattern, the call that must raise it), all in one
+# distributed body so the table costs one task.
+STRATEGY_ERRORS = {
+    "grad_op_with_reshard": (
+        ValueError, r"either strategy or reshard_after_forward, but got SHARD_GRAD_OP with reshard_after_forward=True for CompositeParamModel",
+        lambda: fully_shard(CompositeParamModel(), strategy=ShardingStrategy.SHARD_GRAD_OP, reshard_after_forward=True)),
+    "full_shard_without_reshard": (
+        ValueError, r"either strategy or reshard_after_forward, but got FULL_SHARD with reshard_after_forward=False",
+        lambda: fully_shard(CompositeParamModel(), strategy=ShardingStrategy.FULL_SHARD, reshard_after_forward=False)),
+    "no_shard_with_reshard": _no_shard_row(True),
+    "no_shard_without_reshard": _no_shard_row(False),
+    "hybrid_on_1d_mesh": (
+        ValueError, r"2D DeviceMesh for HYBRID_SHARD but got DeviceMesh\(\[0, 1\]\)",
+        lambda: fully_shard(CompositeParamModel(), strategy=ShardingStrategy.HYBRID_SHARD, mesh=_one_dim_mesh())),
+    "ignored_module_is_the_module": (
+        ValueError, r"ignored_modules to be proper submodules of CompositeParamModel, but got CompositeParamModel itself",
+        _ignoring_itself),
+}
+
+
 @distributed(world_size=2)
 def test_strategy_errors():
-    with pytest.raises(ValueError, match=r"either strategy or reshard_after_forward, but got SHARD_GRAD_OP with reshard_after_forward=True for CompositeParamModel"):
-        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.SHARD_GRAD_OP, reshard_after_forward=True)
-    with pytest.raises(ValueError, match=r"either strategy or reshard_after_forward, but got FULL_SHARD with reshard_after_forward=False"):
-        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.FULL_SHARD, reshard_after_forward=False)
-    for reshard in (True, False):
-        with pytest.raises(ValueError, match=rf"no reshard_after_forward with NO_SHARD \(parameters are never sharded\) but got reshard_after_forward={reshard} for CompositeParamModel"):
-            fully_shard(CompositeParamModel(), strategy=ShardingStrategy.NO_SHARD, reshard_after_forward=reshard)
-    with pytest.raises(ValueError, match=r"2D DeviceMesh for HYBRID_SHARD but got DeviceMesh\(\[0, 1\]\)"):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        fully_shard(CompositeParamModel(), strategy=ShardingStrategy.HYBRID_SHARD, mesh=init_device_mesh("cpu", (2,)))
-    model = CompositeParamModel()
-    with pytest.raises(ValueError, match=r"ignored_modules to be proper submodules of CompositeParamModel, but got CompositeParamModel itself"):
-        fully_shard(model, ignored_modules=[model])
+    for case, (error, match, call) in STRATEGY_ERRORS.items():
+        try:
+            with pytest.raises(error, match=match):
+                call()
+        except BaseException as failure:
+            failure.add_note(f"in case {case!r}")
+            raise
     # A module outside is skipped, as torch skips ignored parameters outside (one list, several units).
-    fully_shard(model, ignored_modules=[nn.Linear(2, 2)])
+    fully_shard(CompositeParamModel(), ignored_modules=[nn.Linear(2, 2)])

@@ -39,6 +39,7 @@ def _hang_on_rank_zero():
         time.sleep(60)
 
 
+@pytest.mark.slow  # kills the hung pool and starts a fresh one
 def test_hang_is_reported_with_stacks():
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"(?s)did not finish within 3s on ranks \[0\].*_hang_on_rank_zero"):

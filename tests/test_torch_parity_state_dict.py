@@ -263,38 +263,97 @@ def test_sharded_and_local_loads_after_a_no_grad_forward():
 
 
 # -- misuse torch rejects, and optim_state_dict's optim_state_dict argument --------------------------
+def _trained(name: str, use_orig_params: bool = False, rank1_leaves_out_block2: bool = False):
+    """The wrapped model after one step, its optimizer holding every parameter (or, on rank 1, all but block2's)."""
+    model = wrapped(name, use_orig_params)
+    left_out = {id(p) for p in model.block2.parameters()} if rank1_leaves_out_block2 and dist.get_rank() == 1 else set()
+    optim = torch.optim.Adam([p for p in model.parameters() if id(p) not in left_out], lr=1e-2)
+    train(model, optim, range(1))
+    return model, optim
+
+
+def _full_with_optim_input(name: str):
+    api = lib(name)
+    model, optim = _trained(name)
+    full = quiet(api.FSDP.full_optim_state_dict, model, optim, optim_input=list(model.parameters()), rank0_only=False)
+    return api, model, full
+
+
+def _set_state_dict_type_with_another_config(name: str) -> None:
+    api = lib(name)
+    quiet(api.FSDP.set_state_dict_type, wrapped(name, False), api.SDT.FULL_STATE_DICT, api.ShardedStateDictConfig())
+
+
+def _state_dict_type_with_another_config(name: str) -> None:
+    api = lib(name)
+    with quiet(api.FSDP.state_dict_type, wrapped(name, False), api.SDT.FULL_STATE_DICT, api.ShardedStateDictConfig()):
+        pass
+
+
+def _sharded_optim_state_dict(name: str, use_orig_params: bool) -> None:
+    api = lib(name)
+    model, optim = _trained(name, use_orig_params, rank1_leaves_out_block2=True)
+    with quiet(api.FSDP.state_dict_type, model, api.SDT.SHARDED_STATE_DICT):
+        api.FSDP.optim_state_dict(model, optim)
+
+
+def _full_optim_state_dict(name: str, use_orig_params: bool) -> None:
+    model, optim = _trained(name, use_orig_params, rank1_leaves_out_block2=True)
+    quiet(lib(name).FSDP.full_optim_state_dict, model, optim, rank0_only=False)
+
+
+def _shard_full(name: str) -> None:
+    api, model, full = _full_with_optim_input(name)
+    api.FSDP.shard_full_optim_state_dict(full, model, optim_input=list(model.parameters()))
+
+
+def _scatter_full(name: str) -> None:
+    api, model, full = _full_with_optim_input(name)
+    api.FSDP.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, model,
+                                           optim_input=list(model.parameters()))
+
+
+def _full_optim_state_dict_with_optim_input(name: str) -> None:
+    api = lib(name)
+    model, optim = _trained(name)
+    api.FSDP.full_optim_state_dict(model, optim, optim_input=list(model.parameters()), rank0_only=False)
+
+
+# One behaviour per row: (pytest.raises or pytest.warns, what, message pattern, the call given
+# "torch" or "ours"); each row runs against both libraries, all in one distributed body.
+MISUSE = {
+    # A config of another state-dict type: RuntimeError.
+    "set_state_dict_type_with_another_config": (
+        pytest.raises, RuntimeError, "ShardedStateDictConfig", _set_state_dict_type_with_another_config),
+    "state_dict_type_with_another_config": (
+        pytest.raises, RuntimeError, "ShardedStateDictConfig", _state_dict_type_with_another_config),
+    # optim_input: a FutureWarning on every call that takes it.
+    "full_optim_state_dict_optim_input": (
+        pytest.warns, FutureWarning, "optim_input", _full_optim_state_dict_with_optim_input),
+    "shard_full_optim_state_dict_optim_input": (pytest.warns, FutureWarning, "optim_input", _shard_full),
+    "scatter_full_optim_state_dict_optim_input": (pytest.warns, FutureWarning, "optim_input", _scatter_full),
+    # Ranks whose optimizers hold different parameters: RuntimeError, also for SHARDED.
+    "full_optim_state_dict_ranks_differ": (
+        pytest.raises, RuntimeError, "block2", lambda name: _full_optim_state_dict(name, False)),
+    "full_optim_state_dict_ranks_differ_orig_params": (
+        pytest.raises, RuntimeError, "block2", lambda name: _full_optim_state_dict(name, True)),
+    "sharded_optim_state_dict_ranks_differ": (
+        pytest.raises, RuntimeError, "block2", lambda name: _sharded_optim_state_dict(name, False)),
+    "sharded_optim_state_dict_ranks_differ_orig_params": (
+        pytest.raises, RuntimeError, "block2", lambda name: _sharded_optim_state_dict(name, True)),
+}
+
+
 @distributed(world_size=2)
 def test_misuse_is_rejected_as_torch_does():
-    for name in ("torch", "ours"):
-        api = lib(name)
-        model = wrapped(name, use_orig_params=False)
-        # A config of another state-dict type: RuntimeError.
-        with pytest.raises(RuntimeError, match="ShardedStateDictConfig"):
-            quiet(api.FSDP.set_state_dict_type, model, api.SDT.FULL_STATE_DICT, api.ShardedStateDictConfig())
-        with pytest.raises(RuntimeError, match="ShardedStateDictConfig"):
-            with quiet(api.FSDP.state_dict_type, model, api.SDT.FULL_STATE_DICT, api.ShardedStateDictConfig()):
-                pass
-        # optim_input: a FutureWarning on every call that takes it.
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        train(model, optim, range(1))
-        params = list(model.parameters())
-        with pytest.warns(FutureWarning, match="optim_input"):
-            full = api.FSDP.full_optim_state_dict(model, optim, optim_input=params, rank0_only=False)
-        with pytest.warns(FutureWarning, match="optim_input"):
-            api.FSDP.shard_full_optim_state_dict(full, model, optim_input=params)
-        with pytest.warns(FutureWarning, match="optim_input"):
-            api.FSDP.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, model, optim_input=params)
-        # Ranks whose optimizers hold different parameters: RuntimeError, also for SHARDED.
-        for use_orig_params in (False, True):
-            model = wrapped(name, use_orig_params)
-            left_out = {id(p) for p in model.block2.parameters()} if dist.get_rank() == 1 else set()
-            optim = torch.optim.Adam([p for p in model.parameters() if id(p) not in left_out], lr=1e-2)
-            train(model, optim, range(1))
-            with pytest.raises(RuntimeError, match="block2"):
-                quiet(api.FSDP.full_optim_state_dict, model, optim, rank0_only=False)
-            with quiet(api.FSDP.state_dict_type, model, api.SDT.SHARDED_STATE_DICT):
-                with pytest.raises(RuntimeError, match="block2"):
-                    api.FSDP.optim_state_dict(model, optim)
+    for case, (expect, what, match, call) in MISUSE.items():
+        for name in ("torch", "ours"):
+            try:
+                with expect(what, match=match):
+                    call(name)
+            except BaseException as failure:
+                failure.add_note(f"in case {case!r} with {name}")
+                raise
 
 
 @distributed(world_size=2)

@@ -217,6 +217,7 @@ def _session_alive(process: subprocess.Popen) -> bool:
 SMALL_FLAGS = ["--nproc", "2", "--layers", "2", "--dim", "32", "--seq", "16", "--batch", "8"]
 
 
+@pytest.mark.slow
 def test_command_trains_with_progress_summary_metrics_and_checkpoint(tmp_path):
     flags = [*SMALL_FLAGS, "--steps", "6", "--checkpoint-dir", "ckpt", "--checkpoint-every", "4", "--metrics", "metrics.jsonl", "--sample", "12"]
     code, out, err = _wait(_start(flags, tmp_path), tmp_path)
@@ -235,6 +236,7 @@ def test_command_trains_with_progress_summary_metrics_and_checkpoint(tmp_path):
     assert checkpoint.read_extra(tmp_path / "ckpt")["step"] == 6
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path):
     saving = ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1000", "--metrics", "metrics.jsonl"]
     process = _start([*SMALL_FLAGS, "--steps", "1000000", *saving], tmp_path)
@@ -257,6 +259,7 @@ def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path)
     assert steps == [*range(1, saved + 3), None]  # one continuous curve, then the summary
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
     process = _start([*SMALL_FLAGS, "--steps", "1000000", "--metrics", "metrics.jsonl"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 2, process)

@@ -141,12 +141,20 @@ def test_enable_wrap_merges_arguments_like_torch():
     assert results[0] == results[1] == ({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4})
 
 
-def test_enable_wrap_errors_and_restores_state():
-    with pytest.raises(TypeError, match="wrapper_cls"):
-        enable_wrap(a=1)
-    with pytest.raises(TypeError, match="enable_wrap expects wrapper_cls to be the wrapper class"):
-        with enable_wrap(wrapper_cls=None):
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param({"a": 1}, "wrapper_cls", id="no_wrapper_cls"),
+        pytest.param({"wrapper_cls": None}, "enable_wrap expects wrapper_cls to be the wrapper class", id="wrapper_cls_none"),
+    ],
+)
+def test_enable_wrap_bad_arguments(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        with enable_wrap(**kwargs):
             pass
+
+
+def test_enable_wrap_cannot_be_nested():
     with enable_wrap(wrapper_cls=Recorded, a=1):
         with pytest.raises(ValueError, match=r"enable_wrap cannot be nested.*wrapper_cls=Recorded"):
             with enable_wrap(wrapper_cls=Recorded, a=2):
@@ -154,6 +162,10 @@ def test_enable_wrap_errors_and_restores_state():
         assert wrap(nn.Linear(2, 2)).kwargs == {"a": 1}  # the outer block is still in force
     layer = nn.Linear(2, 2)
     assert wrap(layer) is layer
+
+
+def test_enable_wrap_restores_state_after_an_error():
+    layer = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="boom"):
         with enable_wrap(wrapper_cls=Recorded):
             raise RuntimeError("boom")

@@ -367,24 +367,55 @@ def test_flat_parameter_needs_uniform_dtype_and_requires_grad():
 
 
 # -- bad input ----------------------------------------------------------------------------------
-@distributed(world_size=4)
-def test_bad_input():
-    with pytest.raises(TypeError, match=r"^FullyShardedDataParallel expects an nn.Module but got Tensor$"):
-        FSDP(torch.ones(2))
+def _hybrid_groups_not_covering_the_world() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     rank = dist.get_rank()
     # new_group is collective: every rank creates every group, then picks its own.
     nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     uneven = [dist.new_group([0, 1, 2]), dist.new_group([3])]
-    with pytest.raises(ValueError, match=r"sizes multiply to the world size 4, but got sizes"):
-        FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU,
-             process_group=(nodes[rank // 2], uneven[0] if rank < 3 else uneven[1]))
-    same = nodes[rank // 2]
-    with pytest.raises(ValueError, match=r"to share exactly this rank"):
-        FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU, process_group=(same, same))
-    with pytest.raises(ValueError, match=r"Cannot pass both process_group and device_mesh"):
-        FSDP(MLP(4), process_group=dist.group.WORLD, device_mesh=hybrid_mesh("cpu", 2), device_id=CPU)
-    inner = FSDP(MLP(4), device_id=CPU)
-    with pytest.raises(ValueError, match=r"wrapped with FULL_SHARD and SHARD_GRAD_OP was requested"):
-        FSDP(inner, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU)
-    with pytest.raises(ValueError, match=r"SHARD_GRAD_OP expects one process group; a \(shard, replicate\) pair"):
-        FSDP(MLP(4), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU, process_group=(same, same))
+    return nodes[rank // 2], uneven[0] if rank < 3 else uneven[1]
+
+
+def _same_group_twice() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    same = nodes[dist.get_rank() // 2]
+    return same, same
+
+
+# One behaviour per row: (exception type, message pattern, the call that must raise it). The rows
+# share one distributed body (one task of the rank pool): as one task per row, the rows that make new
+# groups and raise left the pool's next task failing in gloo's connectFullMesh ("Connection closed
+# by peer"), and each task costs a rendezvous.
+BAD_INPUT = {
+    "not_a_module": (
+        TypeError, r"^FullyShardedDataParallel expects an nn.Module but got Tensor$",
+        lambda: FSDP(torch.ones(2))),
+    "hybrid_groups_not_covering_the_world": (
+        ValueError, r"sizes multiply to the world size 4, but got sizes",
+        lambda: FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU,
+                     process_group=_hybrid_groups_not_covering_the_world())),
+    "hybrid_groups_identical": (
+        ValueError, r"to share exactly this rank",
+        lambda: FSDP(MLP(4), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU,
+                     process_group=_same_group_twice())),
+    "process_group_and_device_mesh": (
+        ValueError, r"Cannot pass both process_group and device_mesh",
+        lambda: FSDP(MLP(4), process_group=dist.group.WORLD, device_mesh=hybrid_mesh("cpu", 2), device_id=CPU)),
+    "rewrap_with_another_strategy": (
+        ValueError, r"wrapped with FULL_SHARD and SHARD_GRAD_OP was requested",
+        lambda: FSDP(FSDP(MLP(4), device_id=CPU), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU)),
+    "group_pair_without_hybrid": (
+        ValueError, r"SHARD_GRAD_OP expects one process group; a \(shard, replicate\) pair",
+        lambda: FSDP(MLP(4), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU,
+                     process_group=_same_group_twice())),
+}
+
+
+@distributed(world_size=4)
+def test_bad_input():
+    for case, (error, match, call) in BAD_INPUT.items():
+        try:
+            with pytest.raises(error, match=match):
+                call()
+        except BaseException as failure:
+            failure.add_note(f"in case {case!r}")
+            raise

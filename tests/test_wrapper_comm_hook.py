@@ -99,22 +99,49 @@ def test_custom_hook_sees_each_unit_once():
     assert all(grad == 2 * output for grad, output in calls)
 
 
-@distributed(world_size=2)
-def test_register_comm_hook_errors():
-    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=CPU)
-    state = default_hooks.DefaultState(dist.group.WORLD)
-    with pytest.raises(TypeError, match="callable"):
-        model.register_comm_hook(state, "reduce_scatter")
+def _wrapped() -> FSDP:
+    return FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=CPU)
+
+
+def _hook_on_a_layer(state) -> None:
+    model = _wrapped()
     assert model.check_is_root()  # initializes the tree from the top; then the layers are not roots
-    with pytest.raises(RuntimeError, match="root"):
-        model.module.layers[0].register_comm_hook(state, default_hooks.reduce_scatter_hook)
+    model.module.layers[0].register_comm_hook(state, default_hooks.reduce_scatter_hook)
+
+
+def _hook_twice(state) -> None:
+    model = _wrapped()
+    assert model.check_is_root()
     model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
-    with pytest.raises(RuntimeError, match="already"):
-        model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+    model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+
+
+def _hook_on_hybrid(state) -> None:
     hybrid = FSDP(make_model(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=CPU,
                   device_mesh=_mesh_1x2(), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
-    with pytest.raises(RuntimeError, match="HYBRID_SHARD"):
-        hybrid.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+    hybrid.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+
+
+# One behaviour per row: (exception type, message pattern, the call that must raise it, given the
+# hook state), all in one distributed body so the table costs one task.
+COMM_HOOK_ERRORS = {
+    "hook_not_callable": (TypeError, "callable", lambda state: _wrapped().register_comm_hook(state, "reduce_scatter")),
+    "hook_on_a_non_root": (RuntimeError, "root", _hook_on_a_layer),
+    "hook_registered_twice": (RuntimeError, "already", _hook_twice),
+    "hook_with_hybrid_shard": (RuntimeError, "HYBRID_SHARD", _hook_on_hybrid),
+}
+
+
+@distributed(world_size=2)
+def test_register_comm_hook_errors():
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    for case, (error, match, call) in COMM_HOOK_ERRORS.items():
+        try:
+            with pytest.raises(error, match=match):
+                call(state)
+        except BaseException as failure:
+            failure.add_note(f"in case {case!r}")
+            raise
 
 
 def _mesh_1x2():
