@@ -13,7 +13,7 @@ from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from fullshard import ShardingStrategy, fully_shard
 from fullshard._core import comm
 from fullshard._core.state import get_state
-from fullshard.testing import DataParallelReference, assert_params_equal, distributed, mean_over
+from fullshard.testing import DataParallelReference, assert_params_equal, case, distributed, mean_over
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -169,12 +169,8 @@ STRATEGY_ERRORS = {
 
 @distributed(world_size=2)
 def test_strategy_errors():
-    for case, (error, match, call) in STRATEGY_ERRORS.items():
-        try:
-            with pytest.raises(error, match=match):
-                call()
-        except BaseException as failure:
-            failure.add_note(f"in case {case!r}")
-            raise
+    for name, (error, match, call) in STRATEGY_ERRORS.items():
+        with case(name), pytest.raises(error, match=match):
+            call()
     # A module outside is skipped, as torch skips ignored parameters outside (one list, several units).
     fully_shard(CompositeParamModel(), ignored_modules=[nn.Linear(2, 2)])

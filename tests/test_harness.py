@@ -101,3 +101,12 @@ def test_reference_casts_parameters_not_buffers():
     DataParallelReference(model, loss_fn, torch.bfloat16).backward([(torch.ones(1, 2),)] * 2)
     assert seen == [(torch.bfloat16, torch.float32)] * 2
     assert model.weight.dtype == model.weight.grad.dtype == model.scale.dtype == torch.float32
+
+
+def test_case_names_the_failing_row():
+    from fullshard.testing import case
+
+    with pytest.raises(ValueError) as raised:
+        with case("'bad_row'"):
+            raise ValueError("boom")
+    assert raised.value.__notes__ == ["in case 'bad_row'"]

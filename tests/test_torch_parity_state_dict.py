@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fullshard
-from fullshard.testing import clone_tree, distributed, full_value
+from fullshard.testing import case, clone_tree, distributed, full_value
 
 CPU = torch.device("cpu")
 
@@ -346,14 +346,10 @@ MISUSE = {
 
 @distributed(world_size=2)
 def test_misuse_is_rejected_as_torch_does():
-    for case, (expect, what, match, call) in MISUSE.items():
+    for row, (expect, what, match, call) in MISUSE.items():
         for name in ("torch", "ours"):
-            try:
-                with expect(what, match=match):
-                    call(name)
-            except BaseException as failure:
-                failure.add_note(f"in case {case!r} with {name}")
-                raise
+            with case(f"{row} with {name}"), expect(what, match=match):
+                call(name)
 
 
 @distributed(world_size=2)

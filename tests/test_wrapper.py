@@ -19,7 +19,7 @@ from fullshard import (
     hybrid_mesh,
 )
 from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
-from fullshard.testing import DataParallelReference, assert_params_equal, distributed, mean_over
+from fullshard.testing import DataParallelReference, assert_params_equal, case, distributed, mean_over
 from fullshard.wrap import ModuleWrapPolicy
 
 CPU = torch.device("cpu")
@@ -412,10 +412,6 @@ BAD_INPUT = {
 
 @distributed(world_size=4)
 def test_bad_input():
-    for case, (error, match, call) in BAD_INPUT.items():
-        try:
-            with pytest.raises(error, match=match):
-                call()
-        except BaseException as failure:
-            failure.add_note(f"in case {case!r}")
-            raise
+    for name, (error, match, call) in BAD_INPUT.items():
+        with case(name), pytest.raises(error, match=match):
+            call()

@@ -12,7 +12,7 @@ from torch.distributed.algorithms._comm_hooks import default_hooks
 from fullshard import FSDP, ShardingStrategy, StateDictType
 from fullshard.models import ModelArgs, Transformer, TransformerBlock
 from fullshard.wrap import ModuleWrapPolicy
-from fullshard.testing import distributed
+from fullshard.testing import case, distributed
 
 CPU = torch.device("cpu")
 ARGS = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=16)
@@ -135,13 +135,9 @@ COMM_HOOK_ERRORS = {
 @distributed(world_size=2)
 def test_register_comm_hook_errors():
     state = default_hooks.DefaultState(dist.group.WORLD)
-    for case, (error, match, call) in COMM_HOOK_ERRORS.items():
-        try:
-            with pytest.raises(error, match=match):
-                call(state)
-        except BaseException as failure:
-            failure.add_note(f"in case {case!r}")
-            raise
+    for name, (error, match, call) in COMM_HOOK_ERRORS.items():
+        with case(name), pytest.raises(error, match=match):
+            call(state)
 
 
 def _mesh_1x2():

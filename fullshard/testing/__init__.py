@@ -3,8 +3,10 @@
 - ``distributed(world_size)``: decorator that runs a pytest test on N gloo ranks.
 - ``run_distributed(fn, world_size, ...)``: the same for a plain function.
 - ``train_in_parity`` / ``assert_params_equal``: compare against a local model.
+- ``case(label)``: names the table row a failure came from (tables run in one spawn).
 """
 
+from .cases import case
 from .harness import RankFailure, RankTimeout, distributed, run_distributed
 from .parity import (
     DataParallelReference,
@@ -21,6 +23,7 @@ __all__ = [
     "RankFailure",
     "RankTimeout",
     "assert_params_equal",
+    "case",
     "clone_tree",
     "distributed",
     "full_value",
