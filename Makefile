@@ -12,14 +12,14 @@ TORCH_VERSIONS ?= 2.8.0 2.14.1
 CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py tests/test_wrapper.py \
 	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py
 
-.PHONY: install demo test test-fast bench clean check-torch
+.PHONY: install demo test test-fast lint bench clean check-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,plot]'  # plot: the suite also draws fullshard plan's chart
+	$(PY) -m pip install -q -e '.[test,plot,lint]'  # plot: the suite also draws fullshard plan's chart
 	touch $@
 
 install: $(VENV)/.installed
@@ -51,6 +51,12 @@ check-torch: $(addprefix check-torch-,$(TORCH_VERSIONS))
 
 check-torch-%: $(TORCH_VENVS)/torch-%/.installed
 	PYTHONPATH=$(CURDIR) $(TORCH_VENVS)/torch-$*/bin/python -m pytest -q $(CHECK_TORCH_TESTS) $(CHECK_TORCH_DESELECT_$*)
+
+# ruff (lint, import order, format) and mypy on the package; .ci/run runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check fullshard
+	$(VENV)/bin/ruff format --check fullshard
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) benchmarks/bench.py

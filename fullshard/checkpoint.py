@@ -46,7 +46,8 @@ import time
 import uuid
 import warnings
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -156,11 +157,18 @@ def _exactly_sized(tensor: torch.Tensor) -> torch.Tensor:
     """An alias of a contiguous CPU view whose storage is exactly its bytes.
     See [Note: Exactly-sized tensors for DCP]."""
     storage = tensor.untyped_storage()
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or storage.nbytes() == tensor.nbytes or not tensor.is_contiguous():
+    if (
+        tensor.device.type != "cpu"
+        or tensor.numel() == 0
+        or storage.nbytes() == tensor.nbytes
+        or not tensor.is_contiguous()
+    ):
         return tensor
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
     alias = torch.frombuffer(
-        memoryview(whole.numpy()), dtype=tensor.dtype, count=tensor.numel(),
+        memoryview(whole.numpy()),
+        dtype=tensor.dtype,
+        count=tensor.numel(),
         offset=tensor.storage_offset() * tensor.element_size(),
     )
     return alias.view(tensor.shape)
@@ -172,8 +180,9 @@ def _for_dcp(tree: Any) -> Any:
         local = _exactly_sized(tree._local_tensor)
         if local is tree._local_tensor:
             return tree
-        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False,
-                                  shape=tree.shape, stride=tree.stride())
+        return DTensor.from_local(
+            local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
+        )
     if isinstance(tree, torch.Tensor):
         return _exactly_sized(tree)
     if isinstance(tree, dict):
@@ -183,8 +192,9 @@ def _for_dcp(tree: Any) -> Any:
     return tree
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: Any = None) -> str:
+def save(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: Any = None
+) -> str:
     """Saves ``model`` (and ``optimizer``, and any picklable ``extra``) under ``path``.
 
     A collective when distributed: every rank calls it with the same ``path``.

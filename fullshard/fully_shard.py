@@ -15,19 +15,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Iterable, NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 import torch
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
+from ._core.init import root_modules, validate_dtensor_meshes, validate_module
 from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
-from ._core.init import root_modules, validate_dtensor_meshes, validate_module
 from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
 from .state_dict import default_settings, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
@@ -143,15 +143,19 @@ class FSDPModule:
         ``factor`` (default: averaged, i.e. divided by the number of ranks).
         For example 1.0 sums, for a loss that is already normalised globally."""
         if not factor > 0:
-            raise ValueError(f"set_gradient_divide_factor expects a positive factor but got {factor} for "
-                             f"{type(self).__name__}")
+            raise ValueError(
+                f"set_gradient_divide_factor expects a positive factor but got {factor} for {type(self).__name__}"
+            )
         for group in self._groups(recurse=False):
             group.reduce_settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of ``set_gradient_divide_factor``."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -190,11 +194,11 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.unshard_in_backward = unshard_in_backward
 
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gathers ``modules`` as soon as this module's forward starts (replaces implicit prefetch)."""
         self._fsdp_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
 
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gathers ``modules`` as soon as this module's backward starts (replaces implicit prefetch)."""
         self._fsdp_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
@@ -311,9 +315,12 @@ def fully_shard(
     ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
     if policy is not None:
         arguments = dict(
-            mesh=mesh_info.mesh, reshard_after_forward=requested_reshard, mp_policy=mp_policy,
+            mesh=mesh_info.mesh,
+            reshard_after_forward=requested_reshard,
+            mp_policy=mp_policy,
             shard_placement_fn=shard_placement_fn,
-            offload_policy=offload_policy, strategy=strategy,
+            offload_policy=offload_policy,
+            strategy=strategy,
         )
         for child, overrides in (item for root in roots for item in select_modules(root, policy, ignored)):
             below = set(child.modules())
@@ -398,8 +405,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if method is None or not callable(method):
         raise ValueError(
-            f"register_fsdp_forward_method expects {module_class_name(module)} to have a method "
-            f"{method_name!r}"
+            f"register_fsdp_forward_method expects {module_class_name(module)} to have a method {method_name!r}"
         )
 
     @functools.wraps(method)

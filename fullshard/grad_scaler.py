@@ -25,9 +25,9 @@ flag over the parameter's mesh, a second, hidden collective per (device, dtype).
 A parameter belongs to a group when the group contains every rank that holds a
 piece of it: all ranks of its ``DeviceMesh`` (shard, replicate and TP axes
 alike) for a DTensor, all ranks of its unit's mesh for the wrapper's flat
-parameter or plain shard views (``use_orig_params=True``). Skipping together only works over such a group, so ``unscale_``
-checks it and raises otherwise (a larger group is fine). Plain tensors carry no
-mesh; any group is accepted for them.
+parameter or plain shard views (``use_orig_params=True``). Skipping together
+only works over such a group, so ``unscale_`` checks it and raises otherwise (a
+larger group is fine). Plain tensors carry no mesh; any group is accepted for them.
 
 [Note: Where the scale lives]
 The scale is created on the device of the first tensor passed to ``scale`` (as
@@ -39,7 +39,8 @@ may live elsewhere (CPU offload); their flags are moved to the scale's device.
 from __future__ import annotations
 
 from collections import abc, defaultdict
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,8 +92,12 @@ class ShardedGradScaler(GradScaler):
         # CUDA; our scale follows the tensors, so it is told "cpu" (which only
         # skips that check) and keeps the requested device for reference.
         super().__init__(
-            "cpu", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, enabled=enabled,
+            "cpu",
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
         )
         self._device = device
         if process_group is not None and process_group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -238,7 +243,9 @@ class ShardedGradScaler(GradScaler):
             self._checked[(id(group), id(mesh))] = (group, mesh)  # holding them keeps the ids unique
         return group if group.size() > 1 else None
 
-    def _agree_on_found_inf(self, flags: dict[torch.device, torch.Tensor], group: Any) -> dict[torch.device, torch.Tensor]:
+    def _agree_on_found_inf(
+        self, flags: dict[torch.device, torch.Tensor], group: Any
+    ) -> dict[torch.device, torch.Tensor]:
         """This rank's flags summed into one on the scale's device, then MAXed over ``group``."""
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in flags.values():

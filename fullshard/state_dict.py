@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -261,7 +262,9 @@ def _save_params(
         state_dict[key] = value
 
 
-def _save_buffers_in_original_dtype(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+def _save_buffers_in_original_dtype(
+    state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+) -> None:
     for name, buffer in module._buffers.items():
         key = prefix + name
         if buffer is not None and id(buffer) in state.buffer_dtypes and key in state_dict:
@@ -308,9 +311,7 @@ def _load_params(
             del state_dict[key]
 
 
-def _load_flat_param(
-    state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, *args: Any
-) -> None:
+def _load_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     key = prefix + state.group.flat_param_home[1]
     if _settings(state).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
         # The original parameters' keys carry the values; keep nn.Module from
@@ -321,13 +322,13 @@ def _load_flat_param(
 def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
     inner = prefix + WRAPPER_PREFIX
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     inner = prefix + WRAPPER_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 def _strip_reported_prefix(module: nn.Module, incompatible_keys: Any) -> None:
@@ -375,7 +376,9 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _in_model_order(model: nn.Module, entries: dict[int, list[Entry]], params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+def _in_model_order(
+    model: nn.Module, entries: dict[int, list[Entry]], params: Iterable[torch.Tensor]
+) -> list[torch.Tensor]:
     """``params`` (an optimizer's) in ``model``'s parameter order. See [Note: Model order].
 
     Raises:
@@ -437,7 +440,9 @@ def optim_state_dict(
         RuntimeError: the ranks' optimizers hold states for different parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
-    settings = get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
+    settings = (
+        get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
+    )
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     offload = settings.optim_state_dict_config.offload_to_cpu
     entries = _param_entries(model)
@@ -447,8 +452,11 @@ def optim_state_dict(
         for saved_group, group in zip(saved["param_groups"], optim.param_groups)
         for index, param in zip(saved_group["params"], group["params"])
     }
-    stepped = [p for p in _in_model_order(model, entries, (p for g in optim.param_groups for p in g["params"]))
-               if index_of[id(p)] in saved["state"]]
+    stepped = [
+        p
+        for p in _in_model_order(model, entries, (p for g in optim.param_groups for p in g["params"]))
+        if index_of[id(p)] in saved["state"]
+    ]
     _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
     state: dict[str, dict[str, Any]] = {}
     for param in stepped:
@@ -464,8 +472,12 @@ def optim_state_dict(
 
 
 def _split_state(
-    values: dict[str, Any], param: torch.Tensor, shard_param: ShardParam | None, unit: ParamGroup | None,
-    full: bool, offload: bool,
+    values: dict[str, Any],
+    param: torch.Tensor,
+    shard_param: ShardParam | None,
+    unit: ParamGroup | None,
+    full: bool,
+    offload: bool,
 ) -> dict[str, Any]:
     """One parameter's optimizer states in the requested form. Scalar tensors (Adam's
     ``step``) are copies: the optimizer increments its own in place, and the
@@ -488,7 +500,9 @@ def _split_state(
     return result
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+def optim_state_dict_to_load(
+    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]
+) -> dict[str, Any]:
     """Turns an FQN-keyed optimizer state dict (full or sharded, any layout) into one
     that ``optim.load_state_dict`` accepts for ``model``'s current parameters."""
     return optim_state_dict_for_params(model, [group["params"] for group in optim.param_groups], optim_state_dict)
@@ -524,7 +538,9 @@ def optim_state_dict_for_params(
     return {"state": state, "param_groups": result_groups}
 
 
-def _groups_by_fqn(model: nn.Module, entries: dict[int, list], optim_state_dict: dict[str, Any]) -> list[list[torch.Tensor]]:
+def _groups_by_fqn(
+    model: nn.Module, entries: dict[int, list], optim_state_dict: dict[str, Any]
+) -> list[list[torch.Tensor]]:
     """``model``'s parameters (in model order) holding each saved group's FQNs."""
     groups = []
     for saved_group in optim_state_dict["param_groups"]:
@@ -554,7 +570,9 @@ def rekey_optim_state_dict(
     for param in ordered:
         owned = entries.get(id(param))
         if owned is None:
-            raise ValueError(f"rekey_optim_state_dict: an optimizer parameter is not a parameter of {type(model).__name__}")
+            raise ValueError(
+                f"rekey_optim_state_dict: an optimizer parameter is not a parameter of {type(model).__name__}"
+            )
         if len(owned) != 1:
             raise ValueError(
                 f"rekey_optim_state_dict expects one name per optimizer parameter but a flat parameter holds "
@@ -570,7 +588,9 @@ def rekey_optim_state_dict(
 
     return {
         "state": {rekey(k): v for k, v in optim_state_dict["state"].items()},
-        "param_groups": [{**g, "params": sorted(rekey(k) for k in g["params"])} for g in optim_state_dict["param_groups"]],
+        "param_groups": [
+            {**g, "params": sorted(rekey(k) for k in g["params"])} for g in optim_state_dict["param_groups"]
+        ],
     }
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch.nn as nn
 

@@ -27,13 +27,15 @@ import contextlib
 import enum
 import os
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import state_dict as state_dicts
 from ._core.common import UnitConfig, map_tensors, module_class_name
 from ._core.full_params import full_params
 from ._core.init import get_managed_modules
@@ -44,9 +46,9 @@ from ._core.state import ModuleState, get_state
 from .api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
-    FullOptimStateDictConfig,
     CPUOffload,
     CPUOffloadPolicy,
+    FullOptimStateDictConfig,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -55,7 +57,6 @@ from .api import (
     StateDictType,
 )
 from .clip import clip_grad_norm_
-from . import state_dict as state_dicts
 from .state_dict import default_settings, install_flat_param_hooks, install_prefix_hooks, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
 
@@ -140,15 +141,21 @@ class FullyShardedDataParallel(nn.Module):
         mesh_info = _mesh_info or _resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
         strategy, mesh_info = _no_shard_on_one_rank(strategy, mesh_info)
         settings = dict(
-            cpu_offload=cpu_offload, backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
-            param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
-            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
         )
         if auto_wrap_policy is not None:
             roots_groups = (process_group, device_mesh, device_id)
-            _wrap_selected(module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info,
-                           settings, roots_groups)
+            _wrap_selected(
+                module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info, settings, roots_groups
+            )
         _check_one_use_orig_params(module, use_orig_params)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
@@ -247,7 +254,7 @@ class FullyShardedDataParallel(nn.Module):
         for name, value in named:
             yield (name.replace(_PREFIX, "") if clean else name), value
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """Calls ``fn`` on every submodule, children first, with the full parameters
         visible and written back into the shards afterwards: how FSDP1 code
         (re)initialises a wrapped model, e.g. ``model.apply(init_weights)``.
@@ -381,8 +388,12 @@ class FullyShardedDataParallel(nn.Module):
     get_state_dict_type = staticmethod(state_dicts.get_state_dict_type)
 
     @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
-                         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
         """``optim``'s state keyed by parameter FQN, full or sharded like the model's
         state dict (see ``fullshard.state_dict.optim_state_dict``). ``optim_state_dict``:
         the index-keyed dict to convert instead of ``optim.state_dict()``."""
@@ -390,9 +401,14 @@ class FullyShardedDataParallel(nn.Module):
         return state_dicts.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
-                                 is_named_optimizer: bool = False, load_directly: bool = False,
-                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
         """The FQN-keyed ``optim_state_dict`` in the form ``optim.load_state_dict`` takes
         (loaded right away with ``load_directly``).
 
@@ -412,8 +428,13 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- FSDP1's older optimizer-state calls, as compositions of the two above -----------------
     @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: OptimInput = None,
-                              rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: OptimInput = None,
+        rank0_only: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
         """``optim_state_dict`` under FULL_STATE_DICT (CPU tensors; ``{}`` off rank 0
         with ``rank0_only``), whatever the model's state-dict type. A collective.
 
@@ -426,8 +447,9 @@ class FullyShardedDataParallel(nn.Module):
             return state_dicts.optim_state_dict(model, optim)
 
     @staticmethod
-    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+    ) -> dict[str, Any]:
         """``optim_state_dict`` under SHARDED_STATE_DICT: states as DTensor shards,
         whatever the model's state-dict type (load with ``optim_state_dict_to_load``)."""
         _warn_if_group_given(group, "FSDP.sharded_optim_state_dict")
@@ -435,9 +457,12 @@ class FullyShardedDataParallel(nn.Module):
             return state_dicts.optim_state_dict(model, optim)
 
     @staticmethod
-    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
-                                    optim_input: OptimInput = None,
-                                    optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: OptimInput = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
         """This rank's part of an FQN-keyed optimizer state dict, keyed by index for
         ``optim.load_state_dict``. Without ``optim``, the optimizer's parameters are
         ``optim_input`` (its parameters or param groups), else ``model.parameters()``.
@@ -446,7 +471,10 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: ``full_optim_state_dict`` is keyed by index (rekey it to PARAM_NAME first).
         """
-        keys = [*full_optim_state_dict["state"], *(k for g in full_optim_state_dict["param_groups"] for k in g["params"])]
+        keys = [
+            *full_optim_state_dict["state"],
+            *(k for g in full_optim_state_dict["param_groups"] for k in g["params"]),
+        ]
         if not all(isinstance(key, str) for key in keys):
             raise ValueError(
                 "shard_full_optim_state_dict expects an optimizer state dict keyed by parameter name: convert it "
@@ -456,9 +484,13 @@ class FullyShardedDataParallel(nn.Module):
         return state_dicts.optim_state_dict_for_params(model, groups, full_optim_state_dict)
 
     @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
-                                      optim_input: OptimInput = None, optim: torch.optim.Optimizer | None = None,
-                                      group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: OptimInput = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
         """``shard_full_optim_state_dict`` of the dict given on ``group``'s first rank
         (the other ranks may pass None): it is broadcast over ``group`` (default: all
         ranks), so only one rank needs to load the checkpoint. A collective."""
@@ -473,16 +505,21 @@ class FullyShardedDataParallel(nn.Module):
         return FullyShardedDataParallel.shard_full_optim_state_dict(holder[0], model, optim_input, optim)
 
     @staticmethod
-    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
-                                         optim: torch.optim.Optimizer) -> dict[str, Any]:
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
         """``sharded_optim_state_dict``'s output in the form ``optim.load_state_dict``
         takes: ``optim_state_dict_to_load`` (which reads any layout)."""
         return FullyShardedDataParallel.optim_state_dict_to_load(model, optim, sharded_optim_state_dict)
 
     @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
-                               model: nn.Module, optim_input: OptimInput = None,
-                               optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: OptimInput = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
         """``optim_state_dict`` keyed by parameter name or by index (``optim_state_dict``
         itself when already so): to load a wrapped model's full dict into an
         unwrapped model's optimizer, or the reverse. Indices follow ``optim``'s
@@ -503,7 +540,7 @@ class FullyShardedDataParallel(nn.Module):
         return state_dicts.rekey_optim_state_dict(optim_state_dict, by_name, model, groups)
 
     @staticmethod
-    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """The wrappers in ``module``'s tree (only the outermost ones with ``root_only``)."""
         wrappers = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
@@ -520,14 +557,17 @@ _applying = False  # inside a wrapper's apply: the wrappers below it run nn.Modu
 OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 
 
-def _param_groups(optim: torch.optim.Optimizer | None, optim_input: OptimInput, caller: str) -> list[list[torch.Tensor]] | None:
+def _param_groups(
+    optim: torch.optim.Optimizer | None, optim_input: OptimInput, caller: str
+) -> list[list[torch.Tensor]] | None:
     """The optimizer's parameters per group: ``optim``'s, else ``optim_input``'s (its
     constructor argument: parameters or param-group dicts), else None."""
     if optim_input is not None:
         warnings.warn(
             f"{caller}: the optim_input argument is deprecated (as in PyTorch's FSDP); pass optim instead, "
             "or neither to use the model's parameters",
-            FutureWarning, stacklevel=3,
+            FutureWarning,
+            stacklevel=3,
         )
     if optim is not None:
         return [list(group["params"]) for group in optim.param_groups]
@@ -566,7 +606,8 @@ def _no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tu
     warnings.warn(
         f"FullyShardedDataParallel switches from {strategy} to ShardingStrategy.NO_SHARD: the "
         "process group has one rank, so there is nothing to shard",
-        UserWarning, stacklevel=3,
+        UserWarning,
+        stacklevel=3,
     )
     return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
 
@@ -653,8 +694,7 @@ def _resolve_mesh(
     """FSDP1's rules for which groups a unit shards and replicates over."""
     if process_group is not None and device_mesh is not None:
         raise ValueError(
-            "Cannot pass both process_group and device_mesh at the same time. "
-            "Please just pass only one of them."
+            "Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them."
         )
     device_type = _device_type(device_id)
     if strategy in HYBRID_STRATEGIES:
@@ -665,8 +705,7 @@ def _resolve_mesh(
         if process_group is None:
             if policy is None:
                 raise ValueError(
-                    f"Manual wrapping with {strategy} requires explicit specification of process "
-                    "group or device_mesh."
+                    f"Manual wrapping with {strategy} requires explicit specification of process group or device_mesh."
                 )
             return MeshInfo.for_fully_shard(hybrid_mesh(device_type))
         if not (
@@ -724,7 +763,9 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
         full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
         flat_param=not settings["use_orig_params"],
-        presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD) if settings["use_orig_params"] else None,
+        presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD)
+        if settings["use_orig_params"]
+        else None,
         sync_module_states=settings["sync_module_states"],
     )
 
@@ -754,8 +795,11 @@ def _wrap_selected(
         child_mesh = mesh_info
         if {"sharding_strategy", "process_group", "device_mesh"} & set(overrides):
             child_mesh = _resolve_mesh(
-                overrides.get("process_group", process_group), overrides.get("device_mesh", device_mesh),
-                child_strategy, policy, device_id,
+                overrides.get("process_group", process_group),
+                overrides.get("device_mesh", device_mesh),
+                child_strategy,
+                policy,
+                device_id,
             )
         below = set(child.modules())
         ignored_below = [m for m in ignored_modules if m in below]

@@ -29,8 +29,8 @@ parameter bytes (all-gather in forward and in backward, one reduce-scatter).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,9 +69,7 @@ def record_comms() -> Iterator[list[CommRecord]]:
 
 
 def _notify(op: str, group: dist.ProcessGroup, counted: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    record = CommRecord(
-        op, group, counted.numel() * counted.element_size(), counted.dtype, group.size()
-    )
+    record = CommRecord(op, group, counted.numel() * counted.element_size(), counted.dtype, group.size())
     for listener in list(_listeners):
         listener(record, tensors)
 

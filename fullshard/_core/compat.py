@@ -16,7 +16,7 @@ transitions under ``torch.func.jvp``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,10 @@ def all_gather_into(
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup,
     async_op: bool,
 ) -> dist.Work | None:
     """The backend's native reduce-scatter of ``input`` into ``output``."""
@@ -85,7 +88,10 @@ def native_device_type(group: dist.ProcessGroup, device_type: str) -> bool:
 
 
 def dtensor_of_local(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size,
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
     stride: tuple[int, ...],
 ) -> DTensor:
     """A DTensor around ``local`` exactly as it is, with no copy and no device move.

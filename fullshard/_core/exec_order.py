@@ -44,7 +44,7 @@ def validation_enabled() -> bool:
 class ExecOrderValidator:
     """See [Note: Execution order]."""
 
-    def __init__(self, groups: list["ParamGroup"]) -> None:
+    def __init__(self, groups: list[ParamGroup]) -> None:
         self.groups = groups  # the root's order: a unit's index names it across ranks
         self.index = {id(group): i for i, group in enumerate(groups)}
         self.iteration = -1
@@ -58,9 +58,7 @@ class ExecOrderValidator:
         self.iteration += 1
         self.forward = []
 
-    def _fingerprint(
-        self, kind: str, group: "ParamGroup", collective: bool, params: list | None = None
-    ) -> _Fingerprint:
+    def _fingerprint(self, kind: str, group: ParamGroup, collective: bool, params: list | None = None) -> _Fingerprint:
         shapes = tuple((clean_fqn(p.fqn), tuple(p.global_size)) for p in params or group.params)
         return (kind, self.index[id(group)], collective, shapes)
 
@@ -72,13 +70,13 @@ class ExecOrderValidator:
         listing = ", ".join(f"{name} {list(shape)}" for name, shape in shapes)
         return f"unit {index} ({listing})"
 
-    def _union(self, fingerprints: list[_Fingerprint]) -> list[tuple["ParamGroup", list[str]]]:
+    def _union(self, fingerprints: list[_Fingerprint]) -> list[tuple[ParamGroup, list[str]]]:
         """(unit, FQNs of its parameters involved) for each collective some rank asked
         for, in the root's order."""
         wanted = sorted({(f[1], f[3]) for f in fingerprints if f[2]})
         return [(self.groups[index], [name for name, _ in shapes]) for index, shapes in wanted]
 
-    def gate_forward(self, group: "ParamGroup", gathers: bool) -> list[tuple["ParamGroup", list[str]]] | None:
+    def gate_forward(self, group: ParamGroup, gathers: bool) -> list[tuple[ParamGroup, list[str]]] | None:
         """Before a unit's forward. Returns None if all ranks agree, else the
         collectives every rank must run, in order (see ``_union``)."""
         self._record_forward(group)
@@ -96,15 +94,15 @@ class ExecOrderValidator:
         return self._union(fingerprints)
 
     def gate(
-        self, kind: str, group: "ParamGroup", collective: bool = True, params: list | None = None
-    ) -> list[tuple["ParamGroup", list[str]]] | None:
+        self, kind: str, group: ParamGroup, collective: bool = True, params: list | None = None
+    ) -> list[tuple[ParamGroup, list[str]]] | None:
         """Before a backward all-gather (``kind="backward"``) or a reduction of
         ``params`` (``"reduce"``)."""
         mine = self._fingerprint(kind, group, collective, params)
         fingerprints = self._exchange(mine)
         return None if all(f == mine for f in fingerprints) else self._union(fingerprints)
 
-    def _record_forward(self, group: "ParamGroup") -> None:
+    def _record_forward(self, group: ParamGroup) -> None:
         index = self.index[id(group)]
         position = len(self.forward)
         self.forward.append(index)

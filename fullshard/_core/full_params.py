@@ -10,7 +10,7 @@ lists exactly the original model's parameters.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 

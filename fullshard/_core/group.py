@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,7 @@ class ParamGroup:
         self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
         self._partial_grads: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
         self.module_fqn = ""  # set at lazy init
-        self.ctx: "IterationContext | None" = None  # set at lazy init
+        self.ctx: IterationContext | None = None  # set at lazy init
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: _AllGatherInFlight | None = None
@@ -148,9 +149,7 @@ class ParamGroup:
         """(Re)packs this rank's shards into one flat buffer. See [Note: Unit buffers]."""
         on_meta = any(s.is_meta for s in shards)
         device = torch.device("meta") if on_meta else self.storage_device
-        self.storage_layout = Layout.build(
-            [p.shard_numel for p in self.params], [s.dtype for s in shards]
-        )
+        self.storage_layout = Layout.build([p.shard_numel for p in self.params], [s.dtype for s in shards])
         buffer = torch.zeros(self.storage_layout.total, dtype=self.storage_layout.dtype, device=device)
         if self._pin_memory and not on_meta:
             buffer = buffer.pin_memory()
@@ -304,14 +303,10 @@ class ParamGroup:
             else:
                 output = source
             padded = [
-                torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=self.device)
-                for p in self.params
+                torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=self.device) for p in self.params
             ]
             self.storage_layout.copy_out(output, shard.size, padded, self._split_views(padded))
-        return [
-            p.unsharded_view(t) if keep else None
-            for p, t, keep in zip(self.params, padded, present)
-        ]
+        return [p.unsharded_view(t) if keep else None for p, t, keep in zip(self.params, padded, present)]
 
     def _grads_in_storage_layout(self) -> tuple[torch.Tensor, list[bool]]:
         if self.flat_param is not None:
@@ -596,7 +591,11 @@ class ParamGroup:
         self._maybe_finish_backward()
 
     def _maybe_finish_backward(self) -> None:
-        if not self._awaiting_grads and not self._uses_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
+        if (
+            not self._awaiting_grads
+            and not self._uses_in_backward
+            and self.training_state is TrainingState.PRE_BACKWARD
+        ):
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -667,12 +666,14 @@ class ParamGroup:
         given = dict(zip(params, grads))
         params = [p for p in self.params if p in given or p in self._partial_grads]
         grads = [given[p] if p in given else self._zero_grad(p) for p in params]
-        partial = torch.cat([
-            self._partial_grads.pop(p)
-            if p in self._partial_grads
-            else torch.zeros(p.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            for p in params
-        ])
+        partial = torch.cat(
+            [
+                self._partial_grads.pop(p)
+                if p in self._partial_grads
+                else torch.zeros(p.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                for p in params
+            ]
+        )
         return params, grads, partial
 
     def _zero_grad(self, param: ShardParam) -> torch.Tensor:
@@ -773,8 +774,7 @@ class ParamGroup:
 
     def _has_pending_grads(self) -> bool:
         return any(
-            p.unsynced_grad is not None
-            or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+            p.unsynced_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
             for p in self.params
         )
 
@@ -806,4 +806,3 @@ def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
             grad = grad.redistribute(placements=param.tp_placements)
         grad = grad._local_tensor
     return grad
-

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -126,8 +127,7 @@ def shard_dims(
             continue
         if type(placement) is not Shard:
             raise ValueError(
-                f"fully_shard expects shard_placement_fn to return Shard(dim) or None but got {placement!r} "
-                f"for {name}"
+                f"fully_shard expects shard_placement_fn to return Shard(dim) or None but got {placement!r} for {name}"
             )
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.ndim:

@@ -42,7 +42,7 @@ class Layout:
     total: int
 
     @staticmethod
-    def build(numels: list[int], dtypes: list[torch.dtype]) -> "Layout":
+    def build(numels: list[int], dtypes: list[torch.dtype]) -> Layout:
         """Packs chunks of ``numels[i]`` elements of ``dtypes[i]``."""
         if len(set(dtypes)) <= 1:
             dtype = dtypes[0] if dtypes else torch.float32
@@ -60,7 +60,7 @@ class Layout:
             total += numel * dtype.itemsize
         return Layout(torch.uint8, tuple(offsets), tuple(sizes), total)
 
-    def scaled(self, factor: int) -> "Layout":
+    def scaled(self, factor: int) -> Layout:
         """The layout of ``factor`` consecutive chunks of every parameter."""
         return Layout(
             self.dtype,

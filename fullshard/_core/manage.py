@@ -7,7 +7,7 @@ knows which front end called.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch.nn as nn
 
@@ -93,7 +93,9 @@ def manage_module(
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
-    owner = "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
+    owner = (
+        "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
+    )
     claim_params(params, owner)
     group = ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard, owner) if shard_params else None
     return ModuleState(roots, group, config, device, buffer_dtypes)

@@ -33,11 +33,11 @@ class GroupInfo:
     rank: int
 
     @staticmethod
-    def trivial() -> "GroupInfo":
+    def trivial() -> GroupInfo:
         return GroupInfo(None, 1, 0)
 
     @staticmethod
-    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> "GroupInfo":
+    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
         return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
 
 
@@ -48,21 +48,17 @@ class MeshInfo:
         self.mesh = mesh
         self.shard_axis = shard_axis
         self.replicate_axis = replicate_axis
-        self.shard = (
-            GroupInfo.of_mesh_axis(mesh, shard_axis) if shard_axis is not None else GroupInfo.trivial()
-        )
+        self.shard = GroupInfo.of_mesh_axis(mesh, shard_axis) if shard_axis is not None else GroupInfo.trivial()
         self.replicate = (
-            GroupInfo.of_mesh_axis(mesh, replicate_axis)
-            if replicate_axis is not None
-            else GroupInfo.trivial()
+            GroupInfo.of_mesh_axis(mesh, replicate_axis) if replicate_axis is not None else GroupInfo.trivial()
         )
 
     @staticmethod
-    def for_fully_shard(mesh: DeviceMesh) -> "MeshInfo":
+    def for_fully_shard(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, shard_axis=mesh.ndim - 1, replicate_axis=0 if mesh.ndim == 2 else None)
 
     @staticmethod
-    def for_replicate(mesh: DeviceMesh) -> "MeshInfo":
+    def for_replicate(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, shard_axis=None, replicate_axis=0)
 
     @property
@@ -227,6 +223,8 @@ def mesh_from_groups(
                 )
             layout[replica] = ranks
         return DeviceMesh.from_group(
-            [replicate_group, shard_group], device_type, mesh=torch.tensor(layout),
+            [replicate_group, shard_group],
+            device_type,
+            mesh=torch.tensor(layout),
             mesh_dim_names=("replicate", "shard"),
         )

@@ -19,7 +19,8 @@ is one path, the device chosen by the mesh.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -108,7 +108,7 @@ class ShardParam:
         # Gradient summed over steps without sync, in the reduce dtype (1D or ND).
         self.unsynced_grad: torch.Tensor | None = None
         # Called once autograd accumulated this step's gradient (set by ParamGroup).
-        self.on_grad_ready: Callable[["ShardParam"], None] | None = None
+        self.on_grad_ready: Callable[[ShardParam], None] | None = None
 
     def _init_tensor_parallel(self, param: DTensor) -> torch.Tensor:
         spec = param._spec
@@ -129,9 +129,7 @@ class ShardParam:
         self.tp_mesh, self.tp_placements = tp_mesh, tuple(spec.placements)
         # TP cuts dim 0 first when it shards it; our dim-0 chunks then live
         # inside each TP chunk, which DTensor spells _StridedShard.
-        num_tp_chunks = math.prod(
-            tp_mesh.size(i) for i, p in enumerate(self.tp_placements) if p.is_shard(0)
-        )
+        num_tp_chunks = math.prod(tp_mesh.size(i) for i, p in enumerate(self.tp_placements) if p.is_shard(0))
         shard_placement = compat.StridedShard(0, split_factor=num_tp_chunks) if num_tp_chunks > 1 else Shard(0)
         info = self.mesh_info
         if info.shard_axis is None:
@@ -258,9 +256,7 @@ class ShardParam:
                 return value
             value = value.full_tensor()
         if tuple(value.shape) != tuple(self.global_size):
-            raise ValueError(
-                f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}"
-            )
+            raise ValueError(f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}")
         device = self.local_shard.device if self.local_shard.device.type not in ("cpu", "meta") else value.device
         return distribute_tensor(value.to(device), self.spmd_mesh, self.placements, src_data_rank=None)
 
@@ -277,12 +273,7 @@ class ShardParam:
         """The unsharded parameter's padded flat storage, allocated (1D)."""
         numel = self.mesh_info.shard.size * self.shard_numel
         padded = self._padded_unsharded
-        if (
-            padded is None
-            or self.aliases_shard
-            or padded.device != device
-            or padded.dtype != self.param_dtype
-        ):
+        if padded is None or self.aliases_shard or padded.device != device or padded.dtype != self.param_dtype:
             padded = torch.empty(numel, dtype=self.param_dtype, device=device)
             self._padded_unsharded = padded
             self.unsharded_param = None
@@ -304,8 +295,12 @@ class ShardParam:
         data = self.unsharded_view(padded)
         if self.tp_mesh is not None:
             data = DTensor.from_local(
-                data, self.tp_mesh, self.tp_placements, run_check=False,
-                shape=self.global_size, stride=self.global_stride,
+                data,
+                self.tp_mesh,
+                self.tp_placements,
+                run_check=False,
+                shape=self.global_size,
+                stride=self.global_stride,
             )
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
         self._hooked = False
@@ -331,8 +326,12 @@ class ShardParam:
         if self.tp_mesh is None:
             return value
         return DTensor.from_local(
-            value, self.tp_mesh, self.tp_placements, run_check=False,
-            shape=self.global_size, stride=self.global_stride,
+            value,
+            self.tp_mesh,
+            self.tp_placements,
+            run_check=False,
+            shape=self.global_size,
+            stride=self.global_stride,
         )
 
     def _register(self, param: nn.Parameter) -> None:

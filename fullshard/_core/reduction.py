@@ -28,8 +28,9 @@ every micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,7 @@ if TYPE_CHECKING:
     from .mesh import GroupInfo
 
 
-def _averaging(
-    dtype: torch.dtype, world: int, sum_only: bool = False
-) -> tuple[dist.ReduceOp.RedOpType, float, float]:
+def _averaging(dtype: torch.dtype, world: int, sum_only: bool = False) -> tuple[dist.ReduceOp.RedOpType, float, float]:
     """(op, pre-divide factor, post-divide factor) for an average over ``world``
     ranks; ``sum_only``: with SUM even where AVG would do."""
     if (dtype != torch.float16 and not sum_only) or world == 1:
@@ -113,7 +112,7 @@ class ReduceSettings:
     post_reduce_hook: Callable[[torch.Tensor], None] | None = None  # sees each final reduced shard
     sum_only: bool = False  # average with SUM and divisions, never ReduceOp.AVG
 
-    def partial_only(self, replicate: "GroupInfo") -> bool:
+    def partial_only(self, replicate: GroupInfo) -> bool:
         return not self.all_reduce and replicate.size > 1
 
 
@@ -125,8 +124,8 @@ class GradReduction:
         grads: list[torch.Tensor],
         shard_numels: list[int],
         shard_dims: list[int],
-        shard: "GroupInfo",
-        replicate: "GroupInfo",
+        shard: GroupInfo,
+        replicate: GroupInfo,
         reduce_dtype: torch.dtype,
         on_done: Callable[[torch.Tensor], None],
         settings: ReduceSettings | None = None,
@@ -176,12 +175,12 @@ class GradReduction:
         else:
             hook(state, reduced, self._output)
 
-    def _all_reduce(self, replicate: "GroupInfo", partial: torch.Tensor | None) -> None:
+    def _all_reduce(self, replicate: GroupInfo, partial: torch.Tensor | None) -> None:
         if partial is not None:
             self._output.add_(partial)
         self._collective(comm.all_reduce, replicate, self._output)
 
-    def _collective(self, fn: Callable, group: "GroupInfo", *tensors: torch.Tensor) -> None:
+    def _collective(self, fn: Callable, group: GroupInfo, *tensors: torch.Tensor) -> None:
         op, pre, post = (
             (dist.ReduceOp.SUM, 1.0, 1.0) if self._sum else _averaging(self._output.dtype, group.size, self._sum_only)
         )

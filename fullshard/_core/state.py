@@ -10,11 +10,12 @@ end-of-backward callback drains reductions and returns every unit to IDLE.
 [Note: Prefetch]
 Forward: units run in the same order every step, so the order recorded in the
 previous step names the next unit; its all-gather is issued (once the current
-unit's own gather is finished) and runs while the current unit computes. Backward: the unit that ran before the current one in this
-step's forward. On CPU the overlap comes from gloo's asynchronous work
-handles; on accelerators the backend runs the collective on its own stream and
-``Work.wait`` makes the compute stream wait for it. Every rank derives the same
-decisions from the same order, so collectives stay matched. Explicit lists
+unit's own gather is finished) and runs while the current unit computes.
+Backward: the unit that ran before the current one in this step's forward. On
+CPU the overlap comes from gloo's asynchronous work handles; on accelerators the
+backend runs the collective on its own stream and ``Work.wait`` makes the
+compute stream wait for it. Every rank derives the same decisions from the same
+order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
 implicit choice.
 
@@ -44,10 +45,10 @@ from .exec_order import ExecOrderValidator, validation_enabled
 from .group import ParamGroup, UnitUse
 from .reduction import ReductionQueue
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 
 
-def get_state(module: nn.Module) -> "ModuleState | None":
+def get_state(module: nn.Module) -> ModuleState | None:
     return _STATES.get(module)
 
 
@@ -68,7 +69,7 @@ class IterationContext:
         self.is_last_backward = True
         self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
 
-    def begin_iteration(self, root: "ModuleState") -> None:
+    def begin_iteration(self, root: ModuleState) -> None:
         self.iteration_root = root
         if self.validator is not None:
             self.validator.begin_iteration()
@@ -226,7 +227,7 @@ class ModuleState:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
         self._init_fqns(states)
 
-    def _init_fqns(self, states: list["ModuleState"]) -> None:
+    def _init_fqns(self, states: list[ModuleState]) -> None:
         by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
         for name, param in (item for root in self.modules for item in root.named_parameters()):
             if param in by_param:

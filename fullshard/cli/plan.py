@@ -56,34 +56,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--vocab", type=int, help="vocabulary size")
     model.add_argument("--seq", type=int, help="sequence length (max_seq_len, and the tokens per sequence)")
     setup = parser.add_argument_group("training setup")
-    setup.add_argument("--world-size", type=world_sizes, nargs="+", metavar="N|A-B",
-                       help=f"ranks: values and/or power-of-two ranges (default 8; with --plot {_PLOT_WORLD_SIZES})")
-    setup.add_argument("--strategy", nargs="+", choices=[*STRATEGIES, "all"], default=None,
-                       help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), hybrid; "
-                            "default full (all with --plot)")
+    setup.add_argument(
+        "--world-size",
+        type=world_sizes,
+        nargs="+",
+        metavar="N|A-B",
+        help=f"ranks: values and/or power-of-two ranges (default 8; with --plot {_PLOT_WORLD_SIZES})",
+    )
+    setup.add_argument(
+        "--strategy",
+        nargs="+",
+        choices=[*STRATEGIES, "all"],
+        default=None,
+        help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), hybrid; default full (all with --plot)",
+    )
     setup.add_argument("--ranks-per-node", type=int, default=8, help="hybrid: shard within groups of this size")
     setup.add_argument("--batch", type=int, default=1, help="sequences per rank and step")
-    setup.add_argument("--mixed-precision", choices=list(_MIXED_PRECISION), default="none",
-                       help="compute (and all-gather) dtype; gradients are reduced in fp32")
+    setup.add_argument(
+        "--mixed-precision",
+        choices=list(_MIXED_PRECISION),
+        default="none",
+        help="compute (and all-gather) dtype; gradients are reduced in fp32",
+    )
     setup.add_argument("--cpu-offload", action="store_true", help="shards, gradients and optimizer states on the host")
-    setup.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                       help="where the step runs: some kernels' temporaries differ (AdamW, gradient padding)")
+    setup.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="where the step runs: some kernels' temporaries differ (AdamW, gradient padding)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--memory-limit", type=float, metavar="GIB", help="device memory: mark what fits")
-    output.add_argument("--plot", metavar="PATH", help="draw peak memory against world size per strategy "
-                                                     "(needs matplotlib: pip install 'fullshard[plot]')")
+    output.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="draw peak memory against world size per strategy (needs matplotlib: pip install 'fullshard[plot]')",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     pyplot = load_pyplot() if args.plot else None  # before any work: a missing extra fails at once
     model = get_preset(
-        args.model, n_layers=args.layers, dim=args.dim, n_heads=args.heads,
-        vocab_size=args.vocab, max_seq_len=args.seq,
+        args.model,
+        n_layers=args.layers,
+        dim=args.dim,
+        n_heads=args.heads,
+        vocab_size=args.vocab,
+        max_seq_len=args.seq,
     )
     plans, skipped = build_plans(args, model)
     if skipped:
-        print(f"(hybrid skips world sizes that are not multiples of {args.ranks_per_node}: "
-              f"{', '.join(map(str, skipped))})")
+        print(
+            f"(hybrid skips world sizes that are not multiples of {args.ranks_per_node}: "
+            f"{', '.join(map(str, skipped))})"
+        )
     if not plans:
         raise SystemExit("fullshard plan: nothing to estimate")
     print(describe_setup(args, plans[0].config))
@@ -100,8 +126,9 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
     """A plan per (strategy, world size), and the world sizes hybrid cannot split into nodes."""
     strategies = args.strategy or (["all"] if args.plot else ["full"])
     strategies = list(STRATEGIES) if "all" in strategies else list(dict.fromkeys(strategies))
-    sizes = sorted({size for group in args.world_size or [world_sizes(_PLOT_WORLD_SIZES if args.plot else "8")]
-                    for size in group})
+    sizes = sorted(
+        {size for group in args.world_size or [world_sizes(_PLOT_WORLD_SIZES if args.plot else "8")] for size in group}
+    )
     compute = _MIXED_PRECISION[args.mixed_precision]
     plans, skipped = [], []
     for strategy in strategies:
@@ -111,9 +138,15 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
                 continue
             try:
                 config = PlanConfig(
-                    model, size, strategy, ranks_per_node=args.ranks_per_node, batch_size=args.batch,
-                    param_dtype=compute, reduce_dtype=torch.float32 if compute else None,
-                    cpu_offload=args.cpu_offload, device=args.device,
+                    model,
+                    size,
+                    strategy,
+                    ranks_per_node=args.ranks_per_node,
+                    batch_size=args.batch,
+                    param_dtype=compute,
+                    reduce_dtype=torch.float32 if compute else None,
+                    cpu_offload=args.cpu_offload,
+                    device=args.device,
                 )
             except ValueError as exc:
                 raise SystemExit(f"fullshard plan: {exc}") from None
@@ -124,19 +157,28 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
 def describe_setup(args: argparse.Namespace, config: PlanConfig) -> str:
     precision = "fp32 compute" if config.param_dtype is None else f"{args.mixed_precision} compute, fp32 reduce"
     offload = ", CPU offload" if config.cpu_offload else ""
-    return (f"{args.model}: {describe_model(config.model)}\n"
-            f"{config.batch_size} x {config.tokens_per_sequence} tokens per rank; fp32 parameters and AdamW "
-            f"states, {precision}{offload}; step on {config.device}\n")
+    return (
+        f"{args.model}: {describe_model(config.model)}\n"
+        f"{config.batch_size} x {config.tokens_per_sequence} tokens per rank; fp32 parameters and AdamW "
+        f"states, {precision}{offload}; step on {config.device}\n"
+    )
 
 
 def format_table(plans: list[Plan], memory_limit: float | None) -> str:
-    header = ["strategy", "world", "params", "grads", "optim", "largest unit", "activations",
-              "peak/rank", "comm/step"]
+    header = ["strategy", "world", "params", "grads", "optim", "largest unit", "activations", "peak/rank", "comm/step"]
     rows = []
     for plan in plans:
         row = [plan.config.strategy, str(plan.config.world_size)] + [
-            human_bytes(n) for n in (plan.params, plan.grads, plan.optimizer_states, plan.largest_unit,
-                                     plan.activations, plan.peak, plan.comm_bytes)
+            human_bytes(n)
+            for n in (
+                plan.params,
+                plan.grads,
+                plan.optimizer_states,
+                plan.largest_unit,
+                plan.activations,
+                plan.peak,
+                plan.comm_bytes,
+            )
         ]
         if memory_limit is not None:
             row.append("yes" if plan.peak <= memory_limit * 2**30 else "no")
@@ -152,9 +194,7 @@ def format_breakdown(plan: Plan) -> str:
         lines.append(f"  {category:<24}{human_bytes(nbytes):>12}")
     if plan.host:
         lines.append(f"host memory (CPU offload): {human_bytes(plan.host)}")
-    collectives = ", ".join(
-        f"{op} {plan.comm_calls[op]} x = {human_bytes(nbytes)}" for op, nbytes in plan.comm.items()
-    )
+    collectives = ", ".join(f"{op} {plan.comm_calls[op]} x = {human_bytes(nbytes)}" for op, nbytes in plan.comm.items())
     lines.append(f"collectives per step: {collectives or 'none'}")
     return "\n".join(lines)
 

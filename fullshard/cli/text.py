@@ -20,8 +20,10 @@ def human_bytes(nbytes: float) -> str:
 def describe_model(model: ModelArgs) -> str:
     count = model.num_params
     count_text = f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
-    return (f"{count_text} parameters ({model.n_layers} blocks, dim {model.dim}, {model.n_heads} heads, "
-            f"vocab {model.vocab_size}, seq {model.max_seq_len})")
+    return (
+        f"{count_text} parameters ({model.n_layers} blocks, dim {model.dim}, {model.n_heads} heads, "
+        f"vocab {model.vocab_size}, seq {model.max_seq_len})"
+    )
 
 
 def align(rows: list[list[str]]) -> str:

@@ -29,9 +29,11 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.run import parse_args as parse_torchrun_args, run as torchrun
+from torch.distributed.run import parse_args as parse_torchrun_args
+from torch.distributed.run import run as torchrun
 
-from ..training.config import TrainConfig, add_arguments as add_training_arguments
+from ..training.config import TrainConfig
+from ..training.config import add_arguments as add_training_arguments
 from ..training.resume import check_checkpoint_dir, saved_step
 
 HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
@@ -41,8 +43,9 @@ __all__ = ["HELP", "add_arguments", "run", "torchrun_arguments"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch (torchrun's options, passed through)")
-    launch.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=2,
-                        help="ranks on this machine (default 2)")
+    launch.add_argument(
+        "--nproc", "--nproc-per-node", dest="nproc", type=int, default=2, help="ranks on this machine (default 2)"
+    )
     launch.add_argument("--nnodes", default="1", help="machines, or MIN:MAX for an elastic job")
     launch.add_argument("--node-rank", type=int, default=0, help="this machine's index (static rendezvous)")
     launch.add_argument("--master-addr", help="rank 0's machine (static rendezvous)")
@@ -82,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
         print(_describe_failure(exc, config), file=sys.stderr)
         return 1
     except SignalException as exc:
-        print(f"\nfullshard train: stopped by {exc.sigval.name}; every rank has exited."
-              + _checkpoint_hint(config), file=sys.stderr)
+        print(
+            f"\nfullshard train: stopped by {exc.sigval.name}; every rank has exited." + _checkpoint_hint(config),
+            file=sys.stderr,
+        )
         return 130
     return 0
 
@@ -112,13 +117,17 @@ def _describe_failure(exc: ChildFailedError, config: TrainConfig) -> str:
         message = failure.message
         text = (message.get("message", "") if isinstance(message, dict) else str(message)).strip()
         why = f"exited with code {failure.exitcode}" + (f": {text.splitlines()[-1]}" if text else "")
-    return (f"\nfullshard train: rank {rank} (pid {failure.pid}) {why}\n"
-            "The other ranks were stopped." + _checkpoint_hint(config))
+    return (
+        f"\nfullshard train: rank {rank} (pid {failure.pid}) {why}\n"
+        "The other ranks were stopped." + _checkpoint_hint(config)
+    )
 
 
 def _checkpoint_hint(config: TrainConfig) -> str:
     step = saved_step(config)
     if step is None:
         return ""
-    return (f"\nThe newest complete checkpoint (step {step}) is in {config.checkpoint_dir}: "
-            "run the same command with --resume to continue.")
+    return (
+        f"\nThe newest complete checkpoint (step {step}) is in {config.checkpoint_dir}: "
+        "run the same command with --resume to continue."
+    )

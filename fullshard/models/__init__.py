@@ -5,5 +5,12 @@ from .presets import PRESETS, get_preset
 from .transformer import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
 
 __all__ = [
-    "MLP", "PRESETS", "Attention", "FeedForward", "ModelArgs", "Transformer", "TransformerBlock", "get_preset",
+    "MLP",
+    "PRESETS",
+    "Attention",
+    "FeedForward",
+    "ModelArgs",
+    "Transformer",
+    "TransformerBlock",
+    "get_preset",
 ]

@@ -53,10 +53,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q, k, v = (
-            w(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-            for w in (self.wq, self.wk, self.wv)
-        )
+        q, k, v = (w(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         dropout = self.dropout_p if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))

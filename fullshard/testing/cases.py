@@ -8,7 +8,7 @@ from, which a plain loop would lose.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager

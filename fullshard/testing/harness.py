@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import functools
 import faulthandler
+import functools
 import importlib
 import os
 import queue
@@ -34,9 +34,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -107,9 +108,7 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
 
 
-def _worker_main(
-    rank: int, world_size: int, port: int, tasks: Any, results: Any, log_path: str
-) -> None:
+def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any, log_path: str) -> None:
     log = open(log_path, "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -149,7 +148,10 @@ class RankPool:
         self._next_task_id = 0
         port = free_port()
         self._store = dist.TCPStore(
-            "127.0.0.1", port, is_master=True, wait_for_workers=False,
+            "127.0.0.1",
+            port,
+            is_master=True,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=60),
         )
         ctx = mp.get_context("spawn")
@@ -187,8 +189,13 @@ class RankPool:
             )
         self._next_task_id += 1
         task = _Task(
-            self._next_task_id, fn.__module__, fn.__qualname__, list(sys.path),
-            tuple(args), dict(kwargs or {}), pg_timeout_s=max(30.0, timeout / 2),
+            self._next_task_id,
+            fn.__module__,
+            fn.__qualname__,
+            list(sys.path),
+            tuple(args),
+            dict(kwargs or {}),
+            pg_timeout_s=max(30.0, timeout / 2),
         )
         for task_queue in self._tasks:
             task_queue.put(task)
@@ -205,16 +212,14 @@ class RankPool:
             if now >= deadline:
                 break
             try:
-                task_id, rank, ok, value, failed_at = self._results.get(
-                    timeout=min(1.0, deadline - now)
-                )
+                task_id, rank, ok, value, failed_at = self._results.get(timeout=min(1.0, deadline - now))
             except queue.Empty:
                 dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
                 if dead:
                     self.close()
                     raise RankFailure(
                         f"rank(s) {dead} died while running {task.qualname}\n" + self._log_tails(dead)
-                    )
+                    ) from None
                 continue
             if task_id != task.task_id:
                 continue  # a late answer from an earlier task that was given up on

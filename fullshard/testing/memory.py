@@ -22,15 +22,15 @@ import contextlib
 import ctypes
 import gc
 import os
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from .._core import comm
-from ..api import MixedPrecisionPolicy
 from .._core.mesh import default_mesh, hybrid_mesh
+from ..api import MixedPrecisionPolicy
 from ..fully_shard import fully_shard
 from ..models import ModelArgs, Transformer
 from ..replicate import replicate

@@ -28,8 +28,12 @@ class TransformerWithSharedParams(nn.Module):
         d_model = 16
         self.embed_tokens = nn.Embedding(self.vocab_size, d_model)
         self.transformer = nn.Transformer(
-            d_model=d_model, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
-            dim_feedforward=8, dropout=dropout,
+            d_model=d_model,
+            nhead=2,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            dim_feedforward=8,
+            dropout=dropout,
         )
         self.output_proj = nn.Linear(d_model, self.vocab_size)
         self.output_proj.weight = self.embed_tokens.weight  # shared

@@ -8,7 +8,7 @@ relying on wrapping to leave the random number generator alone.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,7 @@ class NestedWrappedModule(nn.Module):
     def _arrange_tail(tail: list[nn.Module]) -> list[nn.Module]:
         return tail
 
-    def wrap_units(self, wrap: Callable[[nn.Module], nn.Module]) -> "NestedWrappedModule":
+    def wrap_units(self, wrap: Callable[[nn.Module], nn.Module]) -> NestedWrappedModule:
         """Replaces ``module.1.0``, ``module.1`` and ``module.2`` by ``wrap(...)`` of
         themselves (innermost first); returns ``self``."""
         self.module[1][0] = wrap(self.module[1][0])
@@ -83,4 +83,3 @@ class NonUniformReqGradNWM(NestedWrappedModule):
     @staticmethod
     def _arrange_tail(tail: list[nn.Module]) -> list[nn.Module]:
         return [nn.Sequential(*tail)]
-

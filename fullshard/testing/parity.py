@@ -9,7 +9,8 @@ losses and parameters must agree up to floating-point reordering.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,19 @@ def assert_params_equal(
     if match_names:
         assert [n for n, _ in named] == [n for n, _ in ref_named], "parameter names differ"
     for (name, param), (_, ref_param) in zip(named, ref_named):
-        torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            full_value(param), full_value(ref_param), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
         if grads:
             assert (param.grad is None) == (ref_param.grad is None), f"{name}: grad presence differs"
             if param.grad is not None:
-                torch.testing.assert_close(full_value(param.grad), full_value(ref_param.grad), rtol=rtol, atol=atol, msg=lambda m: f"{name}.grad: {m}")
+                torch.testing.assert_close(
+                    full_value(param.grad),
+                    full_value(ref_param.grad),
+                    rtol=rtol,
+                    atol=atol,
+                    msg=lambda m, name=name: f"{name}.grad: {m}",
+                )
 
 
 def clone_tree(tree: Any) -> Any:
@@ -113,8 +122,11 @@ def train_in_parity(
         ref_optim.zero_grad()
         global_loss = mean_over(total)
         torch.testing.assert_close(
-            global_loss, ref_loss.detach().float(), rtol=rtol, atol=atol,
-            msg=lambda m: f"step {step}: loss {global_loss.item()} vs reference {ref_loss.item()}: {m}",
+            global_loss,
+            ref_loss.detach().float(),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, step=step: f"step {step}, loss: {m}",
         )
         losses.append(global_loss.item())
     return losses
@@ -160,9 +172,7 @@ class DataParallelReference:
                 loss.backward()
                 grads = [p.grad.float() if p.grad is not None else None for p in replica.parameters()]
                 replica.zero_grad()
-                summed = grads if summed is None else [
-                    a + b if a is not None else None for a, b in zip(summed, grads)
-                ]
+                summed = grads if summed is None else [a + b if a is not None else None for a, b in zip(summed, grads)]
         if summed is not None:
             for param, grad in zip(self.model.parameters(), summed):
                 param.grad = grad / num_ranks if grad is not None else None

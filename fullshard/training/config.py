@@ -53,8 +53,14 @@ class TrainConfig:
 
     def model_args(self) -> ModelArgs:
         """The preset with the overrides and the corpus's byte vocabulary."""
-        return get_preset(self.model, n_layers=self.layers, dim=self.dim, n_heads=self.heads,
-                          max_seq_len=self.seq, vocab_size=VOCAB_SIZE)
+        return get_preset(
+            self.model,
+            n_layers=self.layers,
+            dim=self.dim,
+            n_heads=self.heads,
+            max_seq_len=self.seq,
+            vocab_size=VOCAB_SIZE,
+        )
 
     def validate(self) -> None:
         """Raises ValueError naming the flag for settings no rank could run."""
@@ -64,8 +70,11 @@ class TrainConfig:
             raise ValueError(f"--strategy expects one of {', '.join(STRATEGIES)} but got {self.strategy!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"--mixed-precision expects one of {', '.join(MIXED_PRECISION)}")
-        for flag, value in (("--steps", self.steps), ("--batch", self.batch), ("--checkpoint-every",
-                            self.checkpoint_every)):
+        for flag, value in (
+            ("--steps", self.steps),
+            ("--batch", self.batch),
+            ("--checkpoint-every", self.checkpoint_every),
+        ):
             if value < 1:
                 raise ValueError(f"{flag} expects a positive number but got {value}")
         if self.lr <= 0 or self.warmup < 0 or self.clip < 0 or self.sample < 0:
@@ -89,11 +98,11 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "TrainConfig":
+    def from_json(cls, text: str) -> TrainConfig:
         return cls(**json.loads(text))
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
+    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
         """The config from parsed flags (``add_arguments``), validated."""
         names = {field.name for field in dataclasses.fields(cls)}
         config = cls(**{name: value for name, value in vars(args).items() if name in names})
@@ -111,13 +120,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--heads", type=int, help="attention heads")
     model.add_argument("--seq", type=int, help="tokens per sequence")
     sharding = parser.add_argument_group("sharding")
-    sharding.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
-                          help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), "
-                               "hybrid (shard within groups of --shard-size ranks, replicate across)")
-    sharding.add_argument("--shard-size", type=int,
-                          help="hybrid: ranks per shard group (default: ranks per node)")
-    sharding.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=defaults.mixed_precision,
-                          help="compute dtype; gradients are reduced in fp32 (fp16 adds a ShardedGradScaler)")
+    sharding.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=defaults.strategy,
+        help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), "
+        "hybrid (shard within groups of --shard-size ranks, replicate across)",
+    )
+    sharding.add_argument("--shard-size", type=int, help="hybrid: ranks per shard group (default: ranks per node)")
+    sharding.add_argument(
+        "--mixed-precision",
+        choices=MIXED_PRECISION,
+        default=defaults.mixed_precision,
+        help="compute dtype; gradients are reduced in fp32 (fp16 adds a ShardedGradScaler)",
+    )
     sharding.add_argument("--cpu-offload", action="store_true", help="shards, gradients and optimizer on the host")
     training = parser.add_argument_group("training")
     training.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in total")
@@ -132,5 +148,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     state.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every, help="steps between saves")
     state.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     state.add_argument("--metrics", help="append one JSON line per step (and a summary line) to this file")
-    state.add_argument("--sample", type=int, default=defaults.sample, metavar="BYTES",
-                       help="at the end, print this many bytes the model writes after a prompt")
+    state.add_argument(
+        "--sample",
+        type=int,
+        default=defaults.sample,
+        metavar="BYTES",
+        help="at the end, print this many bytes the model writes after a prompt",
+    )

@@ -32,8 +32,9 @@ class Corpus:
         split = int(len(tokens) * (1 - _VALIDATION_FRACTION))
         self.train, self.validation = tokens[:split], tokens[split:]
 
-    def batch(self, step: int, seed: int, batch_size: int, seq_len: int,
-              validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, seed: int, batch_size: int, seq_len: int, validation: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of ``step``: (inputs, targets), each ``batch_size x seq_len``.
 
         Raises:

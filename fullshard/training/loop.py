@@ -77,8 +77,15 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, scaler: ShardedGradScaler | None,
-                config: TrainConfig, lr: float, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scaler: ShardedGradScaler | None,
+    config: TrainConfig,
+    lr: float,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
     """Forward, backward, clip, step; returns the detached loss of this rank's slice."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -119,7 +126,7 @@ def _sample(model: Transformer, corpus: Corpus, length: int, seed: int, device: 
     tokens = list(prompt)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(length):
-        context = torch.tensor([tokens[-model.args.max_seq_len:]], device=device)
+        context = torch.tensor([tokens[-model.args.max_seq_len :]], device=device)
         logits = model(context)[0, -1].float().cpu() / 0.8
         top = torch.topk(logits, 10)
         choice = torch.multinomial(torch.softmax(top.values, dim=0), 1, generator=generator)
@@ -145,8 +152,15 @@ def train(config: TrainConfig) -> RunResult:
     result = RunResult(config=config, world_size=world, start_step=start, steps_done=start, device=device.type)
     stop = StopRequest()
     # Redrawn in place on a terminal; in a log file, one line every half minute.
-    progress = tqdm(total=config.steps, initial=start, desc="fullshard train", unit="step", disable=rank != 0,
-                    dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 30)
+    progress = tqdm(
+        total=config.steps,
+        initial=start,
+        desc="fullshard train",
+        unit="step",
+        disable=rank != 0,
+        dynamic_ncols=True,
+        mininterval=0.2 if sys.stderr.isatty() else 30,
+    )
     probe_step = start + 1 if config.steps > start + 1 else start  # the first step pays for warm-up
     states = 0
     try:
@@ -158,8 +172,9 @@ def train(config: TrainConfig) -> RunResult:
                 mine = slice(rank * per_rank, (rank + 1) * per_rank)
                 probe = memory.probe(states) if step == probe_step else contextlib.nullcontext()
                 with probe:
-                    loss = _train_step(model, optimizer, scaler, config, lr, inputs[mine].to(device),
-                                       targets[mine].to(device))
+                    loss = _train_step(
+                        model, optimizer, scaler, config, lr, inputs[mine].to(device), targets[mine].to(device)
+                    )
                 if step == start:  # AdamW's states exist from the first step on
                     held = model_state_bytes(model, optimizer)
                     states = held["params"] + held["optimizer"]  # between steps; gradients are freed
@@ -168,9 +183,17 @@ def train(config: TrainConfig) -> RunResult:
                 stats = _agree(loss, stop.requested, memory.peak() or 0, states + held["params"])
                 seconds = time.perf_counter() - began
                 result.record_step(stats.loss, seconds, stats.peaks, stats.model_states)
-                metrics.write({"step": step + 1, "loss": stats.loss, "lr": lr, "step_time_s": seconds,
-                               "tokens_per_s": config.batch * seq_len / seconds, "peak_memory": stats.peaks,
-                               "comm_bytes": sum(result.comm.values())})
+                metrics.write(
+                    {
+                        "step": step + 1,
+                        "loss": stats.loss,
+                        "lr": lr,
+                        "step_time_s": seconds,
+                        "tokens_per_s": config.batch * seq_len / seconds,
+                        "peak_memory": stats.peaks,
+                        "comm_bytes": sum(result.comm.values()),
+                    }
+                )
                 progress.set_postfix_str(result.progress_text(), refresh=False)
                 progress.update()
                 finished = step + 1 == config.steps

@@ -7,7 +7,8 @@ import contextlib
 import ctypes
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -99,7 +100,7 @@ class CommTally:
         self.calls: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
-    def listening(self) -> Iterator["CommTally"]:
+    def listening(self) -> Iterator[CommTally]:
         remove = comm.add_listener(self._record)
         try:
             yield self
@@ -128,7 +129,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return {
         "params": sum(_local_bytes(p) for p in model.parameters()),
         "optimizer": sum(
-            _local_bytes(value) for state in optimizer.state.values() for value in state.values()
+            _local_bytes(value)
+            for state in optimizer.state.values()
+            for value in state.values()
             if isinstance(value, torch.Tensor)
         ),
     }

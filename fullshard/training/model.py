@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from .._core.mesh import default_mesh, hybrid_mesh
+from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from ..fully_shard import fully_shard
 from ..models import Transformer, TransformerBlock
 from ..wrap import ModuleWrapPolicy
@@ -26,8 +26,11 @@ __all__ = ["build_sharded_model", "initialize"]
 
 _INIT_STD = 0.02  # GPT-2's
 _DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
-               "no-shard": ShardingStrategy.NO_SHARD}
+_STRATEGIES = {
+    "full": ShardingStrategy.FULL_SHARD,
+    "grad-op": ShardingStrategy.SHARD_GRAD_OP,
+    "no-shard": ShardingStrategy.NO_SHARD,
+}
 
 
 def _full_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:

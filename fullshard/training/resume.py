@@ -44,8 +44,9 @@ def check_checkpoint_dir(config: TrainConfig) -> None:
         )
 
 
-def resume(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           scaler: ShardedGradScaler | None) -> int:
+def resume(
+    config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: ShardedGradScaler | None
+) -> int:
     """Loads the newest checkpoint when resuming; returns the number of steps already done."""
     if not config.resume:
         return 0
@@ -56,10 +57,18 @@ def resume(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.O
     return extra["step"]
 
 
-def save(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         scaler: ShardedGradScaler | None, step: int) -> None:
-    extra = {"step": step, "model": dataclasses.asdict(config.model_args()),
-             "scaler": scaler.state_dict() if scaler is not None else None}
+def save(
+    config: TrainConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: ShardedGradScaler | None,
+    step: int,
+) -> None:
+    extra = {
+        "step": step,
+        "model": dataclasses.asdict(config.model_args()),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
     checkpoint.save(config.checkpoint_dir, model, optimizer, extra=extra)
 
 

@@ -75,11 +75,18 @@ class RunResult:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "config": dataclasses.asdict(self.config), "world_size": self.world_size, "device": self.device,
-            "start_step": self.start_step, "steps_done": self.steps_done, "interrupted": self.interrupted,
-            "final_loss": self.final_loss() if self.losses else None, "validation_loss": self.validation_loss,
+            "config": dataclasses.asdict(self.config),
+            "world_size": self.world_size,
+            "device": self.device,
+            "start_step": self.start_step,
+            "steps_done": self.steps_done,
+            "interrupted": self.interrupted,
+            "final_loss": self.final_loss() if self.losses else None,
+            "validation_loss": self.validation_loss,
             "tokens_per_s": self.tokens_per_second() if self.step_seconds else None,
-            "peak_memory": self.peaks, "model_state_bytes": self.model_states, "comm_bytes_per_step": self.comm,
+            "peak_memory": self.peaks,
+            "model_state_bytes": self.model_states,
+            "comm_bytes_per_step": self.comm,
             "unsharded_model_state_bytes": unsharded_model_state_bytes(self.config),
             "checkpoint_step": self.checkpoint_step,
         }
@@ -94,11 +101,20 @@ def _predicted_peaks(result: RunResult) -> tuple[int, int]:
     """``fullshard plan``'s peak per rank for this run, and for one unsharded process."""
     config = result.config
     compute = _DTYPES[config.mixed_precision]
-    common = {"batch_size": config.batch // result.world_size, "param_dtype": compute,
-              "reduce_dtype": torch.float32 if compute else None, "cpu_offload": config.cpu_offload,
-              "device": "cuda" if result.device == "cuda" else "cpu"}
-    sharded = PlanConfig(config.model_args(), result.world_size, config.strategy,
-                         ranks_per_node=config.shard_size or result.world_size, **common)
+    common = {
+        "batch_size": config.batch // result.world_size,
+        "param_dtype": compute,
+        "reduce_dtype": torch.float32 if compute else None,
+        "cpu_offload": config.cpu_offload,
+        "device": "cuda" if result.device == "cuda" else "cpu",
+    }
+    sharded = PlanConfig(
+        config.model_args(),
+        result.world_size,
+        config.strategy,
+        ranks_per_node=config.shard_size or result.world_size,
+        **common,
+    )
     alone = PlanConfig(config.model_args(), 1, "no-shard", **common)
     return estimate(sharded).peak, estimate(alone).peak
 
@@ -122,8 +138,11 @@ def print_summary(result: RunResult) -> None:
         rows += [
             ["final loss", f"{result.final_loss():.4f} (mean of the last {min(ran, _LOSS_WINDOW)} steps)"],
             ["throughput", f"{result.tokens_per_second():,.0f} tokens/s"],
-            ["comm per step and rank", human_bytes(sum(result.comm.values())) + "".join(
-                f", {op} {human_bytes(n)}" for op, n in sorted(result.comm.items()))],
+            [
+                "comm per step and rank",
+                human_bytes(sum(result.comm.values()))
+                + "".join(f", {op} {human_bytes(n)}" for op, n in sorted(result.comm.items())),
+            ],
         ]
     if result.validation_loss is not None:
         rows.append(["validation loss", f"{result.validation_loss:.4f}"])
@@ -144,10 +163,22 @@ def _memory_table(result: RunResult) -> str:
     rows = [["memory", "model states", measured, "peak, predicted"]]
     ranks = range(result.world_size) if result.world_size <= 8 else [0, result.world_size - 1]
     for rank in ranks:
-        rows.append([f"rank {rank}", human_bytes(result.model_states[rank]), human_bytes(result.peaks[rank]),
-                     human_bytes(predicted)])
-    rows.append(["one process, unsharded", human_bytes(unsharded_model_state_bytes(result.config)), "-",
-                 human_bytes(predicted_alone)])
+        rows.append(
+            [
+                f"rank {rank}",
+                human_bytes(result.model_states[rank]),
+                human_bytes(result.peaks[rank]),
+                human_bytes(predicted),
+            ]
+        )
+    rows.append(
+        [
+            "one process, unsharded",
+            human_bytes(unsharded_model_state_bytes(result.config)),
+            "-",
+            human_bytes(predicted_alone),
+        ]
+    )
     return align(rows) + (
         "\n(model states: parameters, gradients and AdamW states; peak: the most a step holds at once"
         + (" on the GPU" if result.device == "cuda" else ", measured in step 2 on CPU")
