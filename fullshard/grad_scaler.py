@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._core import comm
+from ._flat_param import flat_param
 
 __all__ = ["ShardedGradScaler"]
 
@@ -273,7 +274,7 @@ def _mesh_of(param: torch.Tensor) -> DeviceMesh | None:
 def _describe(param: torch.Tensor) -> str:
     """``param`` named for messages (it has a mesh: see ``_mesh_of``)."""
     unit = getattr(param, "_fullshard_unit", None)
-    if unit is not None and param is unit.flat_param:
+    if unit is not None and param is flat_param(unit):
         return f"the flat parameter of {unit.owner_name}"
     if unit is not None:
         shape = next(tuple(p.global_size) for p in unit.params if p.sharded_param is param)

@@ -42,11 +42,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ._core import comm
+from ._core import comm, full_params
 from ._core.common import WRAPPER_PREFIX, clean_fqn
 from ._core.group import ParamGroup
 from ._core.param import ShardParam
 from ._core.state import ModuleState, get_state
+from ._flat_param import flat_param, flat_view, param_view_of_flat
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -118,7 +119,7 @@ def set_state_dict_type(
         )
     if state_dict_type is StateDictType.LOCAL_STATE_DICT:
         for state in states:
-            if state.group is not None and state.group.flat_param is None:
+            if state.group is not None and flat_param(state.group) is None:
                 raise NotImplementedError(
                     "LOCAL_STATE_DICT is not yet supported with per-parameter shards (fully_shard or "
                     "use_orig_params=True): it is the flat shard of use_orig_params=False; use "
@@ -195,7 +196,7 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
 
 def install_flat_param_hooks(state: ModuleState) -> None:
     """The wrapper's flat parameter appears in LOCAL state dicts only."""
-    home, _ = state.group.flat_param_home
+    home = flat_view(state.group).module
     home.register_state_dict_post_hook(functools.partial(_save_flat_param, state))
     home.register_load_state_dict_pre_hook(functools.partial(_load_flat_param, state))
 
@@ -223,7 +224,7 @@ def _reshard_unit(state: ModuleState, *args: Any) -> None:
 def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
     _reshard_unit(state)
     if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
-        state.full_values = state.group.gather_full()
+        state.full_values = full_params.gather_full_values(state.group)
 
 
 def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -272,10 +273,11 @@ def _save_buffers_in_original_dtype(
 
 
 def _save_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    key = prefix + state.group.flat_param_home[1]
+    view = flat_view(state.group)
+    key = prefix + view.name
     settings = _settings(state)
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-        value = state.group.flat_param.detach()
+        value = view.param.detach()
         state_dict[key] = value.cpu() if settings.state_dict_config.offload_to_cpu else value
     else:
         state_dict.pop(key, None)
@@ -307,16 +309,17 @@ def _load_params(
         if param.register_sharded:
             state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
         else:
-            group.write_shard(index, shard._local_tensor)
+            full_params.write_shard(group, index, shard._local_tensor)
             del state_dict[key]
 
 
 def _load_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    key = prefix + state.group.flat_param_home[1]
+    view = flat_view(state.group)
+    key = prefix + view.name
     if _settings(state).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
         # The original parameters' keys carry the values; keep nn.Module from
         # reporting the flat parameter missing (a copy onto itself).
-        state_dict[key] = state.group.flat_param.detach()
+        state_dict[key] = view.param.detach()
 
 
 def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -356,8 +359,8 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
             continue
         for param in group.params:
             by_sharded[id(param.sharded_param)] = (param, group)
-        if group.flat_param is not None:
-            flat_units[id(group.flat_param)] = group
+        if flat_param(group) is not None:
+            flat_units[id(flat_param(group))] = group
     entries: dict[int, list[Entry]] = {}
     for name, param in model.named_parameters():
         unit = flat_units.get(id(param))
@@ -487,8 +490,8 @@ def _split_state(
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.clone()
         elif isinstance(value, torch.Tensor):
-            if unit is not None and unit.flat_param is not None and param is unit.flat_param:
-                value = unit.param_view_of_flat(unit.params.index(shard_param), value, full=full)
+            if unit is not None and param is flat_param(unit):
+                value = param_view_of_flat(unit, unit.params.index(shard_param), value, full=full)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
                 value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
                 value = value.full_tensor() if full else value
@@ -605,12 +608,12 @@ def _join_state(
             # A copy, or the loaded parameters would all step one shared counter.
             result[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
-        if unit is not None and unit.flat_param is not None and param is unit.flat_param:
-            flat = torch.zeros_like(unit.flat_param)
+        if unit is not None and param is flat_param(unit):
+            flat = torch.zeros_like(param)
             for shard_param, values in per_param:
                 if values is not None:
                     local = shard_param.shard_of(values[key])._local_tensor
-                    unit.write_shard(unit.params.index(shard_param), local, into=flat)
+                    full_params.write_shard(unit, unit.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:
             shard_param = per_param[0][0]

@@ -43,6 +43,7 @@ from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
 from ._core.state import ModuleState, get_state
+from ._flat_param import FlatParamView
 from .api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
@@ -63,7 +64,6 @@ from .wrap import Policy, PolicyFn, select_modules
 __all__ = ["FullyShardedDataParallel", "FSDP"]
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-FLAT_PARAM = "_flat_param"
 _PREFIX = FSDP_WRAPPED_MODULE + "."
 
 
@@ -175,7 +175,7 @@ class FullyShardedDataParallel(nn.Module):
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if config.flat_param and state.group is not None:
-            state.group.expose_flat_param(module, FLAT_PARAM)
+            FlatParamView(state.group, module)
             install_flat_param_hooks(state)
 
     # -- FSDP1 members -----------------------------------------------------------------

@@ -20,7 +20,7 @@ from fullshard import (
     fully_shard,
     full_state_dict,
 )
-from fullshard._core.group import ParamGroup
+from fullshard._core import full_params
 from fullshard.testing import distributed, full_value
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
 from fullshard.wrap import ModuleWrapPolicy
@@ -176,19 +176,19 @@ def test_full_state_dict_rank0_only_offload_and_unit_by_unit():
     local_model = TransformerWithSharedParams()
     model = FSDP(copy.deepcopy(local_model), auto_wrap_policy=LAYERS, device_id=CPU)
     alive: list[int] = []
-    gather = ParamGroup.gather_full
+    gather = full_params.gather_full_values
 
     def counting_gather(group, *args, **kwargs):
         alive.append(sum(1 for m in FSDP.fsdp_modules(model) if m._state.full_values is not None))
         return gather(group, *args, **kwargs)
 
-    ParamGroup.gather_full = counting_gather
+    full_params.gather_full_values = counting_gather
     try:
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
             state_dict = model.state_dict()
     finally:
-        ParamGroup.gather_full = gather
+        full_params.gather_full_values = gather
     # The root's gathered values stay in the dict; each layer is gathered while no
     # other layer's are held: the root plus one unit at a time.
     assert alive == [0] + [1] * 4

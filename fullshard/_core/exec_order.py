@@ -23,18 +23,27 @@ debug levels none of this exists: the engine tests ``ctx.validator is None``.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import NamedTuple, cast
 
 import torch.distributed as dist
 
 from . import comm
-from .common import clean_fqn
 
-if TYPE_CHECKING:
-    from .group import ParamGroup
 
-# (kind, unit index, issues a collective, (FQN, shape) of the parameters involved)
-_Fingerprint = tuple[str, int, bool, tuple[tuple[str, tuple[int, ...]], ...]]
+class Fingerprint(NamedTuple):
+    """What a rank is about to do; equal on every rank when the order agrees."""
+
+    kind: str  # "forward", "backward" (all-gathers) or "reduce"
+    unit: int  # the unit's index in the root's order
+    collective: bool  # whether this rank issues the collective (False: nothing to gather)
+    params: tuple[tuple[str, tuple[int, ...]], ...]  # (FQN, shape) of the parameters involved
+
+
+class Agreed(NamedTuple):
+    """A collective every rank runs: unit ``unit``'s, for its parameters ``names``."""
+
+    unit: int
+    names: list[str]
 
 
 def validation_enabled() -> bool:
@@ -42,11 +51,9 @@ def validation_enabled() -> bool:
 
 
 class ExecOrderValidator:
-    """See [Note: Execution order]."""
+    """See [Note: Execution order]. Units are named by their index in the root's order."""
 
-    def __init__(self, groups: list[ParamGroup]) -> None:
-        self.groups = groups  # the root's order: a unit's index names it across ranks
-        self.index = {id(group): i for i, group in enumerate(groups)}
+    def __init__(self) -> None:
         self.iteration = -1
         self.first_forward: list[int] | None = None
         self.forward: list[int] = []
@@ -58,29 +65,22 @@ class ExecOrderValidator:
         self.iteration += 1
         self.forward = []
 
-    def _fingerprint(self, kind: str, group: ParamGroup, collective: bool, params: list | None = None) -> _Fingerprint:
-        shapes = tuple((clean_fqn(p.fqn), tuple(p.global_size)) for p in params or group.params)
-        return (kind, self.index[id(group)], collective, shapes)
+    def _exchange(self, fingerprint: Fingerprint) -> list[Fingerprint]:
+        return cast(list[Fingerprint], comm.all_gather_objects(fingerprint))  # every rank sends one
 
-    def _exchange(self, fingerprint: _Fingerprint) -> list[_Fingerprint]:
-        return comm.all_gather_objects(fingerprint)
+    def _describe(self, fingerprint: Fingerprint) -> str:
+        listing = ", ".join(f"{name} {list(shape)}" for name, shape in fingerprint.params)
+        return f"unit {fingerprint.unit} ({listing})"
 
-    def _describe(self, fingerprint: _Fingerprint) -> str:
-        _, index, _, shapes = fingerprint
-        listing = ", ".join(f"{name} {list(shape)}" for name, shape in shapes)
-        return f"unit {index} ({listing})"
+    def _union(self, fingerprints: list[Fingerprint]) -> list[Agreed]:
+        """Each collective some rank asked for, in the root's order."""
+        wanted = sorted({(f.unit, f.params) for f in fingerprints if f.collective})
+        return [Agreed(unit, [name for name, _ in params]) for unit, params in wanted]
 
-    def _union(self, fingerprints: list[_Fingerprint]) -> list[tuple[ParamGroup, list[str]]]:
-        """(unit, FQNs of its parameters involved) for each collective some rank asked
-        for, in the root's order."""
-        wanted = sorted({(f[1], f[3]) for f in fingerprints if f[2]})
-        return [(self.groups[index], [name for name, _ in shapes]) for index, shapes in wanted]
-
-    def gate_forward(self, group: ParamGroup, gathers: bool) -> list[tuple[ParamGroup, list[str]]] | None:
+    def gate_forward(self, mine: Fingerprint) -> list[Agreed] | None:
         """Before a unit's forward. Returns None if all ranks agree, else the
         collectives every rank must run, in order (see ``_union``)."""
-        self._record_forward(group)
-        mine = self._fingerprint("forward", group, gathers)
+        self._record_forward(mine.unit)
         fingerprints = self._exchange(mine)
         if all(f == mine for f in fingerprints):
             return None
@@ -93,17 +93,12 @@ class ExecOrderValidator:
             )
         return self._union(fingerprints)
 
-    def gate(
-        self, kind: str, group: ParamGroup, collective: bool = True, params: list | None = None
-    ) -> list[tuple[ParamGroup, list[str]]] | None:
-        """Before a backward all-gather (``kind="backward"``) or a reduction of
-        ``params`` (``"reduce"``)."""
-        mine = self._fingerprint(kind, group, collective, params)
+    def gate(self, mine: Fingerprint) -> list[Agreed] | None:
+        """Before a backward all-gather (``kind="backward"``) or a reduction (``"reduce"``)."""
         fingerprints = self._exchange(mine)
         return None if all(f == mine for f in fingerprints) else self._union(fingerprints)
 
-    def _record_forward(self, group: ParamGroup) -> None:
-        index = self.index[id(group)]
+    def _record_forward(self, index: int) -> None:
         position = len(self.forward)
         self.forward.append(index)
         first = self.first_forward
@@ -116,5 +111,5 @@ class ExecOrderValidator:
                 "Collectives are unchecked and may give incorrect results or hang (at this debug level "
                 "fullshard runs every rank's collectives in one agreed order instead)",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )

@@ -1,10 +1,11 @@
-"""Full parameters on demand, outside forward and backward (``summon_full_params``).
+"""Full parameters on demand, outside forward and backward (``summon_full_params``,
+full state dicts), and writing values back into a unit's shards.
 
 Gathers in the parameters' own dtype (not the mixed-precision compute dtype)
 into fresh tensors, so nothing the training step relies on is touched; on exit
 changes are written back to the shards and the shards are registered again.
-A wrapper's flat parameter is hidden meanwhile: ``named_parameters()`` then
-lists exactly the original model's parameters.
+A front end's buffer view (the wrapper's flat parameter) is hidden meanwhile:
+``named_parameters()`` then lists exactly the original model's parameters.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
+from . import comm
 from .common import TrainingState
 from .group import ParamGroup
 from .state import ModuleState
@@ -51,8 +54,8 @@ def full_params(
     try:
         for group in groups:
             group.reshard()  # drop a low-precision unsharded copy kept after forward
-            values = group.gather_full()
-            grads = group.gather_full(grads=True) if with_grads else [None] * len(values)
+            values = gather_full_values(group)
+            grads = gather_full_grads(group) if with_grads else [None] * len(values)
             if not keep:
                 continue
             if offload_to_cpu:
@@ -60,17 +63,84 @@ def full_params(
                 grads = [g.cpu() if g is not None else None for g in grads]
             for param, value, grad in zip(group.params, values, grads):
                 param.show_full(value, grad, with_grads)
-            if group.flat_param_home is not None:  # the full parameters stand in for it
-                home, name = group.flat_param_home
-                del home._parameters[name]
+            if group.buffer_view is not None:  # the full parameters stand in for it
+                group.buffer_view.hide()
             summoned.append(group)
         yield
     finally:
         for group in summoned:
             if writeback:
-                group.write_back([param.full_shown() for param in group.params])
+                write_back(group, [param.full_shown() for param in group.params])
             for param in group.params:
                 param.end_show_full()
-            if group.flat_param_home is not None:
-                home, name = group.flat_param_home
-                home._parameters[name] = group.flat_param
+            if group.buffer_view is not None:
+                group.buffer_view.show()
+
+
+@torch.no_grad()
+def gather_full_values(unit: ParamGroup) -> list[torch.Tensor]:
+    """Every parameter of ``unit`` unsharded, in its own dtype, in fresh tensors.
+
+    Gathers over the shard group only: replicas hold the same shards.
+    """
+    return _gather_storage_layout(unit, unit.shard_buffer)
+
+
+@torch.no_grad()
+def gather_full_grads(unit: ParamGroup) -> list[torch.Tensor | None]:
+    """Every parameter's sharded gradient unsharded, like ``gather_full_values``;
+    None for a parameter without a gradient on this rank."""
+    source, present = _grads_in_storage_layout(unit)
+    return [grad if keep else None for grad, keep in zip(_gather_storage_layout(unit, source), present)]
+
+
+def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch.Tensor]:
+    """All-gathers ``source`` (laid out like the shard buffer) into each parameter's full value."""
+    source = source.to(unit.device)
+    shard = unit.mesh_info.shard
+    if shard.size > 1:
+        output = torch.empty(source.numel() * shard.size, dtype=source.dtype, device=unit.device)
+        comm.all_gather(output, source, shard.group, async_op=False)
+    else:
+        output = source
+    padded = [torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.device) for p in unit.params]
+    unit.storage_layout.copy_out(output, shard.size, padded, unit.split_views(padded))
+    return [p.unsharded_view(t) for p, t in zip(unit.params, padded)]
+
+
+def _grads_in_storage_layout(unit: ParamGroup) -> tuple[torch.Tensor, list[bool]]:
+    if unit.buffer_view is not None:
+        grad = unit.buffer_view.tensor.grad
+        present = [grad is not None] * len(unit.params)
+        return (grad if grad is not None else torch.zeros_like(unit.shard_buffer)), present
+    buffer = torch.zeros_like(unit.shard_buffer)
+    present = []
+    for index, param in enumerate(unit.params):
+        grad = param.sharded_param.grad
+        present.append(grad is not None)
+        local = param.rows_of(grad) if grad is not None else None
+        if local is not None and local.numel() > 0:
+            unit.storage_layout.region(buffer, index, param.orig_dtype)[: local.numel()].copy_(local.reshape(-1))
+    return buffer, present
+
+
+@torch.no_grad()
+def write_back(unit: ParamGroup, values: list[torch.Tensor]) -> None:
+    """Copies this rank's rows of full parameter values into the shards."""
+    rank = unit.mesh_info.shard.rank
+    for index, (param, value) in enumerate(zip(unit.params, values)):
+        if param.num_valid_rows == 0:
+            continue
+        mine = param.rank_chunks(value.reshape(param.unsharded_size))[rank]
+        region = unit.storage_layout.region(unit.shard_buffer, index, param.orig_dtype)
+        region[: mine.numel()].view(mine.shape).copy_(mine)
+
+
+@torch.no_grad()
+def write_shard(unit: ParamGroup, index: int, local: torch.Tensor, into: torch.Tensor | None = None) -> None:
+    """Copies parameter ``index``'s local rows into the shard buffer (or ``into``,
+    a tensor in the same layout, e.g. a flat optimizer state)."""
+    target = unit.shard_buffer if into is None else into
+    param = unit.params[index]
+    region = unit.storage_layout.region(target, index, param.orig_dtype if into is None else target.dtype)
+    region[: local.numel()].copy_(local.reshape(-1))

@@ -19,14 +19,22 @@ dicts and resharding use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:
-    from .param import ShardParam
+
+class PresentedParam(Protocol):
+    """What a presentation reads of the parameter it presents (``param.ShardParam``)."""
+
+    @property
+    def num_valid_rows(self) -> int: ...
+
+    def chunk_size(self, num_rows: int) -> torch.Size: ...
+
+    def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor: ...
 
 
 class DTensorShards:
@@ -37,11 +45,11 @@ class DTensorShards:
     # again (FSDP1 does; FSDP2 keeps the full parameters registered).
     sharded_after_no_grad_forward = False
 
-    def present(self, param: ShardParam, rows: torch.Tensor) -> torch.Tensor:
+    def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (this rank's unpadded rows of ``param``) in the presented form."""
         return param.sharded_dtensor_of(rows)
 
-    def rows_of(self, param: ShardParam, presented: torch.Tensor) -> torch.Tensor:
+    def rows_of(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
         """The inverse of ``present``: the rows behind a presented tensor."""
         return presented._local_tensor if isinstance(presented, DTensor) else presented
 
@@ -64,10 +72,10 @@ class LocalViews(DTensorShards):
     def __init__(self, flatten: bool) -> None:
         self.flatten = flatten
 
-    def present(self, param: ShardParam, rows: torch.Tensor) -> torch.Tensor:
+    def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         return rows.reshape(-1) if self.flatten else rows
 
-    def rows_of(self, param: ShardParam, presented: torch.Tensor) -> torch.Tensor:
+    def rows_of(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
         if isinstance(presented, DTensor):
             return presented._local_tensor
         return presented.view(param.chunk_size(param.num_valid_rows))

@@ -36,98 +36,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
 from ..api import BackwardPrefetch
-from . import offload
 from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
-from .exec_order import ExecOrderValidator, validation_enabled
+from .context import RootContext
+from .exec_order import validation_enabled
 from .group import ParamGroup, UnitUse
-from .reduction import ReductionQueue
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 
 
 def get_state(module: nn.Module) -> ModuleState | None:
     return _STATES.get(module)
-
-
-class IterationContext:
-    """What the units under one root share within and across steps."""
-
-    def __init__(self) -> None:
-        self.all_states: list[ModuleState] = []
-        self.reductions = ReductionQueue()
-        self.iteration_root: ModuleState | None = None
-        self.forward_order: list[ParamGroup] = []
-        self.previous_forward_order: list[ParamGroup] = []
-        self.post_forward_order: list[ParamGroup] = []
-        self.prefetched: set[ParamGroup] = set()
-        self.end_of_backward_queued = False
-        # False: this backward is not the step's last (micro-batching); its end leaves
-        # reductions in flight instead of waiting, and keeps the prefetch order.
-        self.is_last_backward = True
-        self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
-
-    def begin_iteration(self, root: ModuleState) -> None:
-        self.iteration_root = root
-        if self.validator is not None:
-            self.validator.begin_iteration()
-        self.previous_forward_order, self.forward_order = self.forward_order, []
-        self.post_forward_order.clear()
-        for state in self.all_states:
-            if state.group is not None:
-                state.group._post_forward_indices.clear()
-
-    def end_forward(self) -> None:
-        """Reshards units whose prefetch went unused (the order changed)."""
-        for group in self.prefetched:
-            group.wait_for_unshard()
-            if group.reshard_after_forward:
-                group.reshard()
-        self.prefetched.clear()
-        self.iteration_root = None
-
-    def implicit_forward_prefetch(self, group: ParamGroup) -> ParamGroup | None:
-        position = len(self.forward_order)
-        self.forward_order.append(group)
-        previous = self.previous_forward_order
-        if position + 1 < len(previous) and previous[position] is group:
-            return previous[position + 1]
-        return None
-
-    def prefetch(self, group: ParamGroup) -> None:
-        if self.validator is not None:
-            return  # every gather passes the order check instead; see [Note: Execution order]
-        if group.is_unsharded or group.training_state is TrainingState.POST_BACKWARD:
-            return
-        self.prefetched.add(group)
-        group.unshard(async_op=True)
-
-    def record_post_forward(self, group: ParamGroup) -> int:
-        self.post_forward_order.append(group)
-        return len(self.post_forward_order) - 1
-
-    def queue_end_of_backward(self) -> None:
-        if not self.end_of_backward_queued:
-            self.end_of_backward_queued = True
-            Variable._execution_engine.queue_callback(self.end_of_backward)
-
-    def end_of_backward(self) -> None:
-        for state in self.all_states:
-            if state.group is not None:
-                state.group.finish_backward()
-            state.training_state = TrainingState.IDLE
-        for group in self.prefetched:
-            # Issued by a reduction finished here (BACKWARD_POST): it gathered the values
-            # the optimizer is about to change, so the next forward must not use them.
-            group.reshard()
-        self.prefetched.clear()
-        self.end_of_backward_queued = False
-        if self.is_last_backward:
-            self.reductions.drain()
-            offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
-            self.post_forward_order.clear()
 
 
 class _InputGradHook(torch.autograd.Function):
@@ -172,7 +92,7 @@ class ModuleState:
         self.group = group
         self.config = config
         self.is_root: bool | None = None  # decided at lazy init
-        self.ctx = IterationContext()  # replaced by the root's at lazy init
+        self.ctx = RootContext()  # replaced by the root's at lazy init
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[ModuleState] | None = None
@@ -212,14 +132,11 @@ class ModuleState:
                     )
                 state.is_root = False
             states.append(state)
-        self.ctx.all_states = states
+        self.ctx.adopt(list(states), validate=validation_enabled())
         for state in states:
             state.ctx = self.ctx
             if state.group is not None:
-                state.group.ctx = self.ctx
                 state.group.adopt_registered_shards()
-        if validation_enabled():
-            self.ctx.validator = ExecOrderValidator([s.group for s in states if s.group is not None])
         if self.config.reshard_after_forward is None and self.group is not None:
             # Backward needs the root's parameters first: keep them.
             self.group.reshard_after_forward = False
@@ -282,9 +199,7 @@ class ModuleState:
         if self.config.full_precision_in_eval:
             group.set_full_precision(not self.module.training)
         self.ctx.prefetched.discard(group)
-        if self.ctx.validator is not None:
-            agreed = self.ctx.validator.gate_forward(group, group.unshard_needs_collective())
-            run_agreed_all_gathers(agreed, group)
+        self.ctx.check_forward_order(group)
         # Finish this unit's gather before starting the next one's: at most one
         # all-gather output is alive (its own was usually prefetched already).
         group.unshard()
@@ -312,9 +227,6 @@ class ModuleState:
             self._hook_output_grads(output, use)
         self.training_state = TrainingState.IDLE
         if self.ctx.iteration_root is self:
-            for state in self.ctx.all_states:
-                if state is not self:
-                    state.finish_forward_pass()
             self.ctx.end_forward()
         return self._cast_output(output)
 
@@ -362,15 +274,13 @@ class ModuleState:
         group = self.group
         if group is None:
             return
-        if self.ctx.validator is not None and group.training_state is not TrainingState.PRE_BACKWARD:
-            gathers = group.unshard_in_backward and group.unshard_needs_collective()
-            agreed = self.ctx.validator.gate("backward", group, gathers)
-            run_agreed_all_gathers(agreed, group)
-        if not group.begin_backward():
+        if group.training_state is not TrainingState.PRE_BACKWARD:
+            self.ctx.check_backward_order(group)
+        if not group.pre_backward():
             return
         self.ctx.prefetched.discard(group)  # used: what remains at the end of backward is stale
         group.wait_for_unshard()  # before prefetching: see pre_forward
-        group.expect_grads()
+        group.grads.expect()
         index = group.take_backward_prefetch_index()
         mode = self.config.backward_prefetch
         if self.backward_prefetch is not None:
@@ -383,14 +293,3 @@ class ModuleState:
             return
         for target in targets:
             self.ctx.prefetch(target)
-
-
-def run_agreed_all_gathers(agreed: list[tuple[ParamGroup, list[str]]] | None, mine: ParamGroup) -> None:
-    """Runs the all-gathers the ranks agreed on (see [Note: Execution order]):
-    this rank's own for real, the others' into scratch."""
-    for group, _ in agreed or []:
-        if group is mine and group.unshard_needs_collective():
-            group.unshard()
-            group.wait_for_unshard()
-        else:
-            group.join_all_gather()

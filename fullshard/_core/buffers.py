@@ -1,0 +1,84 @@
+"""A unit's shard buffer: this rank's shards of all its parameters in one flat
+tensor, the layouts that place them, and the dtypes they gather and reduce in.
+See [Note: Unit buffers] in layout.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..api import MixedPrecisionPolicy
+from .layout import Layout
+from .param import ShardParam
+
+
+class UnitBuffers:
+    """Packs and re-packs a unit's shards; ``shard_buffer`` is their home (1D)."""
+
+    def __init__(
+        self,
+        params: list[ShardParam],
+        mp_policy: MixedPrecisionPolicy,
+        storage_device: torch.device,
+        pin_memory: bool,
+        shards: list[torch.Tensor],
+    ) -> None:
+        self.params = params
+        self.mp_policy = mp_policy
+        self.storage_device = storage_device  # the host under CPU offload
+        self.pin_memory = pin_memory  # pinned host memory: copies to an accelerator are asynchronous
+        self.build(shards)
+
+    @torch.no_grad()
+    def build(self, shards: list[torch.Tensor]) -> None:
+        """(Re)packs this rank's shards into one flat buffer."""
+        on_meta = any(s.is_meta for s in shards)
+        device = torch.device("meta") if on_meta else self.storage_device
+        self.storage_layout = Layout.build([p.shard_numel for p in self.params], [s.dtype for s in shards])
+        buffer = torch.zeros(self.storage_layout.total, dtype=self.storage_layout.dtype, device=device)
+        if self.pin_memory and not on_meta:
+            buffer = buffer.pin_memory()
+        for index, shard in enumerate(shards):
+            if not on_meta and shard.numel() > 0:
+                region = self.storage_layout.region(buffer, index, shard.dtype)
+                region[: shard.numel()].view_as(shard).copy_(shard)
+        self._bind(buffer)
+
+    def adopt(self, buffer: torch.Tensor) -> None:
+        """Makes ``buffer`` (the storage a buffer view was given by ``nn.Module._apply``)
+        the home of the shards; they take its dtype (``model.half()``)."""
+        dtypes = [buffer.dtype] * len(self.params)
+        self.storage_layout = Layout.build([p.shard_numel for p in self.params], dtypes)
+        self._bind(buffer, dtypes)
+
+    def _bind(self, buffer: torch.Tensor, dtypes: list[torch.dtype] | None = None) -> None:
+        """Makes ``buffer`` (storage layout) the home of every parameter's shard,
+        each viewed as ``dtypes[i]`` (default: its current dtype)."""
+        dtypes = dtypes or [p.local_dtype for p in self.params]
+        for index, (param, dtype) in enumerate(zip(self.params, dtypes)):
+            param.bind_shard(self.storage_layout.region(buffer, index, dtype))
+        self.shard_buffer = buffer  # 1D
+        self.set_gather_layout()
+        self.reduce_dtype = self._pick_reduce_dtype()
+
+    def set_gather_layout(self) -> None:
+        """The all-gather input's layout: the storage layout unless parameters cast."""
+        needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
+        self.gather_layout = (
+            Layout.build([p.shard_numel for p in self.params], [p.param_dtype for p in self.params])
+            if needs_cast
+            else self.storage_layout
+        )
+        self.needs_cast = needs_cast
+
+    def _pick_reduce_dtype(self) -> torch.dtype:
+        policy = self.mp_policy
+        if policy.reduce_dtype is not None:
+            return policy.reduce_dtype
+        if policy.param_dtype is not None:
+            return policy.param_dtype
+        dtypes = {p.orig_dtype for p in self.params} or {torch.float32}
+        result = dtypes.pop()
+        for dtype in dtypes:
+            result = torch.promote_types(result, dtype)
+        return result

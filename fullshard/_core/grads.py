@@ -1,0 +1,221 @@
+"""What happens to a unit's gradients, from autograd to the sharded ``.grad``.
+
+Autograd accumulates into the unsharded parameters. Once the unit's backward is
+done (see [Note: When a unit's backward is done] in group.py) ``take`` pops
+those gradients and ``submit`` hands them to the reduction pipeline (see
+[Note: Reduction pipeline]); the reduced shards land in the sharded parameters'
+``.grad`` (or the front end's buffer view's, in the buffer's layout), or stay a
+partial result until a step that all-reduces (HSDP without all-reduce). Without
+gradient sync they stay unsharded, summed in the reduce dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import offload
+from .buffer_view import BufferView
+from .layout import Layout
+from .mesh import MeshInfo
+from .param import ShardParam
+from .reduction import GradReduction, ReduceSettings, ReductionQueue
+
+
+class GradUnit(Protocol):
+    """What gradient intake reads from its unit (a ``ParamGroup``)."""
+
+    @property
+    def params(self) -> list[ShardParam]: ...
+    @property
+    def mesh_info(self) -> MeshInfo: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def storage_device(self) -> torch.device: ...
+    @property
+    def offload(self) -> bool: ...
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
+    @property
+    def reduce_settings(self) -> ReduceSettings: ...
+    @property
+    def keep_low_precision_grads(self) -> bool: ...
+    @property
+    def storage_layout(self) -> Layout: ...
+    @property
+    def buffer_view(self) -> BufferView | None: ...
+
+
+def per_param(params: list[ShardParam], output: torch.Tensor) -> Iterator[tuple[ShardParam, torch.Tensor]]:
+    """Each parameter's region of ``output``, the shards of ``params`` back to back."""
+    offset = 0
+    for param in params:
+        yield param, output[offset : offset + param.shard_numel]
+        offset += param.shard_numel
+
+
+class GradIntake:
+    """One unit's gradients between autograd and the sharded ``.grad``."""
+
+    def __init__(self, unit: GradUnit) -> None:
+        self.unit = unit
+        self.awaiting: set[ShardParam] = set()  # parameters whose gradient autograd has not produced yet
+        self._partial: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
+
+    def expect(self) -> None:
+        self.awaiting = {p for p in self.unit.params if p.unsharded_param.requires_grad}
+
+    def take(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
+        """Pops this step's unsharded gradients (with what was accumulated unsynced)."""
+        params, grads = [], []
+        for param in self.unit.params:
+            grad = _pop_unsharded_grad(param)
+            if param.unsynced_grad is not None:
+                grad = param.unsynced_grad if grad is None else param.unsynced_grad.add_(grad)
+                param.unsynced_grad = None
+            if grad is not None:
+                params.append(param)
+                grads.append(grad.contiguous())
+        return params, grads
+
+    def accumulate_unsynced(self) -> None:
+        """No sync: gradients stay unsharded, summed in the reduce dtype."""
+        reduce_dtype = self.unit.reduce_dtype
+        for param in self.unit.params:
+            unsharded = param.unsharded_param
+            if unsharded is None or unsharded.grad is None:
+                continue
+            if unsharded.grad.dtype == reduce_dtype and param.unsynced_grad is None:
+                continue  # autograd keeps summing into .grad
+            grad = _pop_unsharded_grad(param).to(reduce_dtype)
+            param.unsynced_grad = grad if param.unsynced_grad is None else param.unsynced_grad.add_(grad)
+
+    def has_pending(self) -> bool:
+        return any(
+            p.unsynced_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+            for p in self.unit.params
+        )
+
+    def zero_grad(self, param: ShardParam) -> torch.Tensor:
+        """A zero unsharded gradient: joining a reduction this rank has nothing for."""
+        return torch.zeros(param.unsharded_size, dtype=param.param_dtype, device=self.unit.device)
+
+    def submit(self, params: list[ShardParam], grads: list[torch.Tensor], queue: ReductionQueue) -> None:
+        """Starts reducing ``grads`` (of ``params``); the result lands in ``.grad``."""
+        unit = self.unit
+        queue.make_room()
+        partial_only = unit.reduce_settings.partial_only(unit.mesh_info.replicate)
+        partial = None
+        if self._partial and not partial_only:
+            params, grads, partial = self._take_partial(params, grads)
+        reduction = GradReduction(
+            grads,
+            [p.shard_numel for p in params],
+            [p.shard_dim for p in params],
+            unit.mesh_info.shard,
+            unit.mesh_info.replicate,
+            unit.reduce_dtype,
+            on_done=lambda output: (self._keep_partial if partial_only else self._accept)(params, output),
+            settings=unit.reduce_settings,
+            partial=partial,
+        )
+        del grads  # the copy-in holds them now; free the unsharded gradients
+        queue.submit(reduction)
+
+    def _take_partial(
+        self, params: list[ShardParam], grads: list[torch.Tensor]
+    ) -> tuple[list[ShardParam], list[torch.Tensor], torch.Tensor]:
+        """Adds the parameters that only have a partial result (zero gradients now)
+        and returns the partial results laid out like the reduction's output."""
+        given = dict(zip(params, grads))
+        params = [p for p in self.unit.params if p in given or p in self._partial]
+        grads = [given[p] if p in given else self.zero_grad(p) for p in params]
+        partial = torch.cat(
+            [
+                self._partial.pop(p)
+                if p in self._partial
+                else torch.zeros(p.shard_numel, dtype=self.unit.reduce_dtype, device=self.unit.device)
+                for p in params
+            ]
+        )
+        return params, grads, partial
+
+    def _keep_partial(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        for param, chunk in per_param(params, output):
+            kept = self._partial.get(param)
+            self._partial[param] = chunk if kept is None else kept.add_(chunk)
+
+    def _grad_dtype(self, param: ShardParam) -> torch.dtype:
+        return self.unit.reduce_dtype if self.unit.keep_low_precision_grads else param.orig_dtype
+
+    def _accept(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        """Adds the reduced shards (``output``: ``params``' shards back to back) to ``.grad``."""
+        view = self.unit.buffer_view
+        if view is not None:
+            self._accept_in_buffer_layout(view.tensor, params, output)
+            return
+        for param, padded in per_param(params, output):
+            padded = self._to_storage(padded, self._grad_dtype(param))
+            sharded = param.sharded_param
+            if sharded.grad is None:
+                sharded.grad = param.present_padded(padded)
+            else:
+                offload.wait_for_host_copies()  # the CPU adds now
+                local = param.rows_of(sharded.grad)
+                local.add_(padded[: local.numel()].view_as(local))
+        _step_in_backward_optimizers([p.sharded_param for p in params])
+
+    def _accept_in_buffer_layout(self, target: torch.Tensor, params: list[ShardParam], output: torch.Tensor) -> None:
+        unit = self.unit
+        dtype = self._grad_dtype(params[0])
+        if len(params) == len(unit.params):  # every shard present: output has the buffer's layout
+            full = self._to_storage(output, dtype)
+        else:
+            layout = unit.storage_layout
+            full = torch.zeros(layout.total, dtype=dtype, device=unit.storage_device)
+            for param, chunk in per_param(params, output):
+                start = layout.offsets[unit.params.index(param)]
+                full[start : start + param.shard_numel].copy_(chunk)
+        if target.grad is None:
+            target.grad = full
+        else:
+            offload.wait_for_host_copies()
+            target.grad.add_(full)
+        _step_in_backward_optimizers([target])
+
+    def _to_storage(self, reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A reduced gradient shard where the shards live: offloaded, copied to host
+        memory off the compute stream (see [Note: CPU offload])."""
+        if self.unit.offload:
+            return offload.to_host(reduced, dtype)
+        return reduced.to(self.unit.storage_device, dtype)
+
+
+def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
+    """``torch.distributed.optim._apply_optimizer_in_backward`` attaches optimizers to
+    a parameter and steps them from its AccumulateGrad hook, which never fires for
+    a sharded parameter (its gradient is written, not accumulated): they step here,
+    once the reduced gradient landed, and drop it, as that hook would."""
+    for param in params:
+        optimizers = getattr(param, "_in_backward_optimizers", ())
+        for optimizer in optimizers:
+            optimizer.step()
+        if optimizers:
+            param.grad = None
+
+
+def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
+    unsharded = param.unsharded_param
+    if unsharded is None or unsharded.grad is None:
+        return None
+    grad = unsharded.grad
+    unsharded.grad = None
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != param.tp_placements:
+            grad = grad.redistribute(placements=param.tp_placements)
+        grad = grad._local_tensor
+    return grad
