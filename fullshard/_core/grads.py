@@ -67,7 +67,9 @@ class GradIntake:
         self._partial: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
 
     def expect(self) -> None:
-        self.awaiting = {p for p in self.unit.params if p.unsharded_param.requires_grad}
+        self.awaiting = {
+            p for p in self.unit.params if p.unsharded_param is not None and p.unsharded_param.requires_grad
+        }
 
     def take(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
         """Pops this step's unsharded gradients (with what was accumulated unsynced)."""
@@ -91,7 +93,7 @@ class GradIntake:
                 continue
             if unsharded.grad.dtype == reduce_dtype and param.unsynced_grad is None:
                 continue  # autograd keeps summing into .grad
-            grad = _pop_unsharded_grad(param).to(reduce_dtype)
+            grad, unsharded.grad = _local_grad(param, unsharded.grad).to(reduce_dtype), None
             param.unsynced_grad = grad if param.unsynced_grad is None else param.unsynced_grad.add_(grad)
 
     def has_pending(self) -> bool:
@@ -214,6 +216,11 @@ def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
         return None
     grad = unsharded.grad
     unsharded.grad = None
+    return _local_grad(param, grad)
+
+
+def _local_grad(param: ShardParam, grad: torch.Tensor) -> torch.Tensor:
+    """An unsharded gradient without its tensor-parallel wrapper."""
     if isinstance(grad, DTensor):
         if tuple(grad.placements) != param.tp_placements:
             grad = grad.redistribute(placements=param.tp_placements)

@@ -69,13 +69,33 @@ class ShardedState(enum.Enum):
     UNSHARDED = enum.auto()  # full parameters registered on the modules
 
 
+class _Waitable(Protocol):
+    def wait(self) -> Any: ...
+
+
 @dataclass
 class _AllGatherInFlight:
-    work: dist.Work | None
+    work: _Waitable | None
     input: torch.Tensor  # kept alive until the collective is done
     output: torch.Tensor
     layout: Layout
     num_chunks: int
+
+
+@dataclass
+class _PostForwardShard:
+    """1/k of the full parameters kept after forward, for a re-gather within the k-group."""
+
+    source: torch.Tensor  # 1D
+    layout: Layout
+    group: GroupInfo
+
+
+def process_group(info: GroupInfo) -> dist.ProcessGroup:
+    """The process group of a collective over ``info`` (one of size > 1 always has one)."""
+    if info.group is None:
+        raise AssertionError(f"a group of size {info.size} has no process group (rank {info.rank})")
+    return info.group
 
 
 class UnitUse:
@@ -149,17 +169,18 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: _AllGatherInFlight | None = None
         self._shows_shards_unsharded = False  # see show_shards
-        self._post_forward_shard: tuple[torch.Tensor, Layout] | None = None
+        self._post_forward_shard: _PostForwardShard | None = None
         self._uses_in_backward = 0  # uses whose backward started and whose input hook has not fired
         self._post_forward_indices: list[int] = []
         self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
         for param in params:
             param.on_grad_ready = self._on_grad_ready
-        pin_memory = self.offload and config.offload_policy.pin_memory and device.type != "cpu"
-        shards = [p.initial_shard for p in params]
+        policy = config.offload_policy
+        pin_memory = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type != "cpu"
+        shards = [p.local_shard for p in params]
         self.buffers = UnitBuffers(params, config.mp_policy, self.storage_device, pin_memory, shards)
         for param in params:
-            param.initial_shard = None
+            param.to_sharded()
             if self.keep_low_precision_grads:
                 compat.set_grad_dtype(param.sharded_param, self.reduce_dtype, unit_name)
 
@@ -200,7 +221,7 @@ class ParamGroup:
         """
         for param in self.params:
             registered = param.module_registration()
-            if isinstance(registered, DTensor) and registered is not param.sharded_param:
+            if isinstance(registered, DTensor) and registered is not param.sharded_param:  # a Parameter
                 param.sharded_param = registered  # _apply replaced rather than swapped
             param.forget_unsharded()
         if self.offload:
@@ -297,9 +318,9 @@ class ParamGroup:
         if self.is_unsharded or self._all_gather is not None or not self.params:
             return
         self._check_materialized()
-        if self._post_forward_shard is not None:
-            source, layout = self._post_forward_shard
-            group = self.post_forward_group
+        kept = self._post_forward_shard
+        if kept is not None:
+            source, layout, group = kept.source, kept.layout, kept.group
         else:
             if self.mesh_info.shard.size == 1 and not self.buffers.needs_cast and not self.offload:
                 self._alias_unsharded()
@@ -311,7 +332,7 @@ class ParamGroup:
         else:
             output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             with self._copy_stream():  # after the copy-in, not after the compute enqueued before it
-                work = comm.all_gather(output, source, group.group, async_op=async_op)
+                work = comm.all_gather(output, source, process_group(group), async_op=async_op)
         self._all_gather = _AllGatherInFlight(work, source, output, layout, group.size)
 
     def unshard_needs_collective(self) -> bool:
@@ -319,20 +340,21 @@ class ParamGroup:
         if self.is_unsharded or self._all_gather is not None or not self.params:
             return False
         if self._post_forward_shard is not None:
-            return self.post_forward_group.size > 1
+            return self._post_forward_shard.group.size > 1
         return self.mesh_info.shard.size > 1
 
     def join_all_gather(self) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
-        if self._post_forward_shard is not None:
-            source, group = self._post_forward_shard[0], self.post_forward_group
+        kept = self._post_forward_shard
+        if kept is not None:
+            source, group = kept.source, kept.group
         else:
             source, group = self._all_gather_input(), self.mesh_info.shard
         if group.size > 1:
             scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             with self._copy_stream():
-                comm.all_gather(scratch, source, group.group, async_op=False)
+                comm.all_gather(scratch, source, process_group(group), async_op=False)
             if self.offload:
                 offload.join_copy_stream(self.device)
 
@@ -398,9 +420,8 @@ class ParamGroup:
         self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
 
-    def _reshard_to_post_forward(self) -> None:
+    def _reshard_to_post_forward(self, group: GroupInfo) -> None:
         """Keeps 1/k of the full parameters for a re-gather within the k-group."""
-        group = self.post_forward_group
         layout = self.buffers.gather_layout.scaled(self.mesh_info.shard.size // group.size)
         kept = torch.empty(layout.total, dtype=layout.dtype, device=self.device)
         for index, param in enumerate(self.params):
@@ -408,15 +429,16 @@ class ParamGroup:
             full = full if full.dtype == layout.dtype else full.view(layout.dtype)
             layout.region(kept, index, layout.dtype).copy_(full.view(group.size, -1)[group.rank])
         self.reshard()
-        self._post_forward_shard = (kept, layout)
+        self._post_forward_shard = _PostForwardShard(kept, layout, group)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------
     @_outside_transforms
     def post_forward(self, record_order: bool) -> None:
         if self.reshard_after_forward:
-            if self.post_forward_group is not None and self.is_unsharded:
-                self._reshard_to_post_forward()
+            group = self.post_forward_group
+            if group is not None and self.is_unsharded:
+                self._reshard_to_post_forward(group)
             else:
                 self.reshard()
         elif self.is_unsharded and not torch.is_grad_enabled() and self.presentation.sharded_after_no_grad_forward:

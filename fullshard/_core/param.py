@@ -89,14 +89,15 @@ class ShardParam:
         first_row = shard.rank * self.shard_rows
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
-        self.requires_grad = param.requires_grad
-        # This rank's rows of the unsharded value, copied into the unit's buffer
-        # by ParamGroup and then dropped.
-        self.initial_shard: torch.Tensor | None = local.narrow(
-            shard_dim, min(first_row, self.num_rows), self.num_valid_rows
-        )
-        self.sharded_param: nn.Parameter | None = param if presentation.keeps_user_param else None
-        self._bound_rows: torch.Tensor | None = None  # the rows bind_shard last pointed at
+        # This rank's rows of the unsharded value until the unit packs them into
+        # its buffer (``bind_shard``); they keep the original storage alive until then.
+        rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
+        self._bound_rows = rows  # the rows the sharded parameter shows
+        if presentation.keeps_user_param:
+            presentation.rebind(param, self.present(rows))
+            self.sharded_param = param
+        else:
+            self.sharded_param = nn.Parameter(self.present(rows), requires_grad=param.requires_grad)
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
         self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
@@ -147,10 +148,8 @@ class ShardParam:
         local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
         self._bound_rows = local
-        retyped = self.sharded_param is not None and self.sharded_param.dtype != local.dtype
-        if self.sharded_param is None or (retyped and not self.presentation.keeps_user_param):  # new, or model.half()
-            requires_grad = self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
-            self.sharded_param = nn.Parameter(self.present(local), requires_grad=requires_grad)
+        if self.sharded_param.dtype != local.dtype and not self.presentation.keeps_user_param:  # model.half()
+            self.sharded_param = nn.Parameter(self.present(local), requires_grad=self.sharded_param.requires_grad)
             self.to_sharded()
             return
         self.presentation.rebind(self.sharded_param, self.present(local))
@@ -191,7 +190,10 @@ class ShardParam:
 
     def full_shown(self) -> torch.Tensor:
         """The full value registered by ``show_full`` (edited or replaced by the user)."""
-        shown = self.module_registration().detach()
+        registered = self.module_registration()
+        if registered is None:
+            raise AssertionError(f"{self.fqn} was unregistered while summoned")
+        shown = registered.detach()
         return shown._local_tensor if isinstance(shown, DTensor) else shown
 
     def end_show_full(self) -> None:
@@ -211,7 +213,7 @@ class ShardParam:
     @property
     def local_dtype(self) -> torch.dtype:
         """The shard's dtype (the original dtype, or what ``.to(dtype)`` made it)."""
-        return self.sharded_param.dtype if self.sharded_param is not None else self.initial_shard.dtype
+        return self.sharded_param.dtype
 
     def sharded_dtensor(self, padded_shard: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter over another padded region (a gradient)."""
@@ -260,7 +262,7 @@ class ShardParam:
         device = self.local_shard.device if self.local_shard.device.type not in ("cpu", "meta") else value.device
         return distribute_tensor(value.to(device), self.spmd_mesh, self.placements, src_data_rank=None)
 
-    def module_registration(self) -> torch.Tensor | None:
+    def module_registration(self) -> nn.Parameter | None:
         info = self.module_info
         return info.module._parameters.get(info.param_name)
 
@@ -286,7 +288,8 @@ class ShardParam:
 
     def alias_unsharded(self, shard_region: torch.Tensor) -> None:
         """For a shard group of one: the unsharded parameter IS the shard (no copy)."""
-        if not self.aliases_shard or self._padded_unsharded.data_ptr() != shard_region.data_ptr():
+        padded = self._padded_unsharded
+        if not self.aliases_shard or padded is None or padded.data_ptr() != shard_region.data_ptr():
             self._padded_unsharded = shard_region
             self.aliases_shard = True
             self._make_unsharded_param(shard_region)
@@ -351,6 +354,8 @@ class ShardParam:
 
     def to_unsharded(self) -> None:
         unsharded = self.unsharded_param
+        if unsharded is None:
+            raise AssertionError(f"{self.fqn} is registered unsharded before it was gathered")
         if unsharded.requires_grad != self.sharded_param.requires_grad:
             unsharded.requires_grad_(self.sharded_param.requires_grad)
         if unsharded.requires_grad and not self._hooked:

@@ -55,6 +55,8 @@ class DTensorShards:
 
     def rebind(self, sharded: nn.Parameter, presented: torch.Tensor) -> None:
         """Points the existing sharded parameter at new rows."""
+        if not isinstance(sharded, DTensor) or not isinstance(presented, DTensor):
+            raise AssertionError(f"DTensor shards rebind DTensors, not {type(sharded)} to {type(presented)}")
         sharded._local_tensor = presented._local_tensor
 
 

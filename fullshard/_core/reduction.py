@@ -151,7 +151,8 @@ class GradReduction:
         chunk_cat(grads, reduced.view(shard.size, -1), shard_dims)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
-            self._stages = [lambda: self._run_hook(*settings.comm_hook, reduced)]
+            hook, state = settings.comm_hook
+            self._stages = [lambda: self._run_hook(hook, state, reduced)]
             return
         if shard.size > 1:
             self._stages.append(lambda: self._collective(comm.reduce_scatter, shard, self._output, reduced))
