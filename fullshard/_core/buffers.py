@@ -6,8 +6,10 @@ See [Note: Unit buffers] in layout.py.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..api import MixedPrecisionPolicy
+from .buffer_view import BufferView
 from .layout import Layout
 from .param import ShardParam
 
@@ -51,6 +53,38 @@ class UnitBuffers:
         self.storage_layout = Layout.build([p.shard_numel for p in self.params], dtypes)
         self._bind(buffer, dtypes)
 
+    def rebind(self, view: BufferView | None, offload: bool, owner: str) -> None:
+        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``).
+
+        With a buffer view (the wrapper's flat parameter), ``_apply`` moved that
+        view itself (the shards are plain attributes it does not visit): adopt
+        its new storage.
+        """
+        for param in self.params:
+            registered = param.module_registration()
+            if isinstance(registered, DTensor) and registered is not param.sharded_param:  # a Parameter
+                param.sharded_param = registered  # _apply replaced rather than swapped
+            param.forget_unsharded()
+        if offload:
+            _check_on_host(view, self.params, owner)
+        if view is not None:
+            self.adopt(view.tensor.detach())
+            for param in self.params:
+                param.to_sharded()
+        else:
+            self.build([p.local_shard for p in self.params])
+
+    def adopt_registered(self, view: BufferView | None, offload: bool, owner: str) -> None:
+        """Takes the parameters now registered on the modules as the shards, when
+        the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
+        model's parameters assigned piece by piece): their values move into the
+        unit's buffer, which they then view."""
+        if view is None and any(
+            isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
+            for p in self.params
+        ):
+            self.rebind(view, offload, owner)
+
     def _bind(self, buffer: torch.Tensor, dtypes: list[torch.dtype] | None = None) -> None:
         """Makes ``buffer`` (storage layout) the home of every parameter's shard,
         each viewed as ``dtypes[i]`` (default: its current dtype)."""
@@ -82,3 +116,16 @@ class UnitBuffers:
         for dtype in dtypes:
             result = torch.promote_types(result, dtype)
         return result
+
+
+def _check_on_host(view: BufferView | None, params: list[ShardParam], owner: str) -> None:
+    """Offloaded shards live in host memory: a module moved (or materialized) onto
+    an accelerator would put the whole sharded model there at once."""
+    moved = [view.tensor] if view is not None else [p.local_shard for p in params]
+    devices = {t.device for t in moved if t.device.type not in ("cpu", "meta")}
+    if devices:
+        raise RuntimeError(
+            f"CPU offload expects the parameters of {owner} on the CPU, but they were moved to "
+            f"{devices.pop()}; materialize a meta-device model with module.to_empty(device='cpu') (or load a "
+            "CPU state dict) and do not move it: offloaded shards reach the GPU only while gathered"
+        )

@@ -33,7 +33,6 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
 from . import comm, compat, offload
@@ -213,49 +212,12 @@ class ParamGroup:
         self.buffers.set_gather_layout()
 
     def rebind_shards(self) -> None:
-        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``).
-
-        With a buffer view (the wrapper's flat parameter), ``_apply`` moved that
-        view itself (the shards are plain attributes it does not visit): adopt
-        its new storage.
-        """
-        for param in self.params:
-            registered = param.module_registration()
-            if isinstance(registered, DTensor) and registered is not param.sharded_param:  # a Parameter
-                param.sharded_param = registered  # _apply replaced rather than swapped
-            param.forget_unsharded()
-        if self.offload:
-            self._check_on_host()
-        if self.buffer_view is not None:
-            self.buffers.adopt(self.buffer_view.tensor.detach())
-            for param in self.params:
-                param.to_sharded()
-        else:
-            self.buffers.build([p.local_shard for p in self.params])
+        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (see ``UnitBuffers.rebind``)."""
+        self.buffers.rebind(self.buffer_view, self.offload, self.owner_name)
 
     def adopt_registered_shards(self) -> None:
-        """Takes the parameters now registered on the modules as the shards, when
-        the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
-        model's parameters assigned piece by piece): their values move into the
-        unit's buffer, which they then view."""
-        if self.buffer_view is None and any(
-            isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
-            for p in self.params
-        ):
-            self.rebind_shards()
-
-    def _check_on_host(self) -> None:
-        """Offloaded shards live in host memory: a module moved (or materialized) onto
-        an accelerator would put the whole sharded model there at once."""
-        view = self.buffer_view
-        moved = [view.tensor] if view is not None else [p.local_shard for p in self.params]
-        devices = {t.device for t in moved if t.device.type not in ("cpu", "meta")}
-        if devices:
-            raise RuntimeError(
-                f"CPU offload expects the parameters of {self.owner_name} on the CPU, but they were moved to "
-                f"{devices.pop()}; materialize a meta-device model with module.to_empty(device='cpu') (or load a "
-                "CPU state dict) and do not move it: offloaded shards reach the GPU only while gathered"
-            )
+        """See ``UnitBuffers.adopt_registered``."""
+        self.buffers.adopt_registered(self.buffer_view, self.offload, self.owner_name)
 
     def install_buffer_view(self, view: BufferView) -> None:
         """A front end registers ``view`` in place of the shards (see buffer_view.py)."""
