@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .all_gather import process_group, split_views
 from .common import TrainingState
-from .group import ParamGroup, process_group
+from .group import ParamGroup
 from .state import ModuleState
 
 
@@ -104,7 +105,7 @@ def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch
     else:
         output = source
     padded = [torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.device) for p in unit.params]
-    unit.storage_layout.copy_out(output, shard.size, padded, unit.split_views(padded))
+    unit.storage_layout.copy_out(output, shard.size, padded, split_views(unit.params, padded))
     return [p.unsharded_view(t) for p, t in zip(unit.params, padded)]
 
 

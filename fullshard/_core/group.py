@@ -24,18 +24,16 @@ inputs need no grad) is finished by the end-of-backward callback.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 
 from ..api import CPUOffloadPolicy
-from . import comm, compat, offload
+from . import compat
+from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
 from .buffer_view import BufferView
 from .buffers import UnitBuffers
 from .common import TrainingState, UnitConfig, clean_fqn
@@ -45,6 +43,7 @@ from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
 from .reduction import ReduceSettings, ReductionQueue
+from .root import UnitRoot, Unrooted
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -59,42 +58,13 @@ def _outside_transforms(method: _Method) -> _Method:
         with torch._C._DisableFuncTorch():
             return method(*args, **kwargs)
 
-    return run  # type: ignore[return-value]
+    return cast(_Method, run)
 
 
 class ShardedState(enum.Enum):
     SHARDED = enum.auto()  # only this rank's shards exist
     SHARDED_POST_FORWARD = enum.auto()  # a larger shard for the smaller post-forward group
     UNSHARDED = enum.auto()  # full parameters registered on the modules
-
-
-class _Waitable(Protocol):
-    def wait(self) -> Any: ...
-
-
-@dataclass
-class _AllGatherInFlight:
-    work: _Waitable | None
-    input: torch.Tensor  # kept alive until the collective is done
-    output: torch.Tensor
-    layout: Layout
-    num_chunks: int
-
-
-@dataclass
-class _PostForwardShard:
-    """1/k of the full parameters kept after forward, for a re-gather within the k-group."""
-
-    source: torch.Tensor  # 1D
-    layout: Layout
-    group: GroupInfo
-
-
-def process_group(info: GroupInfo) -> dist.ProcessGroup:
-    """The process group of a collective over ``info`` (one of size > 1 always has one)."""
-    if info.group is None:
-        raise AssertionError(f"a group of size {info.size} has no process group (rank {info.rank})")
-    return info.group
 
 
 class UnitUse:
@@ -105,32 +75,6 @@ class UnitUse:
 
     def __init__(self) -> None:
         self.in_backward = False
-
-
-class UnitRoot(Protocol):
-    """What a unit asks of the root context it sits under (``context.RootContext``)."""
-
-    def queue_end_of_backward(self) -> None: ...
-    def record_post_forward(self, group: ParamGroup) -> int: ...
-    def prefetch(self, group: ParamGroup) -> None: ...
-    def reduce(self, group: ParamGroup, params: list[ShardParam], grads: list[torch.Tensor]) -> None: ...
-
-
-class _Unrooted:
-    """A unit's root before the root's lazy init: gradients may arrive (an explicit
-    ``unshard()`` then backward) but no step has started."""
-
-    def queue_end_of_backward(self) -> None:
-        pass
-
-    def record_post_forward(self, group: ParamGroup) -> int:
-        raise AssertionError(f"{group} ran forward before its root's lazy init")
-
-    def prefetch(self, group: ParamGroup) -> None:
-        raise AssertionError(f"{group} prefetched before its root's lazy init")
-
-    def reduce(self, group: ParamGroup, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
-        raise AssertionError(f"{group} reduced before its root's lazy init")
 
 
 class ParamGroup:
@@ -163,12 +107,12 @@ class ParamGroup:
         self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
         self.grads = GradIntake(self)
         self.module_fqn = ""  # set at lazy init
-        self.ctx: UnitRoot = _Unrooted()  # the root's context from its lazy init on
+        self.ctx: UnitRoot[ParamGroup] = Unrooted()  # the root's context from its lazy init on
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
-        self._all_gather: _AllGatherInFlight | None = None
+        self._all_gather: AllGatherInFlight | None = None
         self._shows_shards_unsharded = False  # see show_shards
-        self._post_forward_shard: _PostForwardShard | None = None
+        self._post_forward_shard: PostForwardShard | None = None
         self._uses_in_backward = 0  # uses whose backward started and whose input hook has not fired
         self._post_forward_indices: list[int] = []
         self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
@@ -178,6 +122,7 @@ class ParamGroup:
         pin_memory = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type != "cpu"
         shards = [p.local_shard for p in params]
         self.buffers = UnitBuffers(params, config.mp_policy, self.storage_device, pin_memory, shards)
+        self.gather = AllGather(params, self.buffers, device, self.offload)
         for param in params:
             param.to_sharded()
             if self.keep_low_precision_grads:
@@ -226,12 +171,6 @@ class ParamGroup:
             param.register_sharded = False
             param.to_sharded()
 
-    def split_views(self, padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
-        """Per-rank views for parameters sharded on a dim other than 0 (see layout.py)."""
-        if all(p.shard_dim == 0 for p in self.params):
-            return None
-        return [p.split_views(t) for p, t in zip(self.params, padded)]
-
     @property
     def owner_name(self) -> str:
         return self.module_fqn or self.unit_name
@@ -251,29 +190,6 @@ class ParamGroup:
                 "on each module."
             )
 
-    def _copy_stream(self) -> contextlib.AbstractContextManager:
-        """Where the offloaded shards travel to the device and their all-gather is
-        issued (see [Note: CPU offload] in offload.py)."""
-        return offload.on_copy_stream(self.device) if self.offload else contextlib.nullcontext()
-
-    def _all_gather_input(self) -> torch.Tensor:
-        """This rank's shards on the compute device, in the gather dtype."""
-        if not self.buffers.needs_cast and self.shard_buffer.device == self.device:
-            return self.shard_buffer
-        staged = torch.empty(
-            self.buffers.gather_layout.total, dtype=self.buffers.gather_layout.dtype, device=self.device
-        )
-        with self._copy_stream():
-            if not self.buffers.needs_cast:
-                staged.copy_(self.shard_buffer, non_blocking=True)
-            else:
-                torch._foreach_copy_(
-                    [self.buffers.gather_layout.region(staged, i, p.param_dtype) for i, p in enumerate(self.params)],
-                    [self.storage_layout.region(self.shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
-                    non_blocking=True,
-                )
-        return staged
-
     @_outside_transforms
     def unshard(self, async_op: bool = False) -> None:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
@@ -287,15 +203,8 @@ class ParamGroup:
             if self.mesh_info.shard.size == 1 and not self.buffers.needs_cast and not self.offload:
                 self._alias_unsharded()
                 return
-            source, layout = self._all_gather_input(), self.buffers.gather_layout
-            group = self.mesh_info.shard
-        if group.size == 1:
-            output, work = source, None
-        else:
-            output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-            with self._copy_stream():  # after the copy-in, not after the compute enqueued before it
-                work = comm.all_gather(output, source, process_group(group), async_op=async_op)
-        self._all_gather = _AllGatherInFlight(work, source, output, layout, group.size)
+            source, layout, group = self.gather.input(), self.buffers.gather_layout, self.mesh_info.shard
+        self._all_gather = self.gather.start(source, layout, group, async_op)
 
     def unshard_needs_collective(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -310,15 +219,9 @@ class ParamGroup:
         (execution-order validation, see [Note: Execution order])."""
         kept = self._post_forward_shard
         if kept is not None:
-            source, group = kept.source, kept.group
+            self.gather.join(kept.source, kept.group)
         else:
-            source, group = self._all_gather_input(), self.mesh_info.shard
-        if group.size > 1:
-            scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-            with self._copy_stream():
-                comm.all_gather(scratch, source, process_group(group), async_op=False)
-            if self.offload:
-                offload.join_copy_stream(self.device)
+            self.gather.join(self.gather.input(), self.mesh_info.shard)
 
     def _alias_unsharded(self) -> None:
         if self.buffer_view is not None:
@@ -336,17 +239,7 @@ class ParamGroup:
             if self._shows_shards_unsharded:  # kept unsharded but showing the shards
                 self._register_unsharded()
             return
-        if in_flight.work is not None:
-            in_flight.work.wait()
-        if self.offload:
-            offload.join_copy_stream(self.device)
-        padded = [p.padded_unsharded(self.device) for p in self.params]
-        # Saved activations of an earlier forward alias this storage: the refill
-        # must not look like an in-place change to autograd.
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            for tensor in padded:
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
-            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, self.split_views(padded))
+        self.gather.copy_out(in_flight, [p.padded_unsharded(self.device) for p in self.params])
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -384,14 +277,9 @@ class ParamGroup:
 
     def _reshard_to_post_forward(self, group: GroupInfo) -> None:
         """Keeps 1/k of the full parameters for a re-gather within the k-group."""
-        layout = self.buffers.gather_layout.scaled(self.mesh_info.shard.size // group.size)
-        kept = torch.empty(layout.total, dtype=layout.dtype, device=self.device)
-        for index, param in enumerate(self.params):
-            full = param.padded_unsharded(self.device)
-            full = full if full.dtype == layout.dtype else full.view(layout.dtype)
-            layout.region(kept, index, layout.dtype).copy_(full.view(group.size, -1)[group.rank])
+        kept = self.gather.keep_post_forward(self.mesh_info.shard.size, group)
         self.reshard()
-        self._post_forward_shard = _PostForwardShard(kept, layout, group)
+        self._post_forward_shard = kept
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------
