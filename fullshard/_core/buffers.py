@@ -53,6 +53,16 @@ class UnitBuffers:
         self.storage_layout = Layout.build([p.shard_numel for p in self.params], dtypes)
         self._bind(buffer, dtypes)
 
+    def check_materialized(self) -> None:
+        if self.shard_buffer.is_meta:
+            names = [p.fqn for p in self.params]
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {names}\n"
+                "For example, call module.to_empty(device=...) and then reset_parameters() "
+                "on each module."
+            )
+
     def rebind(self, view: BufferView | None, offload: bool, owner: str) -> None:
         """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``).
 

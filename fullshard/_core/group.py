@@ -2,8 +2,10 @@
 
 A unit costs one all-gather before it runs (again in backward when it was
 resharded after forward) and one reduce-scatter of its gradients, no matter how
-many parameters it has. See [Note: Unit buffers] for the memory layout and
-[Note: Reduction pipeline] for what happens to gradients.
+many parameters it has. This file is the unit's lifecycle (unshard, reshard,
+forward and backward transitions); its shard buffer is in buffers.py (see
+[Note: Unit buffers]), its all-gather steps in all_gather.py, and what happens
+to its gradients in grads.py (see [Note: Reduction pipeline]).
 
 [Note: When a unit's backward is done]
 Backward gives no "module finished" event, so two signals are combined:
@@ -78,7 +80,7 @@ class UnitUse:
 
 
 class ParamGroup:
-    """A unit's parameters, buffers and step transitions."""
+    """One unit's lifecycle over its parameters (see the module docstring)."""
 
     def __init__(
         self,
@@ -180,22 +182,12 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
-    def _check_materialized(self) -> None:
-        if self.shard_buffer.is_meta:
-            names = [p.fqn for p in self.params]
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {names}\n"
-                "For example, call module.to_empty(device=...) and then reset_parameters() "
-                "on each module."
-            )
-
     @_outside_transforms
     def unshard(self, async_op: bool = False) -> None:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
         if self.is_unsharded or self._all_gather is not None or not self.params:
             return
-        self._check_materialized()
+        self.buffers.check_materialized()
         kept = self._post_forward_shard
         if kept is not None:
             source, layout, group = kept.source, kept.layout, kept.group
