@@ -45,7 +45,8 @@ class FlatParamView:
         self.module = module  # where the flat parameter is registered, as ``name``
         self.name = name
         self.param = nn.Parameter(unit.shard_buffer, requires_grad=requires_grad.pop())
-        self.param._fullshard_unit = unit  # type: ignore[attr-defined]  # lets clip_grad_norm_ find its replicas
+        # Lets clip_grad_norm_ and the scaler find its replicas (an attribute Parameter's type does not declare).
+        setattr(self.param, "_fullshard_unit", unit)  # noqa: B010
         if unit.keep_low_precision_grads:
             compat.set_grad_dtype(self.param, unit.reduce_dtype, unit.owner_name)
         module.register_parameter(name, self.param)
