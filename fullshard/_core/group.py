@@ -122,7 +122,7 @@ class ParamGroup:
             param.on_grad_ready = self._on_grad_ready
         policy = config.offload_policy
         pin_memory = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type != "cpu"
-        shards = [p.local_shard for p in params]
+        shards = [p.bound_rows for p in params]
         self.buffers = UnitBuffers(params, config.mp_policy, self.storage_device, pin_memory, shards)
         self.gather = AllGather(params, self.buffers, device, self.offload)
         for param in params:

@@ -91,13 +91,14 @@ class ShardParam:
         self.orig_dtype = param.dtype
         # This rank's rows of the unsharded value until the unit packs them into
         # its buffer (``bind_shard``); they keep the original storage alive until then.
-        rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
-        self._bound_rows = rows  # the rows the sharded parameter shows
-        if presentation.keeps_user_param:
-            presentation.rebind(param, self.present(rows))
-            self.sharded_param = param
-        else:
-            self.sharded_param = nn.Parameter(self.present(rows), requires_grad=param.requires_grad)
+        self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
+        # The user's own object is rebound by bind_shard, so that a later parameter's
+        # error leaves the model untouched.
+        self.sharded_param = (
+            param
+            if presentation.keeps_user_param
+            else nn.Parameter(self.present(self.bound_rows), requires_grad=param.requires_grad)
+        )
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
         self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
@@ -147,7 +148,7 @@ class ShardParam:
         """Points the sharded parameter at ``padded_shard`` (its region of the buffer)."""
         local = self._unpadded(padded_shard)
         self.orig_dtype = local.dtype
-        self._bound_rows = local
+        self.bound_rows = local
         if self.sharded_param.dtype != local.dtype and not self.presentation.keeps_user_param:  # model.half()
             self.sharded_param = nn.Parameter(self.present(local), requires_grad=self.sharded_param.requires_grad)
             self.to_sharded()
@@ -201,7 +202,7 @@ class ShardParam:
         if self.presentation.keeps_user_param:
             param = self.sharded_param
             param.grad = None
-            param.data = self.present(self._bound_rows)
+            param.data = self.present(self.bound_rows)
             param.grad = self._grad_while_full
             self._grad_while_full = None
         self.to_sharded()
