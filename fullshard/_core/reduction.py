@@ -67,18 +67,21 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     to ``out``'s dtype. A chunk on a dim other than 0 is laid out contiguously
     with its padding at the end (see [Note: Unit buffers]).
 
-    ``torch._chunk_cat`` does this in one kernel on CUDA, and we use it on
-    every device when all dims are 0. On CPU it first makes a padded copy of
-    every tensor that does not split evenly, and an input-sized temporary
-    whenever it casts (bf16 gradients reduced in fp32); there, copying chunk by
-    chunk into views of ``out`` casts on the way, allocates nothing, and is as
-    fast (faster when it would pad). A dim other than 0 always goes chunk by
-    chunk (``_chunk_cat`` splits every tensor on one dim)."""
+    ``torch._chunk_cat`` does this in one kernel on accelerators. On CPU it
+    first makes a padded copy of every tensor that does not split evenly, and an
+    input-sized temporary whenever it casts (bf16 gradients reduced in fp32);
+    there, one ``_foreach_copy_`` of every chunk block into its view of ``out``
+    (and one ``_foreach_zero_`` of the padding) casts on the way and allocates
+    nothing: one op per unit as well, and as fast (faster when it would pad).
+    A dim other than 0 goes chunk by chunk (``_chunk_cat`` splits on one dim)."""
     dims = dims or [0] * len(tensors)
-    if not any(dims) and (out.device.type != "cpu" or _splits_evenly(tensors, out)):
+    if out.device.type != "cpu" and not any(dims):
         compat.chunk_cat(tensors, out.size(0), out)
         return
     world, offset = out.size(0), 0
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    padding: list[torch.Tensor] = []
     for tensor, dim in zip(tensors, dims):
         rows = tensor.size(dim)
         if rows == 0:
@@ -96,17 +99,17 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
             continue
         flat = tensor.reshape(-1)
         full = rows // chunk_rows  # chunks with no padding
-        block[:full].copy_(flat[: full * width].view(full, width))
+        targets.append(block[:full])
+        sources.append(flat[: full * width].view(full, width))
         if full < world:
             rest = flat[full * width :]
-            block[full, : rest.numel()].copy_(rest)
-            block[full, rest.numel() :].zero_()
-            block[full + 1 :].zero_()
-
-
-def _splits_evenly(tensors: list[torch.Tensor], out: torch.Tensor) -> bool:
-    """Whether CPU ``_chunk_cat`` would neither pad nor cast (no temporaries)."""
-    return all(t.dtype == out.dtype and t.numel() > 0 and t.size(0) % out.size(0) == 0 for t in tensors)
+            targets.append(block[full, : rest.numel()])
+            sources.append(rest)
+            padding += [block[full, rest.numel() :], block[full + 1 :]]
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    if padding:
+        torch._foreach_zero_(padding)
 
 
 def split_reduced(
