@@ -167,65 +167,66 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mixed = bool(args.mixed_precision)
     results: dict = {}
     with process_group(device, args.fake_world):
         world = dist.get_world_size()
-        model_args = args.model_args
         tokens = torch.randint(
-            model_args.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)
+            args.model_args.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)
         )
-        tokens = tokens.to(device)
-        frameworks = [f for f in args.frameworks if f != "local" or world == 1]
-        with torch.device("meta"):
-            num_params = sum(p.numel() for p in Transformer(model_args).parameters())
-        for name in frameworks:
-            model = build(name, model_args, device, mixed)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed and name == "local")
-            losses: list[float] = []
-
-            def step() -> None:
-                with autocast:
-                    logits = model(tokens)
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-                loss.backward()
-                optim.step()
-                optim.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
-
-            for _ in range(args.warmup):
-                step()
-            synchronize(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            for _ in range(args.steps):
-                synchronize(device)
-                began = time.perf_counter()
-                step()
-                synchronize(device)
-                times.append(time.perf_counter() - began)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            copy_s, copy_calls = copy_time(step, device)
-            step_s = statistics.median(times)
-            tokens_per_s = args.batch * args.seq / step_s
-            peak_tflops = args.peak_tflops or default_peak_tflops(device, mixed)
-            results[name] = {
-                "step_s": step_s,
-                "peak_gib": peak / 2**30,
-                "copy_ms": copy_s * 1e3,
-                "copy_calls": copy_calls,
-                "tokens_per_s": tokens_per_s,
-                "mfu": tokens_per_s * flops_per_token(model_args, num_params, args.seq) / (peak_tflops * 1e12),
-                "losses": [float(loss) for loss in losses],
-            }
-            del model, optim, losses
+        for name in [f for f in args.frameworks if f != "local" or world == 1]:  # no plain model at a fake world
+            results[name] = measure(name, args, device, tokens.to(device))
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report(results, args, world)
     return results
+
+
+def measure(name: str, args: argparse.Namespace, device: torch.device, tokens: torch.Tensor) -> dict:
+    """Builds ``name``'s model and optimizer, warms up, measures; the row of the table."""
+    mixed = bool(args.mixed_precision)
+    model = build(name, args.model_args, device, mixed)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed and name == "local")
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        with autocast:
+            logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    for _ in range(args.warmup):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        synchronize(device)
+        began = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - began)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    copy_s, copy_calls = copy_time(step, device)
+    step_s = statistics.median(times)
+    tokens_per_s = tokens.numel() / step_s
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in Transformer(args.model_args).parameters())
+    peak_flops = (args.peak_tflops or default_peak_tflops(device, mixed)) * 1e12
+    return {
+        "step_s": step_s,
+        "peak_gib": peak / 2**30,
+        "copy_ms": copy_s * 1e3,
+        "copy_calls": copy_calls,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(args.model_args, num_params, args.seq) / peak_flops,
+        "losses": [float(loss) for loss in losses],
+    }
 
 
 def report(results: dict, args: argparse.Namespace, world: int) -> None:
