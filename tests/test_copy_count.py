@@ -18,6 +18,7 @@ import collections
 import copy
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -160,7 +161,9 @@ def test_copies_per_unit_at_most_torch_gloo():
     print(compare_with_torch(BUDGET_PER_UNIT))
 
 
-def test_copies_per_unit_at_most_torch_native_path():
-    """On torch's fake process group: the native collectives NCCL takes, no gloo substitutions."""
-    with fake_world(2):
+@pytest.mark.parametrize("world", [2, 3])
+def test_copies_per_unit_at_most_torch_native_path(world):
+    """On torch's fake process group: the native collectives NCCL takes, no gloo substitutions;
+    at world 3 every parameter is padded (16 rows over 3 ranks)."""
+    with fake_world(world):
         print(compare_with_torch(NATIVE_BUDGET_PER_UNIT))
