@@ -31,8 +31,12 @@ What runs where on an accelerator (CUDA; on CPU everything is in order):
     stream wait for it on the device (no host block). Reduce-scatters and
     all-reduces are issued from the compute stream after the copy-in and
     waited by the next unit's reduction (``make_room``), so they overlap the
-    next unit's backward. The copy-in and the divisions run on the compute
-    stream (no separate reduction stream yet: one fused kernel per unit);
+    next unit's backward. The copy-in (one fused kernel per unit) stays on
+    the compute stream on purpose: it reads the unsharded gradients that
+    stream just produced, which can then be freed at once; on a side stream
+    they would have to stay alive until it is done. There is no separate
+    reduction stream: NCCL's own stream already takes the collective off the
+    compute stream;
   - offload stream (``OFFLOAD``): device-to-host copies of reduced gradients.
 Frees are ordered by where the tensor was allocated, never by
 ``record_stream``: buffers a side stream reads are allocated on the compute
