@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import comm, offload
+from . import comm, offload, trace
 from .buffers import UnitBuffers
 from .layout import Layout
 from .mesh import GroupInfo
@@ -66,18 +66,19 @@ class AllGather:
         self.offload = offload
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
-        """Where the offloaded shards travel to the device and their all-gather is issued."""
-        return offload.on_copy_stream(self.device) if self.offload else contextlib.nullcontext()
+        """Where the shards are cast or copied to the device and their all-gather is
+        issued (see [Note: Streams] in offload.py)."""
+        return offload.on_stream(self.device, offload.ALL_GATHER)
 
-    def input(self) -> torch.Tensor:
+    def input(self, labels: trace.UnitLabels) -> torch.Tensor:
         """This rank's shards on the compute device, in the gather dtype (copy-in)."""
         buffers = self.buffers
         shard_buffer, gather_layout = buffers.shard_buffer, buffers.gather_layout
         if not buffers.needs_cast and shard_buffer.device == self.device:
             return shard_buffer
         staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
-        with self._copy_stream():
-            if not buffers.needs_cast:
+        with self._copy_stream(), trace.span(labels.all_gather_copy_in):
+            if not buffers.needs_cast or gather_layout.lines_up(buffers.storage_layout):  # one fused cast
                 staged.copy_(shard_buffer, non_blocking=True)
             else:
                 torch._foreach_copy_(
@@ -87,12 +88,14 @@ class AllGather:
                 )
         return staged
 
-    def start(self, source: torch.Tensor, layout: Layout, group: GroupInfo, async_op: bool) -> AllGatherInFlight:
+    def start(
+        self, source: torch.Tensor, layout: Layout, group: GroupInfo, async_op: bool, labels: trace.UnitLabels
+    ) -> AllGatherInFlight:
         """Issues the collective over ``group`` (none for a group of one)."""
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1)
         output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-        with self._copy_stream():  # after the copy-in, not after the compute enqueued before it
+        with self._copy_stream(), trace.span(labels.all_gather):  # after the copy-in
             work = comm.all_gather(output, source, process_group(group), async_op=async_op)
         return AllGatherInFlight(work, source, output, layout, group.size)
 
@@ -103,20 +106,19 @@ class AllGather:
             scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             with self._copy_stream():
                 comm.all_gather(scratch, source, process_group(group), async_op=False)
-            if self.offload:
-                offload.join_copy_stream(self.device)
+            offload.join_stream(self.device, offload.ALL_GATHER)
 
-    def copy_out(self, in_flight: AllGatherInFlight, padded: list[torch.Tensor]) -> None:
+    def copy_out(self, in_flight: AllGatherInFlight, padded: list[torch.Tensor], labels: trace.UnitLabels) -> None:
         """Waits for ``in_flight`` and fills ``padded``, the unsharded parameters' storage."""
         if in_flight.work is not None:
             in_flight.work.wait()
-        if self.offload:
-            offload.join_copy_stream(self.device)
+        offload.join_stream(self.device, offload.ALL_GATHER)
         # Saved activations of an earlier forward alias this storage: the refill
         # must not look like an in-place change to autograd.
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for tensor in padded:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+            stack.enter_context(trace.span(labels.copy_out))
             in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, split_views(self.params, padded))
 
     def keep_post_forward(self, shard_size: int, group: GroupInfo) -> PostForwardShard:

@@ -17,12 +17,12 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import offload
+from . import offload, trace
 from .buffer_view import BufferView
 from .layout import Layout
 from .mesh import MeshInfo
 from .param import ShardParam
-from .reduction import GradReduction, ReduceSettings, ReductionQueue
+from .reduction import GradReduction, ReduceSettings, ReductionQueue, split_reduced
 
 
 class GradUnit(Protocol):
@@ -48,14 +48,13 @@ class GradUnit(Protocol):
     def storage_layout(self) -> Layout: ...
     @property
     def buffer_view(self) -> BufferView | None: ...
+    @property
+    def labels(self) -> trace.UnitLabels: ...
 
 
 def per_param(params: list[ShardParam], output: torch.Tensor) -> Iterator[tuple[ShardParam, torch.Tensor]]:
     """Each parameter's region of ``output``, the shards of ``params`` back to back."""
-    offset = 0
-    for param in params:
-        yield param, output[offset : offset + param.shard_numel]
-        offset += param.shard_numel
+    return zip(params, output.split([p.shard_numel for p in params]))
 
 
 class GradIntake:
@@ -124,6 +123,7 @@ class GradIntake:
             on_done=lambda output: (self._keep_partial if partial_only else self._accept)(params, output),
             settings=unit.reduce_settings,
             partial=partial,
+            labels=unit.labels,
         )
         del grads  # the copy-in holds them now; free the unsharded gradients
         queue.submit(reduction)
@@ -160,8 +160,8 @@ class GradIntake:
         if view is not None:
             self._accept_in_buffer_layout(view.tensor, params, output)
             return
-        for param, padded in per_param(params, output):
-            padded = self._to_storage(padded, self._grad_dtype(param))
+        numels, dtypes = [p.shard_numel for p in params], [self._grad_dtype(p) for p in params]
+        for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
             sharded = param.sharded_param
             if sharded.grad is None:
                 sharded.grad = param.present_padded(padded)

@@ -34,7 +34,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from ..api import CPUOffloadPolicy
-from . import compat
+from . import compat, trace
 from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
 from .buffer_view import BufferView
 from .buffers import UnitBuffers
@@ -177,6 +177,10 @@ class ParamGroup:
     def owner_name(self) -> str:
         return self.module_fqn or self.unit_name
 
+    @property
+    def labels(self) -> trace.UnitLabels:
+        return trace.unit_labels(self.module_fqn)
+
     # -- unshard / reshard -------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
@@ -195,8 +199,8 @@ class ParamGroup:
             if self.mesh_info.shard.size == 1 and not self.buffers.needs_cast and not self.offload:
                 self._alias_unsharded()
                 return
-            source, layout, group = self.gather.input(), self.buffers.gather_layout, self.mesh_info.shard
-        self._all_gather = self.gather.start(source, layout, group, async_op)
+            source, layout, group = self.gather.input(self.labels), self.buffers.gather_layout, self.mesh_info.shard
+        self._all_gather = self.gather.start(source, layout, group, async_op, self.labels)
 
     def unshard_needs_collective(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -213,7 +217,7 @@ class ParamGroup:
         if kept is not None:
             self.gather.join(kept.source, kept.group)
         else:
-            self.gather.join(self.gather.input(), self.mesh_info.shard)
+            self.gather.join(self.gather.input(self.labels), self.mesh_info.shard)
 
     def _alias_unsharded(self) -> None:
         if self.buffer_view is not None:
@@ -231,7 +235,7 @@ class ParamGroup:
             if self._shows_shards_unsharded:  # kept unsharded but showing the shards
                 self._register_unsharded()
             return
-        self.gather.copy_out(in_flight, [p.padded_unsharded(self.device) for p in self.params])
+        self.gather.copy_out(in_flight, [p.padded_unsharded(self.device) for p in self.params], self.labels)
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -257,12 +261,13 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
-        for param in self.params:
-            if param.aliases_shard:
-                continue
-            param.free_unsharded()
-        for param in self.params:
-            param.to_sharded()
+        with trace.span(self.labels.reshard):
+            for param in self.params:
+                if param.aliases_shard:
+                    continue
+                param.free_unsharded()
+            for param in self.params:
+                param.to_sharded()
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
