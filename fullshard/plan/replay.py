@@ -61,7 +61,8 @@ class Tape:
     def __init__(self) -> None:
         self.live: Counter[str] = Counter()
         self.phase = ""
-        self.peak, self.peak_phase, self.at_peak = 0, "", {}
+        self.peak, self.peak_phase = 0, ""
+        self.at_peak: dict[str, int] = {}
 
     def alloc(self, category: str, nbytes: int) -> None:
         self.live[category] += nbytes
