@@ -5,6 +5,13 @@
     python benchmarks/bench.py --nproc 4 --strategy hybrid --frameworks fullshard-wrapper,fsdp1
     python benchmarks/bench.py --frameworks all --json results.json
     python benchmarks/bench.py --frameworks all --mixed-precision bf16
+    python benchmarks/bench.py --device cuda --model gpt-1.3b --batch 4 --seq 2048 --mixed-precision bf16
+    python benchmarks/bench.py --device cuda --fake-world 8 --model gpt-7b --batch 1 --seq 2048 --mixed-precision bf16
+    python benchmarks/bench.py --device cpu --fake-world 8 --model gpt-tiny --steps 1   # smoke check
+
+``--device cuda`` or ``--fake-world N`` runs in this process, one framework
+after another (see ``device_mode.py``); the rest of this docstring is the CPU
+mode (the default), several gloo ranks:
 
 Every framework trains an identical copy of a GPT-like model (same init, same
 data) in the same rank processes; their steps alternate so that machine noise
@@ -53,6 +60,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard.models import ModelArgs, Transformer, TransformerBlock
 
@@ -84,6 +92,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="measured steps per framework")
     parser.add_argument("--memory-steps", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one process, world 1 over NCCL or --fake-world (see device_mode.py)")
+    parser.add_argument("--fake-world", type=int, default=None,
+                        help="run as rank 0 of N on torch's fake process group (one process)")
+    parser.add_argument("--model", default=None, help="a fullshard.models preset (device mode); else --layers/--dim")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: by GPU name)")
     parser.add_argument("--phase", choices=["time", "memory"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -93,6 +107,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown frameworks {sorted(unknown)}; choose from {', '.join(ALL_FRAMEWORKS)}")
     if args.strategy == "hybrid" and args.nproc % 2:
         parser.error("--strategy hybrid needs an even --nproc (two 'nodes')")
+    args.device_mode = args.device == "cuda" or args.fake_world is not None
+    if args.device_mode:
+        from device_mode import DEVICE_FRAMEWORKS
+
+        from fullshard.models import get_preset
+
+        if args.frameworks == ("fullshard", "fsdp2"):  # the CPU default: all rows in device mode
+            args.frameworks = DEVICE_FRAMEWORKS
+        unsupported = set(args.frameworks) - set(DEVICE_FRAMEWORKS)
+        if unsupported or args.strategy != "full":
+            parser.error(f"device mode runs {', '.join(DEVICE_FRAMEWORKS)} with --strategy full")
+        args.model_args = (
+            get_preset(args.model, max_seq_len=args.seq)
+            if args.model
+            else ModelArgs(n_layers=args.layers, vocab_size=256, max_seq_len=args.seq, dim=args.dim, n_heads=args.heads)
+        )
     return args
 
 
@@ -100,12 +130,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 class ByteCounter:
     """Counts bytes through torch.distributed's collectives while installed."""
 
-    COUNTED = {"all_gather_single": "output_tensor", "reduce_scatter_single": "input",
-               "all_reduce": "tensor", "broadcast": "tensor",
-               "all_gather": "tensor_list"}  # FSDP1 gathers into a list on CPU
+    # The tensor collectives' names differ between torch versions (``*_single`` is newer, see
+    # fullshard/_core/compat.py): count whichever this torch has, by the argument holding the buffer.
+    COUNTED = {name: arg for name, arg in {
+        "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
+        "all_gather_into_tensor": "output_tensor", "reduce_scatter_tensor": "input",
+        "all_reduce": "tensor", "broadcast": "tensor",
+        "all_gather": "tensor_list",  # FSDP1 gathers into a list on CPU
+    }.items() if hasattr(dist, name)}
 
     def __init__(self) -> None:
         self.nbytes = 0
+        self._depth = 0  # a collective implemented by another (``*_single`` by ``*_tensor``) counts once
 
     def add(self, tensor: torch.Tensor | list[torch.Tensor]) -> None:
         for t in tensor if isinstance(tensor, list) else [tensor]:
@@ -119,8 +155,13 @@ class ByteCounter:
             signature = inspect.signature(originals[name])
 
             def wrapper(*args, **kwargs):
-                self.add(signature.bind(*args, **kwargs).arguments[self.COUNTED[name]])
-                return originals[name](*args, **kwargs)
+                if not self._depth:
+                    self.add(signature.bind(*args, **kwargs).arguments[self.COUNTED[name]])
+                self._depth += 1
+                try:
+                    return originals[name](*args, **kwargs)
+                finally:
+                    self._depth -= 1
 
             return wrapper
 
@@ -152,7 +193,8 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
             from fullshard import MixedPrecisionPolicy
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy
-        mesh = _hybrid_mesh(args) if args.strategy == "hybrid" else None
+        # the mesh pinned to the CPU: the default one would take a GPU where there is one
+        mesh = _hybrid_mesh(args) if args.strategy == "hybrid" else init_device_mesh("cpu", (dist.get_world_size(),))
         reshard = args.strategy != "grad-op"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision \
             else MixedPrecisionPolicy()
@@ -296,7 +338,7 @@ def run_phase(args: argparse.Namespace, phase: str, out: str, env: dict[str, str
     forwarded = [
         f"--{key.replace('_', '-')}={','.join(value) if isinstance(value, tuple) else value}"
         for key, value in vars(args).items()
-        if key not in ("nproc", "json", "phase", "out") and value is not None
+        if key not in ("nproc", "json", "phase", "out", "device_mode") and value is not None
     ]
     return common.run_ranks(__file__, args.nproc, [*forwarded, f"--phase={phase}"], out, env)
 
@@ -345,6 +387,14 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
+    if args.device_mode:
+        import device_mode
+
+        results = device_mode.run(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     if args.phase is not None:
         worker(args)
         return

@@ -7,11 +7,12 @@ attributes) is reached through a helper here, and nothing outside this module
 looks at ``torch.__version__``: each helper detects the feature, not the
 version. The private names used elsewhere are the same in every supported
 version: ``DTensor._local_tensor`` (the local tensor itself, where
-``to_local()`` returns an autograd view), ``torch._foreach_copy_``,
+``to_local()`` returns an autograd view), ``torch._foreach_copy_``, ``torch._foreach_zero_``,
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``,
 ``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
-(is backward running: recomputation) and ``torch._C._DisableFuncTorch`` (buffer
-transitions under ``torch.func.jvp``).
+(is backward running: recomputation), ``torch._C._DisableFuncTorch`` (buffer
+transitions under ``torch.func.jvp``) and ``torch._C._autograd._profiler_enabled``
+(profiler labels only while one runs).
 """
 
 from __future__ import annotations

@@ -36,13 +36,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
-from . import comm, compat, offload
+from . import comm, compat, offload, trace
 from .common import TrainingState, UnitConfig, clean_fqn
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
-from .reduction import GradReduction, ReduceSettings
+from .reduction import GradReduction, ReduceSettings, split_reduced
 
 if TYPE_CHECKING:
     from .state import IterationContext
@@ -360,6 +360,10 @@ class ParamGroup:
     def owner_name(self) -> str:
         return self.module_fqn or self.unit_name
 
+    @property
+    def labels(self) -> trace.UnitLabels:
+        return trace.unit_labels(self.module_fqn)
+
     # -- unshard / reshard -------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
@@ -376,17 +380,17 @@ class ParamGroup:
             )
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
-        """Where the offloaded shards travel to the device and their all-gather is
-        issued (see [Note: CPU offload] in offload.py)."""
-        return offload.on_copy_stream(self.device) if self.offload else contextlib.nullcontext()
+        """Where the shards are cast or copied to the device and their all-gather is
+        issued (see [Note: Streams] in offload.py)."""
+        return offload.on_stream(self.device, offload.ALL_GATHER)
 
     def _all_gather_input(self) -> torch.Tensor:
         """This rank's shards on the compute device, in the gather dtype."""
         if not self._needs_cast and self.shard_buffer.device == self.device:
             return self.shard_buffer
         staged = torch.empty(self.gather_layout.total, dtype=self.gather_layout.dtype, device=self.device)
-        with self._copy_stream():
-            if not self._needs_cast:
+        with self._copy_stream(), trace.span(self.labels.all_gather_copy_in):
+            if not self._needs_cast or self.gather_layout.lines_up(self.storage_layout):  # one fused cast
                 staged.copy_(self.shard_buffer, non_blocking=True)
             else:
                 torch._foreach_copy_(
@@ -415,7 +419,7 @@ class ParamGroup:
             output, work = source, None
         else:
             output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-            with self._copy_stream():  # after the copy-in, not after the compute enqueued before it
+            with self._copy_stream(), trace.span(self.labels.all_gather):  # after the copy-in
                 work = comm.all_gather(output, source, group.group, async_op=async_op)
         self._all_gather = _AllGatherInFlight(work, source, output, layout, group.size)
 
@@ -438,8 +442,7 @@ class ParamGroup:
             scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             with self._copy_stream():
                 comm.all_gather(scratch, source, group.group, async_op=False)
-            if self.offload:
-                offload.join_copy_stream(self.device)
+            offload.join_stream(self.device, offload.ALL_GATHER)
 
     def _follow_flat_requires_grad(self) -> None:
         """``requires_grad_`` on the flat parameter (``module.requires_grad_(False)``
@@ -467,14 +470,14 @@ class ParamGroup:
             return
         if in_flight.work is not None:
             in_flight.work.wait()
-        if self.offload:
-            offload.join_copy_stream(self.device)
+        offload.join_stream(self.device, offload.ALL_GATHER)
         padded = [p.padded_unsharded(self.device) for p in self.params]
         # Saved activations of an earlier forward alias this storage: the refill
         # must not look like an in-place change to autograd.
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for tensor in padded:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+            stack.enter_context(trace.span(self.labels.copy_out))
             in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, self._split_views(padded))
         self._post_forward_shard = None
         self._register_unsharded()
@@ -500,12 +503,13 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
-        for param in self.params:
-            if param.aliases_shard:
-                continue
-            param.free_unsharded()
-        for param in self.params:
-            param.to_sharded()
+        with trace.span(self.labels.reshard):
+            for param in self.params:
+                if param.aliases_shard:
+                    continue
+                param.free_unsharded()
+            for param in self.params:
+                param.to_sharded()
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
@@ -654,6 +658,7 @@ class ParamGroup:
             on_done=lambda output: (self._keep_partial_grads if partial_only else self._accept_grads)(params, output),
             settings=self.reduce_settings,
             partial=partial,
+            labels=self.labels,
         )
         del grads  # the copy-in holds them now; free the unsharded gradients
         self.ctx.reductions.submit(reduction)
@@ -696,11 +701,8 @@ class ParamGroup:
         if self.flat_param is not None:
             self._accept_flat_grad(params, output)
             return
-        offset = 0
-        for param in params:
-            padded = output[offset : offset + param.shard_numel]
-            offset += param.shard_numel
-            padded = self._to_storage(padded, self._grad_dtype(param))
+        numels, dtypes = [p.shard_numel for p in params], [self._grad_dtype(p) for p in params]
+        for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
             sharded = param.sharded_param
             if sharded.grad is None:
                 sharded.grad = param.present_padded(padded)

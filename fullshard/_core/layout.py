@@ -9,8 +9,18 @@ of all its parameters back to back in ONE flat buffer:
     all-gather output (W ranks):  [ rank 0: p0 p1 ... | rank 1: p0 p1 ... | ... ]
 
 So the shard buffer is the all-gather input as is (no copy-in), and the output,
-viewed as ``(W, -1)``, holds parameter i in the column block of its chunk: a
-strided copy per parameter rebuilds each unsharded parameter (copy-out).
+viewed as ``(W, -1)``, holds parameter i in the column block of its chunk. The
+copy-out is ONE ``torch.split_with_sizes_copy`` of that ``(W, -1)`` view into
+the padded unsharded parameters, each viewed as ``(W, chunk)`` (one fused
+kernel on CUDA, as FSDP2's). It falls back to a copy per parameter where the
+blocks do not tile the buffer: alignment gaps of a mixed-dtype layout, or a
+parameter sharded on another dim (below). Zero copies, parameters that are
+views of the gathered buffer, would need a parameter's W chunks adjacent in
+it, the opposite of what the all-gather produces: only a shard group of one
+has that (the unsharded parameters then alias the shard buffer).
+Under mixed precision the cast into the all-gather input is one ``copy_`` of
+the whole shard buffer when the storage and gather layouts line up (one
+dtype each, so the same offsets in elements; ``lines_up``).
 Gradients take the reverse path: ``torch._chunk_cat`` lays the unsharded
 gradients out as ``(W, -1)`` blocks, and the reduce-scatter output has the same
 layout as the shard buffer.
@@ -29,6 +39,8 @@ aligned for its dtype.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +102,12 @@ class Layout:
         each rank's slices inside ``outputs[i]`` (see ``ShardParam.split_views``).
         """
         blocks = gathered.view(num_chunks, -1)
+        if split_views is None and self.tiles:
+            dsts = [out if out.dtype == self.dtype else out.view(self.dtype) for out in outputs]
+            torch.split_with_sizes_copy(
+                blocks, list(self.sizes), dim=1, out=[d.view(num_chunks, s) for d, s in zip(dsts, self.sizes)]
+            )
+            return
         for index, (start, size, out) in enumerate(zip(self.offsets, self.sizes, outputs)):
             block = blocks[:, start : start + size]
             views = split_views[index] if split_views is not None else None
@@ -100,3 +118,18 @@ class Layout:
             block = block if block.dtype == out.dtype else block.view(out.dtype)
             for rank, view in enumerate(views):
                 view.copy_(block[rank, : view.numel()].view(view.shape))
+
+    @functools.cached_property
+    def tiles(self) -> bool:
+        """Whether the regions cover the buffer back to back (no alignment gaps)."""
+        ends = itertools.accumulate(self.sizes, initial=0)
+        return all(offset == end for offset, end in zip(self.offsets, ends)) and sum(self.sizes) == self.total
+
+    def lines_up(self, other: Layout) -> bool:
+        """Whether a buffer in ``other`` casts into one in this layout with one
+        ``copy_`` (both one dtype, the same regions)."""
+        return torch.uint8 not in (self.dtype, other.dtype) and (self.offsets, self.sizes, self.total) == (
+            other.offsets,
+            other.sizes,
+            other.total,
+        )

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, compat
+from .trace import UnitLabels, span, unit_labels
 
 if TYPE_CHECKING:
     from .mesh import GroupInfo
@@ -69,16 +70,21 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     to ``out``'s dtype. A chunk on a dim other than 0 is laid out contiguously
     with its padding at the end (see [Note: Unit buffers]).
 
-    ``torch._chunk_cat`` does this in one kernel on CUDA. On CPU it first makes
-    a padded copy of every tensor that does not split evenly, and an
+    ``torch._chunk_cat`` does this in one kernel on accelerators. On CPU it
+    first makes a padded copy of every tensor that does not split evenly, and an
     input-sized temporary whenever it casts (bf16 gradients reduced in fp32);
-    copying chunk by chunk into views of ``out`` casts on the way, allocates
-    nothing, and is as fast (faster when it would pad)."""
+    there, one ``_foreach_copy_`` of every chunk block into its view of ``out``
+    (and one ``_foreach_zero_`` of the padding) casts on the way and allocates
+    nothing: one op per unit as well, and as fast (faster when it would pad).
+    A dim other than 0 goes chunk by chunk (``_chunk_cat`` splits on one dim)."""
     dims = dims or [0] * len(tensors)
     if out.device.type != "cpu" and not any(dims):
         compat.chunk_cat(tensors, out.size(0), out)
         return
     world, offset = out.size(0), 0
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    padding: list[torch.Tensor] = []
     for tensor, dim in zip(tensors, dims):
         rows = tensor.size(dim)
         if rows == 0:
@@ -96,12 +102,32 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
             continue
         flat = tensor.reshape(-1)
         full = rows // chunk_rows  # chunks with no padding
-        block[:full].copy_(flat[: full * width].view(full, width))
+        targets.append(block[:full])
+        sources.append(flat[: full * width].view(full, width))
         if full < world:
             rest = flat[full * width :]
-            block[full, : rest.numel()].copy_(rest)
-            block[full, rest.numel() :].zero_()
-            block[full + 1 :].zero_()
+            targets.append(block[full, : rest.numel()])
+            sources.append(rest)
+            padding += [block[full, rest.numel() :], block[full + 1 :]]
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    if padding:
+        torch._foreach_zero_(padding)
+
+
+def split_reduced(
+    output: torch.Tensor,
+    numels: list[int],
+    dtypes: list[torch.dtype],
+    move: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
+) -> list[torch.Tensor]:
+    """The reduced shards in ``output`` (back to back, ``numels``), each moved by
+    ``move(tensor, dtype)`` to where the shards live, as its gradient dtype: one
+    move of the whole output (one cast or one device-to-host copy, the shards
+    then views of it) when the dtypes agree, else one per shard."""
+    if len(set(dtypes)) == 1:
+        return list(move(output, dtypes[0]).split(numels))
+    return [move(piece, dtype) for piece, dtype in zip(output.split(numels), dtypes)]
 
 
 @dataclass
@@ -133,9 +159,12 @@ class GradReduction:
         on_done: Callable[[torch.Tensor], None],
         settings: ReduceSettings | None = None,
         partial: torch.Tensor | None = None,
+        labels: UnitLabels | None = None,
     ) -> None:
-        """``partial``: an earlier partial result to add before the all-reduce."""
+        """``partial``: an earlier partial result to add before the all-reduce;
+        ``labels``: the unit's profiler labels (see [Note: Profiler labels])."""
         settings = settings or ReduceSettings()
+        self._labels = labels or unit_labels("")
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: dist.Work | None = None
@@ -153,10 +182,12 @@ class GradReduction:
         reduced = self._output
         if shard.size > 1:
             reduced = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-        chunk_cat(grads, reduced.view(shard.size, -1), shard_dims)
+        with span(self._labels.reduce_copy_in):
+            chunk_cat(grads, reduced.view(shard.size, -1), shard_dims)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
-            self._stages = [lambda: self._run_hook(*settings.comm_hook, reduced)]
+            hook, state = settings.comm_hook
+            self._stages = [lambda: self._run_hook(hook, state, reduced)]
             return
         if shard.size > 1:
             self._stages.append(lambda: self._collective(comm.reduce_scatter, shard, self._output, reduced))
@@ -193,9 +224,11 @@ class GradReduction:
             tensors[-1].div_(pre)
         self._in_flight = tensors
         if fn is comm.reduce_scatter:
-            self._work = fn(tensors[0], tensors[1], group.group, op, async_op=True)
+            with span(self._labels.reduce_scatter):
+                self._work = fn(tensors[0], tensors[1], group.group, op, async_op=True)
         else:
-            self._work = fn(tensors[0], group.group, op, async_op=True)
+            with span(self._labels.all_reduce):
+                self._work = fn(tensors[0], group.group, op, async_op=True)
         self._post_divide = post
 
     def _wait(self) -> None:
@@ -215,7 +248,8 @@ class GradReduction:
             self._post_reduce_hook(self._output)
         if self._final_divide != 1.0:
             self._output.div_(self._final_divide)
-        self._on_done(self._output)
+        with span(self._labels.reduce_copy_out):
+            self._on_done(self._output)
         return True
 
 
