@@ -39,8 +39,8 @@ may live elsewhere (CPU offload); their flags are moved to the scale's device.
 from __future__ import annotations
 
 from collections import abc, defaultdict
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,15 @@ class ShardedGradScaler(GradScaler):
         self.process_group = process_group
         self._checked: dict[tuple[int, int], tuple[Any, DeviceMesh]] = {}  # (group, mesh) pairs that passed
 
-    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> torch.Tensor | Iterable[Any]:
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiplies a tensor, or every tensor in nested lists/tuples (or an
         iterable), by the scale. Each result keeps its input's dtype: FSDP mixed
         precision returns a low-precision loss, and a 0-dim fp16 loss times the
@@ -124,10 +132,8 @@ class ShardedGradScaler(GradScaler):
 
         def scale_one(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if self._scale is None:
-                    self._lazy_init_scale_growth_tracker(value.device)
                 if value.device not in per_device:
-                    per_device[value.device] = self._scale.to(value.device, non_blocking=True)
+                    per_device[value.device] = self._scale_on(value.device)
                 return (value * per_device[value.device]).to(value.dtype)
             if isinstance(value, (list, tuple)):
                 return type(value)(scale_one(v) for v in value)
@@ -138,6 +144,13 @@ class ShardedGradScaler(GradScaler):
             )
 
         return scale_one(outputs)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale copied to ``device`` (created there on first use)."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        scale, _ = self._check_scale_growth_tracker("scale")
+        return scale.to(device, non_blocking=True)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
@@ -169,7 +182,8 @@ class ShardedGradScaler(GradScaler):
         state["found_inf_per_device"] = self._agree_on_found_inf(flags, group)
         state["stage"] = OptState.UNSCALED
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    # The keys are devices (torch annotates them str), as in the dict GradScaler builds.
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The path ``step`` takes for optimizers that unscale inside their own
         # step (fused Adam): the flag they skip on must agree across ranks too.
         group = self._reduction_group(optimizer)
@@ -223,11 +237,9 @@ class ShardedGradScaler(GradScaler):
     def _reduction_group(self, optimizer: torch.optim.Optimizer) -> Any:
         """The group to reduce the flag over (None: this rank is alone), after
         checking it covers the parameters. See [Note: Which group a parameter belongs to]."""
-        group = self.process_group
-        if group is None:
-            if not dist.is_initialized():
-                return None
-            group = dist.group.WORLD
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group is None:  # torch.distributed is not initialized: this rank is alone
+            return None
         ranks: set[int] | None = None
         for param in _params(optimizer):
             mesh = _mesh_of(param)
@@ -244,11 +256,10 @@ class ShardedGradScaler(GradScaler):
             self._checked[(id(group), id(mesh))] = (group, mesh)  # holding them keeps the ids unique
         return group if group.size() > 1 else None
 
-    def _agree_on_found_inf(
-        self, flags: dict[torch.device, torch.Tensor], group: Any
-    ) -> dict[torch.device, torch.Tensor]:
-        """This rank's flags summed into one on the scale's device, then MAXed over ``group``."""
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+    def _agree_on_found_inf(self, flags: Mapping[Any, torch.Tensor], group: Any) -> dict[torch.device, torch.Tensor]:
+        """This rank's flags (one per device) summed into one on the scale's device, then MAXed over ``group``."""
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         for flag in flags.values():
             found_inf += flag.to(found_inf.device).reshape(())
         if group is not None:

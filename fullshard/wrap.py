@@ -230,17 +230,17 @@ def select_modules(
     chosen: list[tuple[nn.Module, dict[str, Any]]] = []
     visited: set[nn.Module] = set()
 
-    def visit_policy(module: nn.Module) -> None:
+    def visit_policy(module: nn.Module, policy: Policy) -> None:
         for child in module.children():
             if child in visited or child in ignored or _is_managed(child):
                 continue
             visited.add(child)
-            visit_policy(child)
+            visit_policy(child, policy)
             wanted = policy.wants(child)
             if wanted:
                 chosen.append((child, wanted if isinstance(wanted, dict) else {}))
 
-    def visit_function(module: nn.Module) -> int:
+    def visit_function(module: nn.Module, policy: PolicyFn) -> int:
         numel = _unwrapped_numel(module, ignored, ignored_params)
         if not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return 0
@@ -249,16 +249,16 @@ def select_modules(
             if child in visited or child in ignored or _is_managed(child):
                 continue
             visited.add(child)
-            wrapped += visit_function(child)
+            wrapped += visit_function(child, policy)
         if module is not root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
             chosen.append((module, {}))
             return numel
         return wrapped
 
     if isinstance(policy, Policy):
-        visit_policy(root)
+        visit_policy(root, policy)
     elif callable(policy):
-        visit_function(root)
+        visit_function(root, policy)
     else:
         raise TypeError(f"auto-wrap policy expects a Policy or a function but got {type(policy).__name__}")
     return chosen

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "chunk_cat",
     "concatenate_meshes",
     "dtensor_of_local",
+    "local_region",
     "native_device_type",
     "reduce_scatter_into",
     "set_grad_dtype",
@@ -103,6 +105,16 @@ def dtensor_of_local(
     """
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+def local_region(value: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's piece of the global ``value`` under ``placements`` on ``mesh``,
+    as DTensor defines it: a view, nothing copied (``distribute_tensor`` would
+    first move all of ``value`` to the mesh's device)."""
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    for dim, (size, start) in enumerate(zip(shape, offset)):
+        value = value.narrow(dim, start, size)
+    return value
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import compat
 from .common import ParamModuleInfo, module_class_name, set_module_param, set_module_tensor
@@ -253,15 +253,23 @@ class ShardParam:
 
     def shard_of(self, value: torch.Tensor) -> DTensor:
         """``value`` (the full parameter, or a DTensor of any layout) as this
-        parameter's shard: a DTensor laid out like the sharded parameter."""
+        parameter's shard: a DTensor laid out like the sharded parameter. Only
+        this rank's rows are copied, straight to the device the shard lives on
+        (host memory under CPU offload): the full value never visits the
+        accelerator."""
         if isinstance(value, DTensor):
             if value.device_mesh == self.spmd_mesh and tuple(value.placements) == tuple(self.placements):
                 return value
             value = value.full_tensor()
         if tuple(value.shape) != tuple(self.global_size):
             raise ValueError(f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}")
-        device = self.local_shard.device if self.local_shard.device.type not in ("cpu", "meta") else value.device
-        return distribute_tensor(value.to(device), self.spmd_mesh, self.placements, src_data_rank=None)
+        if self.tp_mesh is not None:  # the TP-local value first, as the unsharded parameter holds it
+            value = compat.local_region(value, self.tp_mesh, self.tp_placements)
+        rows = self.rank_chunks(value)[self.mesh_info.shard.rank]
+        device = value.device if self.local_shard.is_meta else self.local_shard.device
+        local = torch.empty(rows.shape, dtype=rows.dtype, device=device)
+        local.copy_(rows)
+        return self.sharded_dtensor_of(local)
 
     def module_registration(self) -> nn.Parameter | None:
         info = self.module_info

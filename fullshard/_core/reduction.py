@@ -10,7 +10,10 @@ the queue.
 
 Before a new reduction allocates its buffers, ``make_room`` finishes the
 collective each older reduction has in flight, so at most one reduce-scatter
-input (the largest buffer, a full unit) is alive at a time.
+input (the largest buffer, a full unit) is alive at a time. A reduction holds
+its collective's tensors until it waits for it, so that input lives exactly
+that long on every backend (NCCL and gloo hold them too, torch's fake process
+group does not): what ``fullshard plan`` counts.
 
 Gradients are averaged over all data-parallel ranks (``ReduceOp.AVG``), which
 makes a step equal to one process training on the concatenated batch. For
@@ -165,6 +168,8 @@ class GradReduction:
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: dist.Work | None = None
+        # The collective in flight's tensors, alive until it is done (see the note above).
+        self._in_flight: tuple[torch.Tensor, ...] = ()
         self._post_divide = 1.0
         self._sum = settings.divide_factor is not None
         self._sum_only = settings.sum_only
@@ -217,6 +222,7 @@ class GradReduction:
         )
         if pre != 1.0:
             tensors[-1].div_(pre)
+        self._in_flight = tensors
         if fn is comm.reduce_scatter:
             with span(self._labels.reduce_scatter):
                 self._work = fn(tensors[0], tensors[1], group.group, op, async_op=True)
@@ -228,7 +234,7 @@ class GradReduction:
     def _wait(self) -> None:
         if self._work is not None:
             self._work.wait()
-            self._work = None
+            self._work, self._in_flight = None, ()
             if self._post_divide != 1.0:
                 self._output.div_(self._post_divide)
 

@@ -17,7 +17,8 @@ backend runs the collective on its own stream and ``Work.wait`` makes the
 compute stream wait for it. Every rank derives the same decisions from the same
 order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
-implicit choice.
+implicit choice. So by default at most one prefetched unit is in flight, and
+``fullshard plan`` models exactly that (see [Note: Plan model]).
 
 [Note: One unit, several modules]
 ``fully_shard([a, b])`` makes one unit whose forward pass runs from the first

@@ -11,6 +11,7 @@ vocabulary is GPT-2's padded to a multiple of 64.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from .transformer import ModelArgs
 
@@ -30,7 +31,7 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def get_preset(name: str, **overrides: int) -> ModelArgs:
+def get_preset(name: str, **overrides: int | float | bool | None) -> ModelArgs:
     """The ``ModelArgs`` of a named size, with some fields replaced.
 
     Args:
@@ -49,4 +50,6 @@ def get_preset(name: str, **overrides: int) -> ModelArgs:
     unknown = set(overrides) - fields
     if unknown:
         raise ValueError(f"get_preset expects ModelArgs fields but got {sorted(unknown)}")
-    return dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    # Each field has its own type; the names were checked above, dataclasses checks nothing more.
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(PRESETS[name], **changes)

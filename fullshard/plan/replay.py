@@ -7,14 +7,18 @@ and free that really happens, in order, on a ``Tape``; the peak is the largest
 live total, and what was alive then is the breakdown. It follows:
 - the engine (``fullshard/_core``): the padded shard buffers; an all-gather's
   output (and a staged input when it casts or comes from host memory) alive
-  from issue to the copy-out into the unsharded parameters; one unit
-  prefetched ahead in forward (the order of the previous step) and in backward;
+  from issue to the copy-out into the unsharded parameters; at most one unit
+  prefetched, as the engine does by default (see [Note: Prefetch] in
+  ``fullshard/_core/state.py``): in forward the next unit of the previous
+  step's order, issued once the current unit's gather is done; in backward
+  (``BACKWARD_PRE``) the unit before the current one, issued once its own is done;
   autograd's gradients of a unit's unsharded parameters until its
   post-backward, which reshards, finishes older reductions, then copies the
   gradients (casting to the reduce dtype on the way) into one reduce-scatter
   input (the padded unit) that lives until the next unit's post-backward
-  finishes that collective. With a shard group of one and no cast or offload
-  the unsharded parameters are the shards.
+  finishes that collective (the engine holds it until then, whatever the
+  backend keeps: see [Note: Reduction pipeline]). With a shard group of one
+  and no cast or offload the unsharded parameters are the shards.
 - the model (``fullshard/models/transformer.py``): what autograd saves in each
   block and in the head, and the order in which backward creates and frees
   gradients, op by op as the CPU kernels do (the attention is the fused
@@ -23,12 +27,17 @@ live total, and what was alive then is the breakdown. It follows:
   whose square root makes one temporary the size of all states; on CPU it runs
   one parameter at a time (two temporaries of that parameter's size).
 
-The step is measured against the real engine at world sizes 1, 2 and 4 in
-``tests/test_plan.py`` (the profiler's allocator events): in fp32 it matches to
-within a few hundred bytes; in bf16 it is 2.7% low, the temporaries of the CPU's
-bf16 matmuls in backward (oneDNN), where that step peaks. Not modelled: allocator caching and fragmentation (the CUDA
-caching allocator rounds and keeps blocks), the collective libraries' own
-buffers (NCCL, gloo), kernel workspaces (cuBLAS, oneDNN), the CUDA context.
+The step is measured against the real engine (the profiler's allocator
+events) at world sizes 1, 2 and 4 over gloo in ``tests/test_plan.py`` and at 8,
+64 and 1024 over torch's fake process group in ``tests/test_fake_pg.py`` (at
+1024 the padded unit buffers are most of the peak, so a unit more or less in
+flight shows): in fp32 it matches to within a few hundred bytes; in bf16 it is
+2.7% low, the temporaries of the CPU's bf16 matmuls in backward (oneDNN), where
+that step peaks. Explicit prefetch lists, ``BACKWARD_POST`` and the wrapper's
+``forward_prefetch=False`` move the peak by up to one unit. Not modelled:
+allocator caching and fragmentation (the CUDA caching allocator rounds and
+keeps blocks), the collective libraries' own buffers (NCCL, gloo), kernel
+workspaces (cuBLAS, oneDNN), the CUDA context.
 """
 
 from __future__ import annotations
@@ -52,7 +61,8 @@ class Tape:
     def __init__(self) -> None:
         self.live: Counter[str] = Counter()
         self.phase = ""
-        self.peak, self.peak_phase, self.at_peak = 0, "", {}
+        self.peak, self.peak_phase = 0, ""
+        self.at_peak: dict[str, int] = {}
 
     def alloc(self, category: str, nbytes: int) -> None:
         self.live[category] += nbytes

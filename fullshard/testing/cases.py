@@ -8,6 +8,7 @@ from, which a plain loop would lose.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 
@@ -17,5 +18,9 @@ def case(label: str) -> Iterator[None]:
     try:
         yield
     except BaseException as failure:
-        failure.add_note(f"in case {label}")
+        note = f"in case {label}"
+        if sys.version_info >= (3, 11):
+            failure.add_note(note)
+        else:  # no add_note on 3.10: the list it appends to (PEP 678), which pytest shows too
+            failure.__dict__.setdefault("__notes__", []).append(note)
         raise

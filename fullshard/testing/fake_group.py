@@ -23,8 +23,8 @@ class FakeSingleRankGroup:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """This process as rank 0 of ``world_size`` ranks on torch's fake process group.
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of ``world_size`` ranks on torch's fake process group.
 
     Collectives return at once without moving data, through the backend's
     native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` path (the
@@ -34,7 +34,7 @@ def fake_world(world_size: int) -> Iterator[None]:
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

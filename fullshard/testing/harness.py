@@ -251,8 +251,9 @@ class RankPool:
 
     def _dump_stacks(self, ranks: list[int]) -> str:
         for rank in ranks:
-            if self._procs[rank].is_alive():
-                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+            pid = self._procs[rank].pid  # None only before start()
+            if pid is not None and self._procs[rank].is_alive():
+                os.kill(pid, signal.SIGUSR1)
         time.sleep(1.0)
         return self._log_tails(ranks, num_chars=6000)
 

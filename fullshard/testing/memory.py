@@ -26,10 +26,12 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from .._core import comm
 from .._core.mesh import default_mesh, hybrid_mesh
+from .._core.state import get_state
 from ..api import MixedPrecisionPolicy
 from ..fully_shard import fully_shard
 from ..models import ModelArgs, Transformer
@@ -115,5 +117,13 @@ def measure_step(args: ModelArgs, batch: int, strategy: str, bf16: bool, ranks_p
         "peak": before + min(peaks),
         "late_release": max(peaks) - min(peaks),
         "comm": comm_bytes,
-        "shard_numels": [fully_shard.state(m).group.shard_buffer.numel() for m in [model, *model.layers]],
+        "shard_numels": [_shard_numel(m) for m in [model, *model.layers]],
     }
+
+
+def _shard_numel(module: nn.Module) -> int:
+    """Elements of the unit's shard buffer on this rank (padded)."""
+    state = get_state(module)
+    if state is None or state.group is None:
+        raise RuntimeError(f"measure_step expects {type(module).__name__} to be a fully_shard unit")
+    return state.group.shard_buffer.numel()

@@ -21,6 +21,8 @@ class TransformerWithSharedParams(nn.Module):
 
     vocab_size = 23
     batch_size = 2
+    vocab_bias: torch.Tensor  # buffers (registered in __init__)
+    long_buffer: torch.Tensor
 
     def __init__(self, seed: int = 0, add_bn: bool = True, dropout: float = 0.0) -> None:
         super().__init__()
@@ -89,6 +91,8 @@ class UnitModule(nn.Module):
 class CompositeParamModel(nn.Module):
     """A linear, two ``UnitModule``s, a bare parameter and a buffer: parameters at
     every level of the tree."""
+
+    buffer: torch.Tensor  # registered in __init__
 
     def __init__(self, dim: int = 16, device: torch.device | None = None, seed: int = 0) -> None:
         super().__init__()

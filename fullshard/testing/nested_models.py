@@ -29,7 +29,7 @@ class NestedWrappedModule(nn.Module):
         torch.manual_seed(seed)
         first = nn.Linear(8, 4)
         middle = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16))
-        tail = [nn.Linear(16, 4), nn.Linear(4, 8)]
+        tail: list[nn.Module] = [nn.Linear(16, 4), nn.Linear(4, 8)]
         self.module = nn.Sequential(first, middle, *self._arrange_tail(tail))
 
     @staticmethod
@@ -39,8 +39,10 @@ class NestedWrappedModule(nn.Module):
     def wrap_units(self, wrap: Callable[[nn.Module], nn.Module]) -> NestedWrappedModule:
         """Replaces ``module.1.0``, ``module.1`` and ``module.2`` by ``wrap(...)`` of
         themselves (innermost first); returns ``self``."""
-        self.module[1][0] = wrap(self.module[1][0])
-        self.module[1] = wrap(self.module[1])
+        middle = self.module[1]
+        assert isinstance(middle, nn.Sequential)  # built so above; a subclass may wrap it later
+        middle[0] = wrap(middle[0])
+        self.module[1] = wrap(middle)
         self.module[2] = wrap(self.module[2])
         return self
 

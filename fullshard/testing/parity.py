@@ -39,19 +39,19 @@ def assert_params_equal(
     if match_names:
         assert [n for n, _ in named] == [n for n, _ in ref_named], "parameter names differ"
     for (name, param), (_, ref_param) in zip(named, ref_named):
-        torch.testing.assert_close(
-            full_value(param), full_value(ref_param), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
-        )
+        torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=rtol, atol=atol, msg=_prefixed(name))
         if grads:
-            assert (param.grad is None) == (ref_param.grad is None), f"{name}: grad presence differs"
-            if param.grad is not None:
+            grad, ref_grad = param.grad, ref_param.grad
+            assert (grad is None) == (ref_grad is None), f"{name}: grad presence differs"
+            if grad is not None and ref_grad is not None:
                 torch.testing.assert_close(
-                    full_value(param.grad),
-                    full_value(ref_param.grad),
-                    rtol=rtol,
-                    atol=atol,
-                    msg=lambda m, name=name: f"{name}.grad: {m}",
+                    full_value(grad), full_value(ref_grad), rtol=rtol, atol=atol, msg=_prefixed(f"{name}.grad")
                 )
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that names what differed."""
+    return lambda message: f"{prefix}: {message}"
 
 
 def clone_tree(tree: Any) -> Any:
@@ -126,7 +126,7 @@ def train_in_parity(
             ref_loss.detach().float(),
             rtol=rtol,
             atol=atol,
-            msg=lambda m, step=step: f"step {step}, loss: {m}",
+            msg=_prefixed(f"step {step}, loss"),
         )
         losses.append(global_loss.item())
     return losses
@@ -172,7 +172,11 @@ class DataParallelReference:
                 loss.backward()
                 grads = [p.grad.float() if p.grad is not None else None for p in replica.parameters()]
                 replica.zero_grad()
-                summed = grads if summed is None else [a + b if a is not None else None for a, b in zip(summed, grads)]
+                summed = (
+                    grads
+                    if summed is None
+                    else [None if a is None or b is None else a + b for a, b in zip(summed, grads)]
+                )
         if summed is not None:
             for param, grad in zip(self.model.parameters(), summed):
                 param.grad = grad / num_ranks if grad is not None else None
