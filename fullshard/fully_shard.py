@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.init import root_modules, validate_dtensor_meshes, validate_module
-from ._core.manage import manage_module
+from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
 from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
@@ -82,11 +82,14 @@ class FSDPModule:
         if group is not None:
             group.reshard()
 
+    def _states(self, recurse: bool) -> list[ModuleState]:
+        if recurse:
+            return states_below(self)
+        return [self._fsdp_state()]
+
     def _groups(self, recurse: bool) -> Iterable:
-        modules = self.modules() if recurse else [self]
-        for module in modules:
-            state = get_state(module)
-            if state is not None and state.group is not None:
+        for state in self._states(recurse):
+            if state.group is not None:
                 yield state.group
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -118,10 +121,7 @@ class FSDPModule:
                 f"set_reshard_after_forward expects a bool but got {type(reshard_after_forward).__name__} "
                 f"for {type(self).__name__}; an int (a smaller post-forward group) can only be given to fully_shard"
             )
-        for module in self.modules() if recurse else [self]:
-            state = get_state(module)
-            if state is None:
-                continue
+        for state in self._states(recurse):
             # kept through lazy initialisation, which otherwise keeps the root unsharded
             state.config = dataclasses.replace(state.config, reshard_after_forward=reshard_after_forward)
             if state.group is not None:
@@ -330,7 +330,12 @@ def fully_shard(
                 ignored_params={p for p in ignored_params if any(p is q for q in child.parameters())},
                 ignored_modules=[m for m in ignored if m in below],
             )
-    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy, shard_placement_fn=shard_placement_fn)
+    config = UnitConfig(
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        shard_placement_fn=shard_placement_fn,
+    )
     state = manage_module(roots, mesh_info, config, ignored_params, ignored)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     for root in roots:

@@ -45,7 +45,9 @@ def replicate(
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
     validate_dtensor_meshes(module, mesh.device_type)
-    config = UnitConfig(False, mp_policy, offload_policy)
+    config = UnitConfig(
+        api_name="replicate", reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy
+    )
     state = manage_module(module, MeshInfo.for_replicate(mesh), config, ignored_params)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     swap_class(module, ReplicateModule, "Replicate")

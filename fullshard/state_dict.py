@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,10 +45,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._core import comm
-from ._core.common import WRAPPER_PREFIX, clean_fqn
 from ._core.group import ParamGroup
+from ._core.manage import states_below
 from ._core.param import ShardParam
-from ._core.state import ModuleState, get_state
+from ._core.state import ModuleState
+from ._names import WRAPPER_PREFIX, model_name
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -81,9 +84,23 @@ def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
     return StateDictSettings(state_dict_type, config(), optim_config())
 
 
+@dataclass
+class _UnitStateDict:
+    """What state dicts keep per unit, next to the engine's ``ModuleState``."""
+
+    settings: StateDictSettings
+    full_values: list[torch.Tensor] | None = None  # the unit's full parameters while a FULL save runs
+
+
+# Keyed weakly by the engine state: the record holds no reference back to it.
+_UNITS: weakref.WeakKeyDictionary[ModuleState, _UnitStateDict] = weakref.WeakKeyDictionary()
+
+
+def _unit(state: ModuleState) -> _UnitStateDict:
+    return _UNITS[state]
+
+
 # -- settings -----------------------------------------------------------------------------------
-def _states_below(module: nn.Module) -> list[ModuleState]:
-    return [s for s in (get_state(m) for m in module.modules()) if s is not None]
 
 
 def set_state_dict_type(
@@ -102,7 +119,7 @@ def set_state_dict_type(
         ValueError: ``module`` contains no unit.
         RuntimeError: a config does not match the type (as PyTorch's FSDP).
     """
-    states = _states_below(module)
+    states = states_below(module)
     if not states:
         raise ValueError(
             f"set_state_dict_type expects a module containing fully_shard or FullyShardedDataParallel "
@@ -124,18 +141,18 @@ def set_state_dict_type(
                     "use_orig_params=True): it is the flat shard of use_orig_params=False; use "
                     "SHARDED_STATE_DICT, whose DTensors carry their layout"
                 )
-    previous = states[0].state_dict_settings
+    previous = _unit(states[0]).settings
     for state in states:
-        state.state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
+        _unit(state).settings = StateDictSettings(state_dict_type, config, optim_config)
     return previous
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings of the first unit in ``module``'s tree."""
-    states = _states_below(module)
+    states = states_below(module)
     if not states:
         raise ValueError(f"get_state_dict_type expects a module containing units, but {type(module).__name__} has none")
-    return states[0].state_dict_settings
+    return _unit(states[0]).settings
 
 
 @contextlib.contextmanager
@@ -146,13 +163,14 @@ def state_dict_type(
     optim_state_dict_config: OptimStateDictConfig | None = None,
 ) -> Iterator[None]:
     """``set_state_dict_type`` for the block, then the previous settings again."""
-    previous = {id(s): s.state_dict_settings for s in _states_below(module)}
+    previous = {id(s): _unit(s).settings for s in states_below(module)}
     set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
     try:
         yield
     finally:
-        for state in _states_below(module):
-            state.state_dict_settings = previous.get(id(state), state.state_dict_settings)
+        for state in states_below(module):
+            record = _unit(state)
+            record.settings = previous.get(id(state), record.settings)
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False, offload_to_cpu: bool = False) -> dict[str, Any]:
@@ -168,7 +186,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, offload_to_cpu:
 # -- model state dict hooks ----------------------------------------------------------------------
 def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) -> None:
     """Registers the hooks of [Note: State dict hooks] for one unit."""
-    state.state_dict_settings = settings
+    _UNITS[state] = _UnitStateDict(settings)
     group = state.group
     if group is not None:
         for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
@@ -209,7 +227,7 @@ def install_prefix_hooks(wrapper: nn.Module) -> None:
 
 
 def _settings(state: ModuleState) -> StateDictSettings:
-    return state.state_dict_settings
+    return _unit(state).settings
 
 
 def _reshard_unit(state: ModuleState, *args: Any) -> None:
@@ -223,11 +241,11 @@ def _reshard_unit(state: ModuleState, *args: Any) -> None:
 def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
     _reshard_unit(state)
     if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
-        state.full_values = state.group.gather_full()
+        _unit(state).full_values = state.group.gather_full()
 
 
 def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    state.full_values = None
+    _unit(state).full_values = None
     settings = _settings(state)
     if (
         settings.state_dict_type is StateDictType.FULL_STATE_DICT
@@ -254,7 +272,8 @@ def _save_params(
             if offload:
                 value = param.sharded_dtensor_of(value._local_tensor.cpu())
         else:
-            value = param.full_form(state.full_values[index])
+            full_values = _unit(state).full_values
+            value = param.full_form(full_values[index])
             if isinstance(value, DTensor):  # tensor parallel: the global tensor
                 value = value.full_tensor()
             if offload:
@@ -333,7 +352,7 @@ def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args:
 
 def _strip_reported_prefix(module: nn.Module, incompatible_keys: Any) -> None:
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        keys[:] = [clean_fqn(key) for key in keys]
+        keys[:] = [model_name(key) for key in keys]
 
 
 # -- optimizer state dicts ---------------------------------------------------------------------------
@@ -350,7 +369,7 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
     module_paths = {id(m): n for n, m in model.named_modules()}
     by_sharded: dict[int, tuple[ShardParam, ParamGroup]] = {}
     flat_units: dict[int, ParamGroup] = {}
-    for state in _states_below(model):
+    for state in states_below(model):
         group = state.group
         if group is None:
             continue
@@ -363,12 +382,12 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         unit = flat_units.get(id(param))
         if unit is not None:
             entries[id(param)] = [
-                (clean_fqn(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
+                (model_name(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
                 for p in unit.params
             ]
         else:
             shard_param, group = by_sharded.get(id(param), (None, None))
-            entries[id(param)] = [(clean_fqn(name), shard_param, group)]
+            entries[id(param)] = [(model_name(name), shard_param, group)]
     return entries
 
 
@@ -404,7 +423,7 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
         RuntimeError: two ranks differ (as PyTorch's FSDP), naming both and the parameters.
     """
     groups: dict[int, dist.ProcessGroup] = {}
-    for state in _states_below(model):
+    for state in states_below(model):
         shard = state.group.mesh_info.shard if state.group is not None else None
         if shard is not None and shard.size > 1:
             groups.setdefault(id(shard.group), shard.group)
@@ -440,9 +459,7 @@ def optim_state_dict(
         RuntimeError: the ranks' optimizers hold states for different parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
-    settings = (
-        get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
-    )
+    settings = get_state_dict_type(model) if states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     offload = settings.optim_state_dict_config.offload_to_cpu
     entries = _param_entries(model)

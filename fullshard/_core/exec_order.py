@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from . import comm
-from .common import clean_fqn
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -59,7 +58,7 @@ class ExecOrderValidator:
         self.forward = []
 
     def _fingerprint(self, kind: str, group: ParamGroup, collective: bool, params: list | None = None) -> _Fingerprint:
-        shapes = tuple((clean_fqn(p.fqn), tuple(p.global_size)) for p in params or group.params)
+        shapes = tuple((p.fqn, tuple(p.global_size)) for p in params or group.params)
         return (kind, self.index[id(group)], collective, shapes)
 
     def _exchange(self, fingerprint: _Fingerprint) -> list[_Fingerprint]:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffloadPolicy
 from . import comm, compat, offload
-from .common import TrainingState, UnitConfig, clean_fqn
+from .common import TrainingState, UnitConfig
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
 from .param import ShardParam
@@ -623,7 +623,7 @@ class ParamGroup:
             self._submit_reduction(params, grads)
             return
         for group, names in agreed:  # the same order on every rank: see [Note: Execution order]
-            if group is self and names == [clean_fqn(p.fqn) for p in params]:
+            if group is self and names == [p.fqn for p in params]:
                 self._submit_reduction(params, grads)
             else:
                 group.join_reduction(names)
@@ -632,7 +632,7 @@ class ParamGroup:
         """Takes part in another rank's reduction of this unit's parameters ``names``
         with zero gradients (execution-order validation); the averaged result is
         this rank's gradient too, as DDP does for unused parameters."""
-        params = [p for p in self.params if clean_fqn(p.fqn) in names]
+        params = [p for p in self.params if p.fqn in names]
         grads = [self._zero_grad(p) for p in params]
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.POST_BACKWARD  # it will not run here this time

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from . import compat
+from . import comm, compat
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,7 @@ def mesh_from_groups(
                 f"process_group expects the shard group {shard_ranks} and the replicate group "
                 f"{replicate_ranks} to share exactly this rank ({rank})"
             )
-        rows: list = [None] * world
-        dist.all_gather_object(rows, (replicate_ranks.index(rank), shard_ranks))
+        rows = comm.all_gather_objects((replicate_ranks.index(rank), shard_ranks))
         layout = [None] * len(replicate_ranks)
         for replica, ranks in rows:
             if layout[replica] not in (None, ranks):

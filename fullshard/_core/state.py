@@ -184,9 +184,6 @@ class ModuleState:
         # Accelerator meshes: the step's root moves its inputs to the device (as DDP does).
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
-        self.summoned = False  # inside summon_full_params
-        self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
-        self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
         self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
         for module in self.modules:
             _STATES[module] = self
@@ -231,11 +228,11 @@ class ModuleState:
         by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
         for name, param in (item for root in self.modules for item in root.named_parameters()):
             if param in by_param:
-                by_param[param].fqn = name
+                by_param[param].fqn = self.config.model_name(name)
         for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is not None and state.group is not None:
-                state.group.module_fqn = name
+                state.group.module_fqn = self.config.model_name(name)
 
     # -- forward -------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

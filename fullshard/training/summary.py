@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..cli.text import align, describe_model, human_bytes
+from .._text import align, describe_model, human_bytes
 from ..plan import PlanConfig, estimate
 from .config import TrainConfig
 
