@@ -20,6 +20,7 @@ from fullshard import (
     fully_shard,
     full_state_dict,
 )
+from fullshard import state_dict as state_dicts
 from fullshard._core.group import ParamGroup
 from fullshard.testing import distributed, full_value
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
@@ -179,7 +180,7 @@ def test_full_state_dict_rank0_only_offload_and_unit_by_unit():
     gather = ParamGroup.gather_full
 
     def counting_gather(group, *args, **kwargs):
-        alive.append(sum(1 for m in FSDP.fsdp_modules(model) if m._state.full_values is not None))
+        alive.append(sum(1 for m in FSDP.fsdp_modules(model) if state_dicts._UNITS[m._state].full_values is not None))
         return gather(group, *args, **kwargs)
 
     ParamGroup.gather_full = counting_gather

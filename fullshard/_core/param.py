@@ -286,16 +286,7 @@ class ShardParam:
             self._make_unsharded_param(shard_region)
 
     def _make_unsharded_param(self, padded: torch.Tensor) -> None:
-        data = self.unsharded_view(padded)
-        if self.tp_mesh is not None:
-            data = DTensor.from_local(
-                data,
-                self.tp_mesh,
-                self.tp_placements,
-                run_check=False,
-                shape=self.global_size,
-                stride=self.global_stride,
-            )
+        data = self.full_form(self.unsharded_view(padded))
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
         self._hooked = False
 

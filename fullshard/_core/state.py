@@ -40,9 +40,10 @@ from torch.autograd import Variable
 
 from ..api import BackwardPrefetch
 from . import offload
-from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
+from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors, module_class_name
 from .exec_order import ExecOrderValidator, validation_enabled
 from .group import ParamGroup, UnitUse
+from .log import log_lazy_init
 from .reduction import ReductionQueue
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
@@ -223,6 +224,7 @@ class ModuleState:
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
         self._init_fqns(states)
+        log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
 
     def _init_fqns(self, states: list[ModuleState]) -> None:
         by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
