@@ -166,10 +166,10 @@ def _exactly_sized(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
     alias = torch.frombuffer(
-        memoryview(whole.numpy()),
+        whole.numpy().data,  # a memoryview of the storage
         dtype=tensor.dtype,
         count=tensor.numel(),
-        offset=tensor.storage_offset() * tensor.element_size(),
+        offset=int(tensor.storage_offset()) * tensor.element_size(),
     )
     return alias.view(tensor.shape)
 

@@ -16,9 +16,10 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -39,27 +40,29 @@ class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
     def __init__(self, state: ModuleState) -> None:
-        self._state = state
+        self._state: ModuleState | None = state
 
     def wait(self) -> None:
-        if self._state.group is not None:
+        if self._state is not None and self._state.group is not None:
             self._state.group.wait_for_unshard()
         self._state = None
 
 
-class FSDPModule:
-    """Mixed into the class of every module that ``fully_shard`` was applied to."""
+class FSDPModule(nn.Module):
+    """Mixed into the class of every module that ``fully_shard`` was applied to
+    (first base of ``FSDP<Class>(FSDPModule, Class)``; see ``swap_class``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (nn.Sequential
         # slicing): those are plain modules, so build the original class.
-        original = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
-        instance = original.__new__(original)
-        instance.__init__(*args, **kwargs)
-        return instance
+        original: type[nn.Module] = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        return original(*args, **kwargs)
 
     def _fsdp_state(self) -> ModuleState:
-        return get_state(self)
+        state = get_state(self)
+        if state is None:  # swap_class runs after manage_module
+            raise AssertionError(f"rank {dist.get_rank()}: an FSDPModule without its unit's state")
+        return state
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters now (e.g. before a custom forward).
@@ -340,7 +343,7 @@ def fully_shard(
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     for root in roots:
         swap_class(root, FSDPModule, "FSDP")
-    return module
+    return cast(FSDPModule, module)  # swap_class made it one (a list: each of its modules)
 
 
 def _resolve_strategy(

@@ -186,25 +186,25 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, offload_to_cpu:
 # -- model state dict hooks ----------------------------------------------------------------------
 def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) -> None:
     """Registers the hooks of [Note: State dict hooks] for one unit."""
-    _UNITS[state] = _UnitStateDict(settings)
+    record = _UNITS[state] = _UnitStateDict(settings)
     group = state.group
     if group is not None:
         for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
-            unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
+            unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, group, record))
             # Before the parameters' load hooks below: they see the sharded registration.
-            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, state))
+            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, group))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.params):
             info = param.module_info
             for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
                 by_module.setdefault(module, []).append((name, index))
         for module, entries in by_module.items():
-            module.register_state_dict_post_hook(functools.partial(_save_params, state, entries))
-            module.register_load_state_dict_pre_hook(functools.partial(_load_params, state, entries))
+            module.register_state_dict_post_hook(functools.partial(_save_params, group, record, entries))
+            module.register_load_state_dict_pre_hook(functools.partial(_load_params, group, record, entries))
         # After the hooks above: the unit module's own parameters are written
         # before its gathered values are dropped.
         for unit_module in state.modules:
-            unit_module.register_state_dict_post_hook(functools.partial(_release_unit, state))
+            unit_module.register_state_dict_post_hook(functools.partial(_release_unit, record))
     if state.buffer_dtypes:
         for module in state.module.modules():
             if any(id(b) in state.buffer_dtypes for b in module._buffers.values() if b is not None):
@@ -213,9 +213,12 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
 
 def install_flat_param_hooks(state: ModuleState) -> None:
     """The wrapper's flat parameter appears in LOCAL state dicts only."""
-    home, _ = state.group.flat_param_home
-    home.register_state_dict_post_hook(functools.partial(_save_flat_param, state))
-    home.register_load_state_dict_pre_hook(functools.partial(_load_flat_param, state))
+    group = state.group
+    if group is None or group.flat_param_home is None:
+        raise AssertionError(f"rank {dist.get_rank()}: flat parameter hooks for a unit without a flat parameter")
+    home, _ = group.flat_param_home
+    home.register_state_dict_post_hook(functools.partial(_save_flat_param, group, _UNITS[state]))
+    home.register_load_state_dict_pre_hook(functools.partial(_load_flat_param, group, _UNITS[state]))
 
 
 def install_prefix_hooks(wrapper: nn.Module) -> None:
@@ -226,30 +229,43 @@ def install_prefix_hooks(wrapper: nn.Module) -> None:
     wrapper.register_load_state_dict_post_hook(_strip_reported_prefix)
 
 
-def _settings(state: ModuleState) -> StateDictSettings:
-    return _unit(state).settings
+def _flat_param(group: ParamGroup) -> tuple[nn.Parameter, str]:
+    """The unit's flat parameter and its name on its module."""
+    if group.flat_param is None or group.flat_param_home is None:
+        raise AssertionError(f"rank {dist.get_rank()}: {group.owner_name} has no flat parameter")
+    return group.flat_param, group.flat_param_home[1]
 
 
-def _reshard_unit(state: ModuleState, *args: Any) -> None:
+def _reshard_unit(group: ParamGroup, *args: Any) -> None:
     """Outside forward and backward, a unit may still be unsharded (the root after a
     forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
     write the shards."""
-    if state.group.training_state.name == "IDLE":
-        state.group.reshard()
+    if group.training_state.name == "IDLE":
+        group.reshard()
 
 
-def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    _reshard_unit(state)
-    if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
-        _unit(state).full_values = state.group.gather_full()
+def _gather_unit(group: ParamGroup, record: _UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _reshard_unit(group)
+    if record.settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        record.full_values = [_gathered(value) for value in group.gather_full()]
 
 
-def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    _unit(state).full_values = None
-    settings = _settings(state)
+def _gathered(value: torch.Tensor | None) -> torch.Tensor:
+    if value is None:  # gather_full without grads gives every parameter's value
+        raise AssertionError(f"rank {dist.get_rank()}: gather_full returned no value for a parameter")
+    return value
+
+
+def _rank0_only(config: StateDictConfig | OptimStateDictConfig) -> bool:
+    return isinstance(config, (FullStateDictConfig, FullOptimStateDictConfig)) and config.rank0_only
+
+
+def _release_unit(record: _UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    record.full_values = None
+    settings = record.settings
     if (
         settings.state_dict_type is StateDictType.FULL_STATE_DICT
-        and settings.state_dict_config.rank0_only
+        and _rank0_only(settings.state_dict_config)
         and dist.get_rank() != 0
     ):
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -257,23 +273,31 @@ def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefi
 
 
 def _save_params(
-    state: ModuleState, entries: list[tuple[str, int]], module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+    group: ParamGroup,
+    record: _UnitStateDict,
+    entries: list[tuple[str, int]],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    metadata: Any,
 ) -> None:
-    settings = _settings(state)
+    settings = record.settings
     kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
     for name, index in entries:
         key = prefix + name
-        param = state.group.params[index]
+        param = group.params[index]
         if kind is StateDictType.LOCAL_STATE_DICT:
             state_dict.pop(key, None)
             continue
+        value: torch.Tensor
         if kind is StateDictType.SHARDED_STATE_DICT:
             value = param.sharded_value()
             if offload:
-                value = param.sharded_dtensor_of(value._local_tensor.cpu())
+                value = param.sharded_dtensor_of(param.sharded_value()._local_tensor.cpu())
         else:
-            full_values = _unit(state).full_values
-            value = param.full_form(full_values[index])
+            if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
+                raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
+            value = param.full_form(record.full_values[index])
             if isinstance(value, DTensor):  # tensor parallel: the global tensor
                 value = value.full_tensor()
             if offload:
@@ -290,18 +314,22 @@ def _save_buffers_in_original_dtype(
             state_dict[key] = buffer.detach().to(state.buffer_dtypes[id(buffer)])
 
 
-def _save_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    key = prefix + state.group.flat_param_home[1]
-    settings = _settings(state)
+def _save_flat_param(
+    group: ParamGroup, record: _UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+) -> None:
+    flat_param, name = _flat_param(group)
+    key = prefix + name
+    settings = record.settings
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-        value = state.group.flat_param.detach()
+        value = flat_param.detach()
         state_dict[key] = value.cpu() if settings.state_dict_config.offload_to_cpu else value
     else:
         state_dict.pop(key, None)
 
 
 def _load_params(
-    state: ModuleState,
+    group: ParamGroup,
+    record: _UnitStateDict,
     entries: list[tuple[str, int]],
     module: nn.Module,
     state_dict: dict,
@@ -312,9 +340,8 @@ def _load_params(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    if _settings(state).state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    if record.settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return  # the flat parameter carries the values
-    group = state.group
     for name, index in entries:
         key = prefix + name
         param = group.params[index]
@@ -330,12 +357,14 @@ def _load_params(
             del state_dict[key]
 
 
-def _load_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    key = prefix + state.group.flat_param_home[1]
-    if _settings(state).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+def _load_flat_param(
+    group: ParamGroup, record: _UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, *args: Any
+) -> None:
+    flat_param, name = _flat_param(group)
+    if record.settings.state_dict_type is not StateDictType.LOCAL_STATE_DICT:
         # The original parameters' keys carry the values; keep nn.Module from
         # reporting the flat parameter missing (a copy onto itself).
-        state_dict[key] = state.group.flat_param.detach()
+        state_dict[prefix + name] = flat_param.detach()
 
 
 def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -373,8 +402,8 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         group = state.group
         if group is None:
             continue
-        for param in group.params:
-            by_sharded[id(param.sharded_param)] = (param, group)
+        for shard_param in group.params:
+            by_sharded[id(shard_param.sharded_param)] = (shard_param, group)
         if group.flat_param is not None:
             flat_units[id(group.flat_param)] = group
     entries: dict[int, list[Entry]] = {}
@@ -386,8 +415,8 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
                 for p in unit.params
             ]
         else:
-            shard_param, group = by_sharded.get(id(param), (None, None))
-            entries[id(param)] = [(model_name(name), shard_param, group)]
+            found = by_sharded.get(id(param))
+            entries[id(param)] = [(model_name(name), *found) if found else (model_name(name), None, None)]
     return entries
 
 
@@ -425,7 +454,7 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
     groups: dict[int, dist.ProcessGroup] = {}
     for state in states_below(model):
         shard = state.group.mesh_info.shard if state.group is not None else None
-        if shard is not None and shard.size > 1:
+        if shard is not None and shard.size > 1 and shard.group is not None:
             groups.setdefault(id(shard.group), shard.group)
     for group in groups.values():
         every = comm.all_gather_objects(sorted(fqns), group)
@@ -483,7 +512,7 @@ def optim_state_dict(
         {**saved_group, "params": [fqn for p in group["params"] for fqn, _, _ in entries[id(p)]]}
         for saved_group, group in zip(saved["param_groups"], optim.param_groups)
     ]
-    if full and settings.optim_state_dict_config.rank0_only and dist.get_rank() != 0:
+    if full and _rank0_only(settings.optim_state_dict_config) and dist.get_rank() != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
 
@@ -504,7 +533,7 @@ def _split_state(
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.clone()
         elif isinstance(value, torch.Tensor):
-            if unit is not None and unit.flat_param is not None and param is unit.flat_param:
+            if unit is not None and shard_param is not None and param is unit.flat_param:
                 value = unit.param_view_of_flat(unit.params.index(shard_param), value, full=full)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
                 value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
@@ -559,7 +588,7 @@ def _groups_by_fqn(
     model: nn.Module, entries: dict[int, list], optim_state_dict: dict[str, Any]
 ) -> list[list[torch.Tensor]]:
     """``model``'s parameters (in model order) holding each saved group's FQNs."""
-    groups = []
+    groups: list[list[torch.Tensor]] = []
     for saved_group in optim_state_dict["param_groups"]:
         fqns = set(saved_group["params"])
         groups.append([p for p in model.parameters() if any(fqn in fqns for fqn, _, _ in entries[id(p)])])
@@ -625,7 +654,7 @@ def _join_state(
         if unit is not None and unit.flat_param is not None and param is unit.flat_param:
             flat = torch.zeros_like(unit.flat_param)
             for shard_param, values in per_param:
-                if values is not None:
+                if values is not None and shard_param is not None:  # a flat parameter's originals have both
                     local = shard_param.shard_of(values[key])._local_tensor
                     unit.write_shard(unit.params.index(shard_param), local, into=flat)
             result[key] = flat

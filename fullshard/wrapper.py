@@ -68,6 +68,7 @@ from .wrap import Policy, PolicyFn, select_modules
 __all__ = ["FullyShardedDataParallel", "FSDP"]
 
 FLAT_PARAM = "_flat_param"
+_UNIT_ATTR = "_fullshard_unit"  # on a shown shard: its unit, for clip_grad_norm_ and the scaler
 
 
 class TrainingState(enum.Enum):
@@ -116,6 +117,7 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     _fullshard_wrapped_name = WRAPPED_MODULE  # the engine names the wrapped module in messages
+    _fsdp_wrapped_module: nn.Module
 
     def __init__(
         self,
@@ -175,7 +177,7 @@ class FullyShardedDataParallel(nn.Module):
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
         if use_orig_params and state.group is not None:
             for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
-                param.sharded_param._fullshard_unit = state.group
+                setattr(param.sharded_param, _UNIT_ATTR, state.group)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if config.flat_param and state.group is not None:
@@ -190,13 +192,19 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def _state(self) -> ModuleState:
-        return get_state(self)
+        state = get_state(self)
+        if state is None:  # set at the end of __init__
+            raise AssertionError(f"rank {dist.get_rank()}: a FullyShardedDataParallel without its unit's state")
+        return state
 
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The group parameters are sharded over (replicated over, for NO_SHARD)."""
         info = self._fsdp_mesh_info
-        return info.replicate.group if info.shard_axis is None else info.shard.group
+        role = info.replicate if info.shard_axis is None else info.shard
+        if role.group is None:  # mesh axes always have a group
+            raise AssertionError(f"rank {dist.get_rank()}: the wrapper's mesh gave no process group")
+        return role.group
 
     @property
     def world_size(self) -> int:
@@ -241,7 +249,8 @@ class FullyShardedDataParallel(nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._fsdp_wrapped_module.__getitem__(key)
+        wrapped: Any = self._fsdp_wrapped_module  # indexable when a container (nn.Sequential, nn.ModuleList)
+        return wrapped[key]
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the wrapper prefixes are removed."""
@@ -576,7 +585,7 @@ def _param_groups(
         return [list(group["params"]) for group in optim.param_groups]
     if optim_input is None:
         return None
-    items = list(optim_input)
+    items: list[Any] = list(optim_input)
     if items and isinstance(items[0], dict):
         return [list(group["params"]) for group in items]
     return [items]
@@ -732,7 +741,7 @@ def _resolve_mesh(
             )
         mesh = mesh_from_groups(process_group, None, device_type)
     else:
-        mesh = default_mesh(device_type)
+        mesh = default_mesh(device_type, "FullyShardedDataParallel")
     return MeshInfo.for_replicate(mesh) if strategy is ShardingStrategy.NO_SHARD else MeshInfo.for_fully_shard(mesh)
 
 
@@ -825,7 +834,7 @@ def _wrap_selected(
                 settings.device_id,
             )
         below = set(child.modules())
-        ignored_below = [m for m in ignored_modules if m in below]
+        ignored_below: list[nn.Module | nn.Parameter] = [m for m in ignored_modules if m in below]
         ignored_below += [p for p in ignored_params if any(p is q for q in child.parameters())]
         kwargs = {
             **settings.inherited(),
@@ -862,18 +871,20 @@ def _materialize_meta(
                 continue
             if not any(True for _ in (*submodule.parameters(recurse=False), *submodule.buffers(recurse=False))):
                 continue
-            if not hasattr(submodule, "reset_parameters"):
+            reset = getattr(submodule, "reset_parameters", None)
+            if not callable(reset):
                 raise ValueError(
                     f"FullyShardedDataParallel expects meta-device modules to define reset_parameters(), but "
                     f"{module_class_name(submodule)} does not; give it one or pass param_init_fn"
                 )
             submodule.to_empty(device=device, recurse=False)
-            submodule.reset_parameters()
+            reset()
 
 
 def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]:
     """``modules`` (a subtree of ``root``) in breadth-first order."""
-    wanted, order, frontier = set(modules), [], [root]
+    wanted, frontier = set(modules), [root]
+    order: list[nn.Module] = []
     seen = {root}
     while frontier:
         order.extend(m for m in frontier if m in wanted)

@@ -80,7 +80,7 @@ def _notify(op: str, group: dist.ProcessGroup, counted: torch.Tensor, tensors: l
         listener(record, tensors)
 
 
-def _check_alive(group: dist.ProcessGroup) -> None:
+def _check_alive(group: dist.ProcessGroup | None) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "fullshard needs a collective but the default process group was destroyed "
@@ -92,7 +92,7 @@ def _check_alive(group: dist.ProcessGroup) -> None:
 class _Pending:
     """Several works (and a final copy) behind one ``wait()``."""
 
-    def __init__(self, works: list[dist.Work], then: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list[dist.Work], then: Callable[[], object] | None = None) -> None:
         self._works, self._then = works, then
 
     def wait(self) -> bool:
@@ -149,6 +149,15 @@ def reduce_scatter(
     mine = input.view(group.size(), -1)[group.rank()]
     work = dist.all_reduce(input, op=op, group=group, async_op=True)
     return _finish(_Pending([work], then=lambda: output.copy_(mine)), async_op)
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group."""
+    _check_alive(None)
+    group = dist.group.WORLD
+    if group is None:  # initialized implies a world group
+        raise AssertionError(f"rank {dist.get_rank()}: torch.distributed is initialized without a world group")
+    return group
 
 
 def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:

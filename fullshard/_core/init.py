@@ -208,7 +208,7 @@ def broadcast_from_first_rank(params: list[nn.Parameter], buffers: list[torch.Te
         if not tensor.is_meta:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for group in (mesh_info.shard, mesh_info.replicate):
-        if group.size == 1:
+        if group.size == 1 or group.group is None:
             continue
         for same_dtype in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in same_dtype]).to(mesh_info.device)

@@ -69,7 +69,7 @@ def manage_module(
     all of them) minus those of already-managed submodules."""
     roots = (module,) if isinstance(module, nn.Module) else root_modules(module)
     device = mesh_info.device
-    validate_mesh_backend(mesh_info, module_class_name(roots[0]))
+    validate_mesh_backend(mesh_info, module_class_name(roots[0]), config.api_name)
     # Entries outside the module are not an error: one ignore list may serve
     # several units, each taking what lies below it.
     ignored = set(ignored_params or ())

@@ -30,7 +30,7 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def get_preset(name: str, **overrides: int) -> ModelArgs:
+def get_preset(name: str, **overrides: int | None) -> ModelArgs:
     """The ``ModelArgs`` of a named size, with some fields replaced.
 
     Args:
