@@ -117,7 +117,7 @@ def validate_mesh(mesh: DeviceMesh) -> None:
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")
 
 
-def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str) -> None:
+def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str = "fully_shard") -> None:
     """Each of the mesh's groups must communicate natively on the mesh's device.
 
     Raises:
