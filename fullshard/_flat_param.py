@@ -14,6 +14,8 @@ from ._core import compat
 from ._core.group import ParamGroup
 
 FLAT_PARAM = "_flat_param"
+# On a flat parameter or a plain shard view: its unit, for clip_grad_norm_ and the scaler.
+UNIT_ATTR = "_fullshard_unit"
 
 
 class FlatParamView:
@@ -46,7 +48,7 @@ class FlatParamView:
         self.name = name
         self.param = nn.Parameter(unit.shard_buffer, requires_grad=requires_grad.pop())
         # Lets clip_grad_norm_ and the scaler find its replicas (an attribute Parameter's type does not declare).
-        setattr(self.param, "_fullshard_unit", unit)  # noqa: B010
+        setattr(self.param, UNIT_ATTR, unit)
         if unit.keep_low_precision_grads:
             compat.set_grad_dtype(self.param, unit.reduce_dtype, unit.owner_name)
         module.register_parameter(name, self.param)

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from ._core import comm
-from ._core.state import get_state
+from ._core.manage import states_below
 from .api import StateDictType
 from .state_dict import optim_state_dict, optim_state_dict_to_load, state_dict_type
 
@@ -93,7 +93,7 @@ def _single_process_is_intended() -> Iterator[None]:
 
 
 def _is_sharded(model: nn.Module) -> bool:
-    return any(get_state(m) is not None for m in model.modules())
+    return bool(states_below(model))
 
 
 def _sharded_form(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -166,10 +166,10 @@ def _exactly_sized(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
     alias = torch.frombuffer(
-        memoryview(whole.numpy()),
+        whole.numpy().data,  # a memoryview of the storage
         dtype=tensor.dtype,
         count=tensor.numel(),
-        offset=tensor.storage_offset() * tensor.element_size(),
+        offset=int(tensor.storage_offset()) * tensor.element_size(),
     )
     return alias.view(tensor.shape)
 
@@ -210,7 +210,7 @@ def save(
     if _rank() == 0:
         os.makedirs(folder, exist_ok=False)
     if _distributed():
-        dist.barrier()
+        comm.barrier()
     writer = FileSystemWriter(folder)
     writer.fs = _ChecksummingFileSystem()
     with _single_process_is_intended():
@@ -233,7 +233,7 @@ def save(
         _point_latest_to(path, version)
         _remove_other_versions(path, keep=version)
     if _distributed():
-        dist.barrier()
+        comm.barrier()
     return folder
 
 

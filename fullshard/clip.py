@@ -32,31 +32,33 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._core import comm
+from ._flat_param import UNIT_ATTR
 
 __all__ = ["clip_grad_norm_"]
 
 
-def _owned_local_grad(param: torch.Tensor) -> tuple[torch.Tensor | None, float]:
-    """(This rank's part of ``param.grad`` if it owns it, else None; its weight).
-    See [Note: Counting each gradient element once]."""
-    grad = param.grad
+def _owned_local_grad(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    """(This rank's part of ``grad``, ``param``'s gradient, if it owns it, else None;
+    its weight). See [Note: Counting each gradient element once]."""
     world = dist.get_world_size()
     if isinstance(grad, DTensor):
         mesh = grad.device_mesh
         coordinate = mesh.get_coordinate()
+        if coordinate is None:  # a gradient lives on the meshes of its rank
+            raise AssertionError(f"rank {dist.get_rank()} holds a gradient on a mesh it is not part of")
         for dim, placement in enumerate(grad.placements):
             if isinstance(placement, Replicate) and coordinate[dim] != 0:
                 return None, 0.0
         return grad._local_tensor, mesh.size() / world
-    unit = getattr(param, "_fullshard_unit", None)  # the wrapper's flat parameter, or a plain shard view
+    unit = getattr(param, UNIT_ATTR, None)  # the wrapper's flat parameter, or a plain shard view
     if unit is not None:
         owned = unit.mesh_info.replicate.rank == 0
         return (grad if owned else None), unit.mesh_info.mesh.size() / world
     return (grad if dist.get_rank() == 0 else None), 1.0
 
 
-def _local_grads(param: torch.Tensor) -> torch.Tensor:
-    return param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 @torch.no_grad()
@@ -78,13 +80,14 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
+    grads = [(p, p.grad) for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    device = _local_grads(params[0]).device if params else torch.device("cpu")
-    device = comm.device_for(dist.group.WORLD, device)  # offloaded gradients on NCCL: summed on the GPU
+    world = comm.default_group()
+    device = _local(grads[0][1]).device if grads else torch.device("cpu")
+    device = comm.device_for(world, device)  # offloaded gradients on NCCL: summed on the GPU
     local = torch.zeros((), dtype=torch.float32, device=device)
-    for param in params:
-        owned, weight = _owned_local_grad(param)
+    for param, grad in grads:
+        owned, weight = _owned_local_grad(param, grad)
         if owned is None or owned.numel() == 0:
             continue
         owned = owned.to(device, torch.float32)
@@ -93,10 +96,10 @@ def clip_grad_norm_(
         else:
             local += weight * torch.linalg.vector_norm(owned, norm_type) ** norm_type
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    comm.all_reduce(local, dist.group.WORLD, op, async_op=False)
+    comm.all_reduce(local, world, op, async_op=False)
     total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for param in params:
-        grad = _local_grads(param)
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    for _, grad in grads:
+        local_grad = _local(grad)
+        local_grad.mul_(coefficient.to(local_grad.device, local_grad.dtype))
     return total

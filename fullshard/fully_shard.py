@@ -16,16 +16,17 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.init import root_modules, validate_dtensor_meshes, validate_module
-from ._core.manage import manage_module
+from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.state import ModuleState, get_state
 from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
@@ -39,27 +40,29 @@ class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
     def __init__(self, state: ModuleState) -> None:
-        self._state = state
+        self._state: ModuleState | None = state
 
     def wait(self) -> None:
-        if self._state.group is not None:
+        if self._state is not None and self._state.group is not None:
             self._state.group.wait_for_unshard()
         self._state = None
 
 
-class FSDPModule:
-    """Mixed into the class of every module that ``fully_shard`` was applied to."""
+class FSDPModule(nn.Module):
+    """Mixed into the class of every module that ``fully_shard`` was applied to
+    (first base of ``FSDP<Class>(FSDPModule, Class)``; see ``swap_class``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (nn.Sequential
         # slicing): those are plain modules, so build the original class.
-        original = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
-        instance = original.__new__(original)
-        instance.__init__(*args, **kwargs)
-        return instance
+        original: type[nn.Module] = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        return original(*args, **kwargs)
 
     def _fsdp_state(self) -> ModuleState:
-        return get_state(self)
+        state = get_state(self)
+        if state is None:  # swap_class runs after manage_module
+            raise AssertionError(f"rank {dist.get_rank()}: an FSDPModule without its unit's state")
+        return state
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters now (e.g. before a custom forward).
@@ -82,11 +85,14 @@ class FSDPModule:
         if group is not None:
             group.reshard()
 
+    def _states(self, recurse: bool) -> list[ModuleState]:
+        if recurse:
+            return states_below(self)
+        return [self._fsdp_state()]
+
     def _groups(self, recurse: bool) -> Iterable:
-        modules = self.modules() if recurse else [self]
-        for module in modules:
-            state = get_state(module)
-            if state is not None and state.group is not None:
+        for state in self._states(recurse):
+            if state.group is not None:
                 yield state.group
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -118,10 +124,7 @@ class FSDPModule:
                 f"set_reshard_after_forward expects a bool but got {type(reshard_after_forward).__name__} "
                 f"for {type(self).__name__}; an int (a smaller post-forward group) can only be given to fully_shard"
             )
-        for module in self.modules() if recurse else [self]:
-            state = get_state(module)
-            if state is None:
-                continue
+        for state in self._states(recurse):
             # kept through lazy initialisation, which otherwise keeps the root unsharded
             state.config = dataclasses.replace(state.config, reshard_after_forward=reshard_after_forward)
             if state.group is not None:
@@ -330,12 +333,17 @@ def fully_shard(
                 ignored_params={p for p in ignored_params if any(p is q for q in child.parameters())},
                 ignored_modules=[m for m in ignored if m in below],
             )
-    config = UnitConfig(reshard_after_forward, mp_policy, offload_policy, shard_placement_fn=shard_placement_fn)
+    config = UnitConfig(
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        shard_placement_fn=shard_placement_fn,
+    )
     state = manage_module(roots, mesh_info, config, ignored_params, ignored)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     for root in roots:
         swap_class(root, FSDPModule, "FSDP")
-    return module
+    return cast(FSDPModule, module)  # swap_class made it one (a list: each of its modules)
 
 
 def _resolve_strategy(

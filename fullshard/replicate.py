@@ -7,6 +7,8 @@ sharded model, and as DDP with the ``fully_shard`` controls.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -41,12 +43,14 @@ def replicate(
         mp_policy, offload_policy, ignored_params: as for ``fully_shard``.
     """
     validate_module(module, "replicate")
-    mesh = mesh if mesh is not None else default_mesh()
+    mesh = mesh if mesh is not None else default_mesh(api="replicate")
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
     validate_dtensor_meshes(module, mesh.device_type)
-    config = UnitConfig(False, mp_policy, offload_policy)
+    config = UnitConfig(
+        api_name="replicate", reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy
+    )
     state = manage_module(module, MeshInfo.for_replicate(mesh), config, ignored_params)
     install_state_dict_hooks(state, default_settings(StateDictType.SHARDED_STATE_DICT))
     swap_class(module, ReplicateModule, "Replicate")
-    return module
+    return cast(ReplicateModule, module)  # swap_class made it one

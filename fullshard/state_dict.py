@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,11 +45,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._core import comm, full_params
-from ._core.common import WRAPPER_PREFIX, clean_fqn
 from ._core.group import ParamGroup
+from ._core.manage import states_below
 from ._core.param import ShardParam
-from ._core.state import ModuleState, get_state
-from ._flat_param import flat_param, flat_view, param_view_of_flat
+from ._core.state import ModuleState
+from ._flat_param import FlatParamView, flat_param, flat_view, param_view_of_flat
+from ._names import WRAPPER_PREFIX, model_name
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -82,9 +85,23 @@ def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
     return StateDictSettings(state_dict_type, config(), optim_config())
 
 
+@dataclass
+class _UnitStateDict:
+    """What state dicts keep per unit, next to the engine's ``ModuleState``."""
+
+    settings: StateDictSettings
+    full_values: list[torch.Tensor] | None = None  # the unit's full parameters while a FULL save runs
+
+
+# Keyed weakly by the engine state: the record holds no reference back to it.
+_UNITS: weakref.WeakKeyDictionary[ModuleState, _UnitStateDict] = weakref.WeakKeyDictionary()
+
+
+def _unit(state: ModuleState) -> _UnitStateDict:
+    return _UNITS[state]
+
+
 # -- settings -----------------------------------------------------------------------------------
-def _states_below(module: nn.Module) -> list[ModuleState]:
-    return [s for s in (get_state(m) for m in module.modules()) if s is not None]
 
 
 def set_state_dict_type(
@@ -103,7 +120,7 @@ def set_state_dict_type(
         ValueError: ``module`` contains no unit.
         RuntimeError: a config does not match the type (as PyTorch's FSDP).
     """
-    states = _states_below(module)
+    states = states_below(module)
     if not states:
         raise ValueError(
             f"set_state_dict_type expects a module containing fully_shard or FullyShardedDataParallel "
@@ -125,18 +142,18 @@ def set_state_dict_type(
                     "use_orig_params=True): it is the flat shard of use_orig_params=False; use "
                     "SHARDED_STATE_DICT, whose DTensors carry their layout"
                 )
-    previous = states[0].state_dict_settings
+    previous = _unit(states[0]).settings
     for state in states:
-        state.state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
+        _unit(state).settings = StateDictSettings(state_dict_type, config, optim_config)
     return previous
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings of the first unit in ``module``'s tree."""
-    states = _states_below(module)
+    states = states_below(module)
     if not states:
         raise ValueError(f"get_state_dict_type expects a module containing units, but {type(module).__name__} has none")
-    return states[0].state_dict_settings
+    return _unit(states[0]).settings
 
 
 @contextlib.contextmanager
@@ -147,13 +164,14 @@ def state_dict_type(
     optim_state_dict_config: OptimStateDictConfig | None = None,
 ) -> Iterator[None]:
     """``set_state_dict_type`` for the block, then the previous settings again."""
-    previous = {id(s): s.state_dict_settings for s in _states_below(module)}
+    previous = {id(s): _unit(s).settings for s in states_below(module)}
     set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
     try:
         yield
     finally:
-        for state in _states_below(module):
-            state.state_dict_settings = previous.get(id(state), state.state_dict_settings)
+        for state in states_below(module):
+            record = _unit(state)
+            record.settings = previous.get(id(state), record.settings)
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False, offload_to_cpu: bool = False) -> dict[str, Any]:
@@ -169,25 +187,25 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, offload_to_cpu:
 # -- model state dict hooks ----------------------------------------------------------------------
 def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) -> None:
     """Registers the hooks of [Note: State dict hooks] for one unit."""
-    state.state_dict_settings = settings
+    record = _UNITS[state] = _UnitStateDict(settings)
     group = state.group
     if group is not None:
         for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
-            unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, state))
+            unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, group, record))
             # Before the parameters' load hooks below: they see the sharded registration.
-            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, state))
+            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, group))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.params):
             info = param.module_info
             for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
                 by_module.setdefault(module, []).append((name, index))
         for module, entries in by_module.items():
-            module.register_state_dict_post_hook(functools.partial(_save_params, state, entries))
-            module.register_load_state_dict_pre_hook(functools.partial(_load_params, state, entries))
+            module.register_state_dict_post_hook(functools.partial(_save_params, group, record, entries))
+            module.register_load_state_dict_pre_hook(functools.partial(_load_params, group, record, entries))
         # After the hooks above: the unit module's own parameters are written
         # before its gathered values are dropped.
         for unit_module in state.modules:
-            unit_module.register_state_dict_post_hook(functools.partial(_release_unit, state))
+            unit_module.register_state_dict_post_hook(functools.partial(_release_unit, record))
     if state.buffer_dtypes:
         for module in state.module.modules():
             if any(id(b) in state.buffer_dtypes for b in module._buffers.values() if b is not None):
@@ -196,9 +214,12 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
 
 def install_flat_param_hooks(state: ModuleState) -> None:
     """The wrapper's flat parameter appears in LOCAL state dicts only."""
-    home = flat_view(state.group).module
-    home.register_state_dict_post_hook(functools.partial(_save_flat_param, state))
-    home.register_load_state_dict_pre_hook(functools.partial(_load_flat_param, state))
+    group = state.group
+    if group is None:
+        raise AssertionError(f"rank {dist.get_rank()}: flat parameter hooks for a module without a unit")
+    home = _flat_view(group).module
+    home.register_state_dict_post_hook(functools.partial(_save_flat_param, group, _UNITS[state]))
+    home.register_load_state_dict_pre_hook(functools.partial(_load_flat_param, group, _UNITS[state]))
 
 
 def install_prefix_hooks(wrapper: nn.Module) -> None:
@@ -209,30 +230,38 @@ def install_prefix_hooks(wrapper: nn.Module) -> None:
     wrapper.register_load_state_dict_post_hook(_strip_reported_prefix)
 
 
-def _settings(state: ModuleState) -> StateDictSettings:
-    return state.state_dict_settings
+def _flat_view(group: ParamGroup) -> FlatParamView:
+    """The unit's flat parameter view (only units of the wrapper's flat form have one)."""
+    view = flat_view(group)
+    if view is None:
+        raise AssertionError(f"rank {dist.get_rank()}: {group.owner_name} has no flat parameter")
+    return view
 
 
-def _reshard_unit(state: ModuleState, *args: Any) -> None:
+def _reshard_unit(group: ParamGroup, *args: Any) -> None:
     """Outside forward and backward, a unit may still be unsharded (the root after a
     forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
     write the shards."""
-    if state.group.training_state.name == "IDLE":
-        state.group.reshard()
+    if group.training_state.name == "IDLE":
+        group.reshard()
 
 
-def _gather_unit(state: ModuleState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    _reshard_unit(state)
-    if _settings(state).state_dict_type is StateDictType.FULL_STATE_DICT:
-        state.full_values = full_params.gather_full_values(state.group)
+def _gather_unit(group: ParamGroup, record: _UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _reshard_unit(group)
+    if record.settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        record.full_values = full_params.gather_full_values(group)
 
 
-def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    state.full_values = None
-    settings = _settings(state)
+def _rank0_only(config: StateDictConfig | OptimStateDictConfig) -> bool:
+    return isinstance(config, (FullStateDictConfig, FullOptimStateDictConfig)) and config.rank0_only
+
+
+def _release_unit(record: _UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    record.full_values = None
+    settings = record.settings
     if (
         settings.state_dict_type is StateDictType.FULL_STATE_DICT
-        and settings.state_dict_config.rank0_only
+        and _rank0_only(settings.state_dict_config)
         and dist.get_rank() != 0
     ):
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -240,22 +269,31 @@ def _release_unit(state: ModuleState, module: nn.Module, state_dict: dict, prefi
 
 
 def _save_params(
-    state: ModuleState, entries: list[tuple[str, int]], module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+    group: ParamGroup,
+    record: _UnitStateDict,
+    entries: list[tuple[str, int]],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    metadata: Any,
 ) -> None:
-    settings = _settings(state)
+    settings = record.settings
     kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
     for name, index in entries:
         key = prefix + name
-        param = state.group.params[index]
+        param = group.params[index]
         if kind is StateDictType.LOCAL_STATE_DICT:
             state_dict.pop(key, None)
             continue
+        value: torch.Tensor
         if kind is StateDictType.SHARDED_STATE_DICT:
             value = param.sharded_value()
             if offload:
-                value = param.sharded_dtensor_of(value._local_tensor.cpu())
+                value = param.sharded_dtensor_of(param.sharded_value()._local_tensor.cpu())
         else:
-            value = param.full_form(state.full_values[index])
+            if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
+                raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
+            value = param.full_form(record.full_values[index])
             if isinstance(value, DTensor):  # tensor parallel: the global tensor
                 value = value.full_tensor()
             if offload:
@@ -272,10 +310,12 @@ def _save_buffers_in_original_dtype(
             state_dict[key] = buffer.detach().to(state.buffer_dtypes[id(buffer)])
 
 
-def _save_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    view = flat_view(state.group)
+def _save_flat_param(
+    group: ParamGroup, record: _UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+) -> None:
+    view = _flat_view(group)
     key = prefix + view.name
-    settings = _settings(state)
+    settings = record.settings
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         value = view.param.detach()
         state_dict[key] = value.cpu() if settings.state_dict_config.offload_to_cpu else value
@@ -284,7 +324,8 @@ def _save_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, pr
 
 
 def _load_params(
-    state: ModuleState,
+    group: ParamGroup,
+    record: _UnitStateDict,
     entries: list[tuple[str, int]],
     module: nn.Module,
     state_dict: dict,
@@ -295,9 +336,8 @@ def _load_params(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    if _settings(state).state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    if record.settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return  # the flat parameter carries the values
-    group = state.group
     for name, index in entries:
         key = prefix + name
         param = group.params[index]
@@ -313,13 +353,14 @@ def _load_params(
             del state_dict[key]
 
 
-def _load_flat_param(state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    view = flat_view(state.group)
-    key = prefix + view.name
-    if _settings(state).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+def _load_flat_param(
+    group: ParamGroup, record: _UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, *args: Any
+) -> None:
+    view = _flat_view(group)
+    if record.settings.state_dict_type is not StateDictType.LOCAL_STATE_DICT:
         # The original parameters' keys carry the values; keep nn.Module from
         # reporting the flat parameter missing (a copy onto itself).
-        state_dict[key] = view.param.detach()
+        state_dict[prefix + view.name] = view.param.detach()
 
 
 def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -336,7 +377,7 @@ def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args:
 
 def _strip_reported_prefix(module: nn.Module, incompatible_keys: Any) -> None:
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        keys[:] = [clean_fqn(key) for key in keys]
+        keys[:] = [model_name(key) for key in keys]
 
 
 # -- optimizer state dicts ---------------------------------------------------------------------------
@@ -353,25 +394,26 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
     module_paths = {id(m): n for n, m in model.named_modules()}
     by_sharded: dict[int, tuple[ShardParam, ParamGroup]] = {}
     flat_units: dict[int, ParamGroup] = {}
-    for state in _states_below(model):
+    for state in states_below(model):
         group = state.group
         if group is None:
             continue
-        for param in group.params:
-            by_sharded[id(param.sharded_param)] = (param, group)
-        if flat_param(group) is not None:
-            flat_units[id(flat_param(group))] = group
+        for shard_param in group.params:
+            by_sharded[id(shard_param.sharded_param)] = (shard_param, group)
+        unit_flat_param = flat_param(group)
+        if unit_flat_param is not None:
+            flat_units[id(unit_flat_param)] = group
     entries: dict[int, list[Entry]] = {}
     for name, param in model.named_parameters():
         unit = flat_units.get(id(param))
         if unit is not None:
             entries[id(param)] = [
-                (clean_fqn(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
+                (model_name(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
                 for p in unit.params
             ]
         else:
-            shard_param, group = by_sharded.get(id(param), (None, None))
-            entries[id(param)] = [(clean_fqn(name), shard_param, group)]
+            found = by_sharded.get(id(param))
+            entries[id(param)] = [(model_name(name), *found) if found else (model_name(name), None, None)]
     return entries
 
 
@@ -407,9 +449,9 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
         RuntimeError: two ranks differ (as PyTorch's FSDP), naming both and the parameters.
     """
     groups: dict[int, dist.ProcessGroup] = {}
-    for state in _states_below(model):
+    for state in states_below(model):
         shard = state.group.mesh_info.shard if state.group is not None else None
-        if shard is not None and shard.size > 1:
+        if shard is not None and shard.size > 1 and shard.group is not None:
             groups.setdefault(id(shard.group), shard.group)
     for group in groups.values():
         every = comm.all_gather_objects(sorted(fqns), group)
@@ -443,9 +485,7 @@ def optim_state_dict(
         RuntimeError: the ranks' optimizers hold states for different parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
-    settings = (
-        get_state_dict_type(model) if _states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
-    )
+    settings = get_state_dict_type(model) if states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     offload = settings.optim_state_dict_config.offload_to_cpu
     entries = _param_entries(model)
@@ -469,7 +509,7 @@ def optim_state_dict(
         {**saved_group, "params": [fqn for p in group["params"] for fqn, _, _ in entries[id(p)]]}
         for saved_group, group in zip(saved["param_groups"], optim.param_groups)
     ]
-    if full and settings.optim_state_dict_config.rank0_only and dist.get_rank() != 0:
+    if full and _rank0_only(settings.optim_state_dict_config) and dist.get_rank() != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
 
@@ -490,7 +530,7 @@ def _split_state(
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.clone()
         elif isinstance(value, torch.Tensor):
-            if unit is not None and param is flat_param(unit):
+            if unit is not None and shard_param is not None and param is flat_param(unit):
                 value = param_view_of_flat(unit, unit.params.index(shard_param), value, full=full)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
                 value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
@@ -545,7 +585,7 @@ def _groups_by_fqn(
     model: nn.Module, entries: dict[int, list], optim_state_dict: dict[str, Any]
 ) -> list[list[torch.Tensor]]:
     """``model``'s parameters (in model order) holding each saved group's FQNs."""
-    groups = []
+    groups: list[list[torch.Tensor]] = []
     for saved_group in optim_state_dict["param_groups"]:
         fqns = set(saved_group["params"])
         groups.append([p for p in model.parameters() if any(fqn in fqns for fqn, _, _ in entries[id(p)])])
@@ -611,7 +651,7 @@ def _join_state(
         if unit is not None and param is flat_param(unit):
             flat = torch.zeros_like(param)
             for shard_param, values in per_param:
-                if values is not None:
+                if values is not None and shard_param is not None:  # a flat parameter's originals have both
                     local = shard_param.shard_of(values[key])._local_tensor
                     full_params.write_shard(unit, unit.params.index(shard_param), local, into=flat)
             result[key] = flat

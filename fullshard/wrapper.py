@@ -24,10 +24,13 @@ Presentations] in ``_core/presentation.py``), as FSDP1 does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,14 +39,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import state_dict as state_dicts
+from ._core import comm
 from ._core.common import UnitConfig, map_tensors, module_class_name
 from ._core.full_params import full_params
 from ._core.init import get_managed_modules
-from ._core.manage import manage_module
+from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
 from ._core.state import ModuleState, get_state
-from ._flat_param import FlatParamView
+from ._flat_param import UNIT_ATTR, FlatParamView
+from ._names import WRAPPED_MODULE, model_name
 from .api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
@@ -62,9 +67,6 @@ from .state_dict import default_settings, install_flat_param_hooks, install_pref
 from .wrap import Policy, PolicyFn, select_modules
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-_PREFIX = FSDP_WRAPPED_MODULE + "."
 
 
 class TrainingState(enum.Enum):
@@ -112,6 +114,9 @@ class FullyShardedDataParallel(nn.Module):
             already wrapped with another strategy.
     """
 
+    _fullshard_wrapped_name = WRAPPED_MODULE  # the engine names the wrapped module in messages
+    _fsdp_wrapped_module: nn.Module
+
     def __init__(
         self,
         module: nn.Module,
@@ -140,7 +145,9 @@ class FullyShardedDataParallel(nn.Module):
         ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         mesh_info = _mesh_info or _resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
         strategy, mesh_info = _no_shard_on_one_rank(strategy, mesh_info)
-        settings = dict(
+        settings = _Settings(
+            process_group=process_group,
+            device_mesh=device_mesh,
             cpu_offload=cpu_offload,
             backward_prefetch=backward_prefetch,
             mixed_precision=mixed_precision,
@@ -152,10 +159,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         if auto_wrap_policy is not None:
-            roots_groups = (process_group, device_mesh, device_id)
-            _wrap_selected(
-                module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info, settings, roots_groups
-            )
+            _wrap_selected(module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info, settings)
         _check_one_use_orig_params(module, use_orig_params)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
@@ -171,7 +175,7 @@ class FullyShardedDataParallel(nn.Module):
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
         if use_orig_params and state.group is not None:
             for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
-                param.sharded_param._fullshard_unit = state.group
+                setattr(param.sharded_param, UNIT_ATTR, state.group)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if config.flat_param and state.group is not None:
@@ -186,13 +190,19 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def _state(self) -> ModuleState:
-        return get_state(self)
+        state = get_state(self)
+        if state is None:  # set at the end of __init__
+            raise AssertionError(f"rank {dist.get_rank()}: a FullyShardedDataParallel without its unit's state")
+        return state
 
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The group parameters are sharded over (replicated over, for NO_SHARD)."""
         info = self._fsdp_mesh_info
-        return info.replicate.group if info.shard_axis is None else info.shard.group
+        role = info.replicate if info.shard_axis is None else info.shard
+        if role.group is None:  # mesh axes always have a group
+            raise AssertionError(f"rank {dist.get_rank()}: the wrapper's mesh gave no process group")
+        return role.group
 
     @property
     def world_size(self) -> int:
@@ -213,7 +223,7 @@ class FullyShardedDataParallel(nn.Module):
     def training_state(self) -> TrainingState:
         """IDLE, FORWARD_BACKWARD or SUMMON_FULL_PARAMS."""
         state = self._state
-        if state.summoned:
+        if state in _summoned:
             return TrainingState.SUMMON_FULL_PARAMS
         busy = state.group.training_state if state.group is not None else state.training_state
         return TrainingState.IDLE if busy.name == "IDLE" else TrainingState.FORWARD_BACKWARD
@@ -232,12 +242,13 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == FSDP_WRAPPED_MODULE:  # not set yet: do not recurse
+            if name == WRAPPED_MODULE:  # not set yet: do not recurse
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._fsdp_wrapped_module.__getitem__(key)
+        wrapped: Any = self._fsdp_wrapped_module  # indexable when a container (nn.Sequential, nn.ModuleList)
+        return wrapped[key]
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the wrapper prefixes are removed."""
@@ -250,9 +261,9 @@ class FullyShardedDataParallel(nn.Module):
     def _names_as_summoned(self, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The local model's names while full parameters are summoned, so that code
         written for the unwrapped model (matching names against a reference) works."""
-        clean = any(state.summoned for state in _states_below(self))
+        clean = any(state in _summoned for state in states_below(self))
         for name, value in named:
-            yield (name.replace(_PREFIX, "") if clean else name), value
+            yield (model_name(name) if clean else name), value
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """Calls ``fn`` on every submodule, children first, with the full parameters
@@ -265,7 +276,7 @@ class FullyShardedDataParallel(nn.Module):
         global _applying
         if _applying:  # a nested wrapper, inside the enclosing wrapper's apply
             return super().apply(fn)
-        if self._state.summoned:
+        if self._state in _summoned:
             raise ValueError(
                 f"apply expects no summon_full_params in progress but {module_class_name(self.module)} is "
                 "summoned; call apply outside the summon_full_params block (apply summons the parameters itself)"
@@ -342,7 +353,7 @@ class FullyShardedDataParallel(nn.Module):
         self._state.lazy_init()
         if not self._state.is_root:
             raise RuntimeError("no_sync expects to be called on the root FullyShardedDataParallel instance")
-        groups = [s.group for s in _states_below(self) if s.group is not None]
+        groups = [s.group for s in states_below(self) if s.group is not None]
         previous = [g.requires_gradient_sync for g in groups]
         for group in groups:
             group.requires_gradient_sync = False
@@ -372,15 +383,13 @@ class FullyShardedDataParallel(nn.Module):
             offload_to_cpu: hand out CPU copies.
             with_grads: also gather gradients into ``.grad``.
         """
-        states = _states_below(module) if recurse else [s for s in [get_state(module)] if s is not None]
-        for state in states:
-            state.summoned = True
+        states = states_below(module) if recurse else [s for s in [get_state(module)] if s is not None]
+        _summoned.update(states)
         try:
             with full_params(states, writeback, rank0_only, offload_to_cpu, with_grads):
                 yield
         finally:
-            for state in states:
-                state.summoned = False
+            _summoned.difference_update(states)
 
     # -- state dicts (see fullshard.state_dict) ------------------------------------------
     state_dict_type = staticmethod(state_dicts.state_dict_type)
@@ -495,14 +504,14 @@ class FullyShardedDataParallel(nn.Module):
         (the other ranks may pass None): it is broadcast over ``group`` (default: all
         ranks), so only one rank needs to load the checkpoint. A collective."""
         source = dist.get_global_rank(group, 0) if group is not None else 0
-        holder = [None]
+        mine: dict[str, Any] = {}  # a placeholder off the source rank
         if dist.get_rank() == source:
             if full_optim_state_dict is None:
                 raise ValueError(f"scatter_full_optim_state_dict expects the state dict on rank {source} but got None")
             # On the CPU: unpickled tensors would otherwise land on the source's device.
-            holder = [map_tensors(torch.Tensor.cpu, full_optim_state_dict)]
-        dist.broadcast_object_list(holder, src=source, group=group)
-        return FullyShardedDataParallel.shard_full_optim_state_dict(holder[0], model, optim_input, optim)
+            mine = map_tensors(torch.Tensor.cpu, full_optim_state_dict)
+        received = comm.broadcast_object(mine, src_rank=source, group=group)
+        return FullyShardedDataParallel.shard_full_optim_state_dict(received, model, optim_input, optim)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(
@@ -552,6 +561,7 @@ class FullyShardedDataParallel(nn.Module):
 FSDP = FullyShardedDataParallel
 
 _applying = False  # inside a wrapper's apply: the wrappers below it run nn.Module.apply
+_summoned: weakref.WeakSet[ModuleState] = weakref.WeakSet()  # units inside summon_full_params
 
 
 OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
@@ -573,7 +583,7 @@ def _param_groups(
         return [list(group["params"]) for group in optim.param_groups]
     if optim_input is None:
         return None
-    items = list(optim_input)
+    items: list[Any] = list(optim_input)
     if items and isinstance(items[0], dict):
         return [list(group["params"]) for group in items]
     return [items]
@@ -584,10 +594,6 @@ def _warn_if_group_given(group: dist.ProcessGroup | None, caller: str) -> None:
         warnings.warn(
             f"{caller} ignores group: every unit communicates over its own process group", UserWarning, stacklevel=3
         )
-
-
-def _states_below(module: nn.Module) -> list[ModuleState]:
-    return [s for s in (get_state(m) for m in module.modules()) if s is not None]
 
 
 def _check_not_wrapped_differently(module: nn.Module, strategy: ShardingStrategy) -> None:
@@ -733,13 +739,36 @@ def _resolve_mesh(
             )
         mesh = mesh_from_groups(process_group, None, device_type)
     else:
-        mesh = default_mesh(device_type)
+        mesh = default_mesh(device_type, "FullyShardedDataParallel")
     return MeshInfo.for_replicate(mesh) if strategy is ShardingStrategy.NO_SHARD else MeshInfo.for_fully_shard(mesh)
 
 
-def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitConfig:
-    precision: MixedPrecision = settings["mixed_precision"] or MixedPrecision()
-    offload: CPUOffload | None = settings["cpu_offload"]
+@dataclass(frozen=True, kw_only=True)
+class _Settings:
+    """A wrapper's constructor arguments that the wrappers its policy creates inherit
+    (as FSDP1's do); the groups only where an override asks for its own."""
+
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None
+    device_mesh: DeviceMesh | None
+    cpu_offload: CPUOffload | None
+    backward_prefetch: BackwardPrefetch | None
+    mixed_precision: MixedPrecision | None
+    param_init_fn: Callable[[nn.Module], None] | None
+    device_id: int | torch.device | None
+    sync_module_states: bool
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    use_orig_params: bool
+
+    def inherited(self) -> dict[str, Any]:
+        """The constructor keywords a policy's wrapper gets (it shares the groups through its mesh)."""
+        skipped = ("process_group", "device_mesh")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skipped}
+
+
+def _unit_config(strategy: ShardingStrategy, settings: _Settings) -> UnitConfig:
+    precision = settings.mixed_precision or MixedPrecision()
+    offload = settings.cpu_offload
     reshard = {
         ShardingStrategy.FULL_SHARD: None,  # resharded after forward, except the root
         ShardingStrategy.HYBRID_SHARD: None,
@@ -748,6 +777,9 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
         ShardingStrategy.NO_SHARD: False,
     }[strategy]
     return UnitConfig(
+        api_name="FullyShardedDataParallel",
+        ignore_argument="ignored_states",
+        name_in_model=model_name,
         reshard_after_forward=reshard,
         mp_policy=MixedPrecisionPolicy(
             param_dtype=precision.param_dtype,
@@ -755,18 +787,18 @@ def _unit_config(strategy: ShardingStrategy, settings: dict[str, Any]) -> UnitCo
             cast_forward_inputs=precision.cast_forward_inputs,
         ),
         offload_policy=CPUOffloadPolicy() if offload is not None and offload.offload_params else OffloadPolicy(),
-        forward_prefetch=settings["forward_prefetch"],
-        backward_prefetch=settings["backward_prefetch"],
+        forward_prefetch=settings.forward_prefetch,
+        backward_prefetch=settings.backward_prefetch,
         cast_root_inputs=precision.param_dtype is not None,
         keep_low_precision_grads=precision.keep_low_precision_grads,
         # Read when wrapping, as PyTorch's FSDP1 does.
         full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
-        flat_param=not settings["use_orig_params"],
+        flat_param=not settings.use_orig_params,
         presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD)
-        if settings["use_orig_params"]
+        if settings.use_orig_params
         else None,
-        sync_module_states=settings["sync_module_states"],
+        sync_module_states=settings.sync_module_states,
     )
 
 
@@ -777,8 +809,7 @@ def _wrap_selected(
     ignored_params: set[nn.Parameter],
     strategy: ShardingStrategy,
     mesh_info: MeshInfo,
-    settings: dict[str, Any],
-    roots_groups: tuple[Any, DeviceMesh | None, Any],
+    settings: _Settings,
 ) -> None:
     """Wraps the submodules ``policy`` selects (children first) in place.
 
@@ -789,23 +820,22 @@ def _wrap_selected(
     for parent in module.modules():
         for name, child in parent.named_children():
             parents.setdefault(id(child), []).append((parent, name))
-    process_group, device_mesh, device_id = roots_groups
     for child, overrides in select_modules(module, policy, ignored_modules):
         child_strategy = overrides.get("sharding_strategy", strategy)
         child_mesh = mesh_info
         if {"sharding_strategy", "process_group", "device_mesh"} & set(overrides):
             child_mesh = _resolve_mesh(
-                overrides.get("process_group", process_group),
-                overrides.get("device_mesh", device_mesh),
+                overrides.get("process_group", settings.process_group),
+                overrides.get("device_mesh", settings.device_mesh),
                 child_strategy,
                 policy,
-                device_id,
+                settings.device_id,
             )
         below = set(child.modules())
-        ignored_below = [m for m in ignored_modules if m in below]
+        ignored_below: list[nn.Module | nn.Parameter] = [m for m in ignored_modules if m in below]
         ignored_below += [p for p in ignored_params if any(p is q for q in child.parameters())]
         kwargs = {
-            **settings,
+            **settings.inherited(),
             **{k: v for k, v in overrides.items() if k not in ("process_group", "device_mesh")},
             "sharding_strategy": child_strategy,
             "ignored_states": ignored_below or None,
@@ -839,18 +869,20 @@ def _materialize_meta(
                 continue
             if not any(True for _ in (*submodule.parameters(recurse=False), *submodule.buffers(recurse=False))):
                 continue
-            if not hasattr(submodule, "reset_parameters"):
+            reset = getattr(submodule, "reset_parameters", None)
+            if not callable(reset):
                 raise ValueError(
                     f"FullyShardedDataParallel expects meta-device modules to define reset_parameters(), but "
                     f"{module_class_name(submodule)} does not; give it one or pass param_init_fn"
                 )
             submodule.to_empty(device=device, recurse=False)
-            submodule.reset_parameters()
+            reset()
 
 
 def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]:
     """``modules`` (a subtree of ``root``) in breadth-first order."""
-    wanted, order, frontier = set(modules), [], [root]
+    wanted, frontier = set(modules), [root]
+    order: list[nn.Module] = []
     seen = {root}
     while frontier:
         order.extend(m for m in frontier if m in wanted)

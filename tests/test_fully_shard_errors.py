@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from fullshard import fully_shard, register_fsdp_forward_method, replicate
 from fullshard.models import MLP
-from fullshard.testing import distributed
+from fullshard.testing import case, distributed
 
 
 @distributed(world_size=2)
@@ -71,12 +71,58 @@ def test_reshard_after_forward_wrong_type():
         fully_shard(MLP(4), reshard_after_forward="yes")
 
 
-@distributed(world_size=2)
-def test_scalar_parameter():
+def _with_scalar() -> MLP:
     model = MLP(4)
     model.scale = nn.Parameter(torch.tensor(1.0))
-    with pytest.raises(NotImplementedError, match=r"scalar \(0-dim\) parameters yet, but got scale on MLP"):
-        fully_shard(model)
+    return model
+
+
+def _shard_child_after_parent(prepare=lambda model: None) -> None:
+    model = nn.Sequential(MLP(4), MLP(4))
+    fully_shard(model)
+    prepare(model)
+    fully_shard(model[1])
+
+
+# One behaviour per row: (exception type, message pattern, the call that must raise it); the
+# messages name the call the user made and that call's own arguments.
+PARAMETER_ERRORS = {
+    # As torch's fully_shard: ValueError (test_torch_raises_value_error_for_scalar_parameters).
+    "scalar_parameter": (
+        ValueError, r"^fully_shard expects parameters with at least one dimension but got the 0-dim scale of MLP; "
+        r"reshape it to \(1,\) or pass it in ignored_params$",
+        lambda: fully_shard(_with_scalar())),
+    "scalar_parameter_replicate": (
+        ValueError, r"^replicate expects parameters with at least one dimension .* pass it in ignored_params$",
+        lambda: replicate(_with_scalar())),
+    # Torch 2.13's fully_shard fails here with "TypeError: Invariant encountered: value was None".
+    "already_sharded_by_parent": (
+        ValueError, r"^fully_shard expects parameters that no unit shards yet, but in_proj.weight of MLP is "
+        r"already sharded by fully_shard on Sequential; apply fully_shard to submodules before their parents",
+        _shard_child_after_parent),
+    "already_sharded_after_half": (  # .half() replaced the sharded parameters with new DTensors
+        ValueError, r"^fully_shard expects parameters that no unit shards yet, but in_proj.weight of MLP",
+        lambda: _shard_child_after_parent(lambda model: model.half())),
+}
+
+
+@distributed(world_size=2)
+def test_parameter_errors():
+    for name, (error, match, call) in PARAMETER_ERRORS.items():
+        with case(name), pytest.raises(error, match=match):
+            call()
+
+
+@distributed(world_size=1)
+def test_torch_raises_value_error_for_scalar_parameters():
+    """The oracle for the rows above: torch's fully_shard and FSDP1 raise ValueError too."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    with pytest.raises(ValueError, match="scalar parameters"):
+        torch_fully_shard(_with_scalar())
+    with pytest.raises(ValueError, match="scalar parameters"):
+        TorchFSDP(_with_scalar(), device_id=torch.device("cpu"))
 
 
 @distributed(world_size=2)

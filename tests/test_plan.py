@@ -16,10 +16,9 @@ import tomllib
 import torch
 
 import fullshard
-from fullshard import fully_shard
+from fullshard._text import human_bytes
 from fullshard.cli import plan as plan_cli
 from fullshard.cli.__main__ import main
-from fullshard.cli.text import human_bytes
 from fullshard.models import PRESETS, ModelArgs, Transformer, get_preset
 from fullshard.plan import STRATEGIES, PlanConfig, estimate
 from fullshard.plan.units import model_units
@@ -174,8 +173,10 @@ def test_cli_table():
 
 
 def test_cli_single_configuration_shows_its_peak(capsys):
-    assert main(["plan", "--model", "gpt-7b", "--world-size", "64", "--mixed-precision", "bf16",
-                 "--memory-limit", "80"]) == 0
+    assert (
+        main(["plan", "--model", "gpt-7b", "--world-size", "64", "--mixed-precision", "bf16", "--memory-limit", "80"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "6.66B parameters (32 blocks, dim 4096" in out
     assert "peak" in out and "during backward:" in out and "activations" in out
@@ -211,21 +212,36 @@ def test_cli_plot_without_matplotlib(tmp_path, monkeypatch):
 # -- against the real engine (see [Note: Measured step memory on CPU]) --------------------------
 @pytest.mark.parametrize(
     "strategy, world_size, bf16",
-    [("full", 1, False), ("full", 2, False), ("full", 4, False), ("grad-op", 2, False),
-     ("no-shard", 2, False), ("hybrid", 4, False), ("full", 4, True)],
+    [
+        ("full", 1, False),
+        ("full", 2, False),
+        ("full", 4, False),
+        ("grad-op", 2, False),
+        ("no-shard", 2, False),
+        ("hybrid", 4, False),
+        ("full", 4, True),
+    ],
 )
 def test_prediction_matches_measured_step(strategy, world_size, bf16):
     measured = run_distributed(measure_step, world_size, ARGS, BATCH, strategy, bf16, RANKS_PER_NODE)
     config = PlanConfig(
-        ARGS, world_size, strategy, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
-        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None, device="cpu",
+        ARGS,
+        world_size,
+        strategy,
+        ranks_per_node=RANKS_PER_NODE,
+        batch_size=BATCH,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+        device="cpu",
     )
     plan = estimate(config)
     peak = max(rank["peak"] for rank in measured)  # rank 0: with padding it holds the most rows
     late = max(rank["late_release"] for rank in measured)
-    print(f"{strategy} world {world_size}{' bf16' if bf16 else ''}: measured {peak} B (up to {late} B more when "
-          f"gloo releases late), predicted {plan.peak} B ({plan.peak / peak - 1:+.4%}); bytes/step measured "
-          f"{sum(measured[0]['comm'].values())}, predicted {plan.comm_bytes}")
+    print(
+        f"{strategy} world {world_size}{' bf16' if bf16 else ''}: measured {peak} B (up to {late} B more when "
+        f"gloo releases late), predicted {plan.peak} B ({plan.peak / peak - 1:+.4%}); bytes/step measured "
+        f"{sum(measured[0]['comm'].values())}, predicted {plan.comm_bytes}"
+    )
     assert measured[0]["shard_numels"] == [u.shard_numel for u in model_units(ARGS, config.shard_size)]
     assert measured[0]["comm"] == plan.comm
     assert plan.peak == pytest.approx(peak, rel=0.10)

@@ -342,7 +342,7 @@ def test_keep_low_precision_grads_and_buffer_dtype():
 def test_flat_parameter_needs_uniform_dtype_and_requires_grad():
     model = MLP(4)
     model.in_proj.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"share requires_grad, but MLP has frozen \['_fsdp_wrapped_module.in_proj.weight'\]"):
+    with pytest.raises(ValueError, match=r"share requires_grad, but MLP has frozen \['in_proj.weight'\]"):
         FSDP(model, device_id=CPU)
     model = MLP(4)
     model.out_proj.bias.data = model.out_proj.bias.data.double()
@@ -381,6 +381,12 @@ def _same_group_twice() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return same, same
 
 
+def _with_scalar() -> MLP:
+    model = MLP(4)
+    model.scale = nn.Parameter(torch.tensor(1.0))
+    return model
+
+
 # One behaviour per row: (exception type, message pattern, the call that must raise it). The rows
 # share one distributed body (one task of the rank pool): as one task per row, the rows that make new
 # groups and raise left the pool's next task failing in gloo's connectFullMesh ("Connection closed
@@ -403,6 +409,12 @@ BAD_INPUT = {
     "rewrap_with_another_strategy": (
         ValueError, r"wrapped with FULL_SHARD and SHARD_GRAD_OP was requested",
         lambda: FSDP(FSDP(MLP(4), device_id=CPU), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU)),
+    # As torch's FSDP1: ValueError (tests/test_fully_shard_errors.py has the oracle); the wrapper's
+    # argument, not fully_shard's.
+    "scalar_parameter": (
+        ValueError, r"^FullyShardedDataParallel expects parameters with at least one dimension but got the 0-dim "
+        r"scale of MLP; reshape it to \(1,\) or pass it in ignored_states$",
+        lambda: FSDP(_with_scalar(), device_id=CPU)),
     "group_pair_without_hybrid": (
         ValueError, r"SHARD_GRAD_OP expects one process group; a \(shard, replicate\) pair",
         lambda: FSDP(MLP(4), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU,

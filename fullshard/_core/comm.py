@@ -1,14 +1,17 @@
-"""The only place that calls torch.distributed collectives.
+"""The only place in the library that calls torch.distributed collectives.
 
 [Note: Comm spy]
-Every collective the engine issues goes through ``_issue`` which first hands a
-``CommRecord`` (and the tensors) to the registered listeners. Tests count calls
-and bytes with ``record_comms()``; fault-injection tests mutate the input
-tensors from a listener; benchmarks total the bytes per step. No listener, no
-cost beyond one empty-list check.
+Every tensor collective (``all_gather``, ``reduce_scatter``, ``all_reduce``,
+``broadcast``) first hands a ``CommRecord`` (and the tensors) to the
+registered listeners. Tests count calls and bytes with ``record_comms()``;
+fault-injection tests mutate the input tensors from a listener; benchmarks and
+``fullshard train``'s metrics total the bytes per step. No listener, no cost
+beyond one empty-list check. The object collectives (``broadcast_object``,
+``all_gather_objects``) and ``barrier`` serve set-up, checkpoints and checks,
+not the step: they are not recorded.
 
-A collective over a group of size 1 is not issued at all: callers pass
-``group=None`` for a role of size 1 and get ``None`` back.
+Callers decide whether a collective is needed: a unit whose role has one rank
+does not call in here at all (see ``GroupInfo``).
 
 [Note: Gloo collectives]
 Gloo's all-gather allocates two output-sized temporaries, and its
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,8 @@ class CommRecord:
     dtype: torch.dtype
     group_size: int
 
+
+_T = TypeVar("_T")
 
 CommListener = Callable[[CommRecord, list[torch.Tensor]], None]
 _listeners: list[CommListener] = []
@@ -74,7 +80,7 @@ def _notify(op: str, group: dist.ProcessGroup, counted: torch.Tensor, tensors: l
         listener(record, tensors)
 
 
-def _check_alive(group: dist.ProcessGroup) -> None:
+def _check_alive(group: dist.ProcessGroup | None) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "fullshard needs a collective but the default process group was destroyed "
@@ -86,7 +92,7 @@ def _check_alive(group: dist.ProcessGroup) -> None:
 class _Pending:
     """Several works (and a final copy) behind one ``wait()``."""
 
-    def __init__(self, works: list[dist.Work], then: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list[dist.Work], then: Callable[[], object] | None = None) -> None:
         self._works, self._then = works, then
 
     def wait(self) -> bool:
@@ -145,6 +151,15 @@ def reduce_scatter(
     return _finish(_Pending([work], then=lambda: output.copy_(mine)), async_op)
 
 
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group."""
+    _check_alive(None)
+    group = dist.group.WORLD
+    if group is None:  # initialized implies a world group
+        raise AssertionError(f"rank {dist.get_rank()}: torch.distributed is initialized without a world group")
+    return group
+
+
 def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device ``group``'s backend communicates on first: CPU for gloo, the
     current CUDA device for NCCL (the order of the backend's registered devices)."""
@@ -195,17 +210,24 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> 
     dist.broadcast(tensor, group_src=src_rank, group=group)
 
 
-def broadcast_object(obj: object, src_rank: int = 0, group: dist.ProcessGroup | None = None) -> object:
-    """``obj`` from ``src_rank`` (a global rank) on every rank of ``group`` (pickled)."""
+def broadcast_object(obj: _T, src_rank: int = 0, group: dist.ProcessGroup | None = None) -> _T:
+    """``obj`` from ``src_rank`` (a global rank) on every rank of ``group`` (pickled);
+    the other ranks pass a placeholder of the same type."""
     _check_alive(group)
     holder = [obj]
     dist.broadcast_object_list(holder, src=src_rank, group=group)
     return holder[0]
 
 
-def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+def all_gather_objects(obj: _T, group: dist.ProcessGroup | None = None) -> list[_T]:
     """Every rank's ``obj``, in rank order (pickled)."""
     _check_alive(group)
-    gathered: list[object] = [None] * dist.get_world_size(group)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Waits until every rank of ``group`` (default: all ranks) has arrived."""
+    _check_alive(group)
+    dist.barrier(group=group)

@@ -26,10 +26,15 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()  # the module's gradients were handed to reduction
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class UnitConfig:
     """Everything a front end decides about one unit; the engine reads only this."""
 
+    api_name: str = "fully_shard"  # the call the user made, for messages: "<api_name> expects ..."
+    ignore_argument: str = "ignored_params"  # that call's argument leaving a parameter unsharded, for messages
+    # A name from a walk of the module tree as the user's model names it (a wrapper
+    # drops the segments it inserts); None: the name itself.
+    name_in_model: Callable[[str], str] | None = None
     reshard_after_forward: bool | int | None = None  # None: True except for the root
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
@@ -39,10 +44,14 @@ class UnitConfig:
     keep_low_precision_grads: bool = False  # leave reduced gradients in the reduce dtype
     buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
     full_precision_in_eval: bool = False  # eval-mode forwards gather and compute in the parameters' dtype
-    flat_param: bool = False  # register the shard buffer as one flat Parameter (use_orig_params=False)
+    flat_param: bool = False  # register the shard buffer as one flat Parameter (the wrapper's flat form)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
     presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
+
+    def model_name(self, name: str) -> str:
+        """``name`` (from a module-tree walk) as the user's model names it."""
+        return name if self.name_in_model is None else self.name_in_model(name)
 
 
 @dataclass
@@ -59,19 +68,12 @@ class ParamModuleInfo:
     shared_param_names: list[str] = field(default_factory=list)
 
 
-WRAPPER_PREFIX = "_fsdp_wrapped_module."
-
-
-def clean_fqn(name: str) -> str:
-    """A parameter's name as in the unwrapped model (FullyShardedDataParallel
-    wrappers add ``_fsdp_wrapped_module.`` segments)."""
-    return name.replace(WRAPPER_PREFIX, "")
-
-
 def module_class_name(module: nn.Module) -> str:
-    """The user's class name, also after fully_shard swapped the class or a
-    FullyShardedDataParallel wrapper stands in front of it."""
-    wrapped = getattr(module, "_modules", {}).get("_fsdp_wrapped_module")
+    """The user's class name, also after fully_shard swapped the class or a front
+    end's wrapper stands in front of it (a wrapper class names the child it wraps
+    in ``_fullshard_wrapped_name``)."""
+    wrapped_name = getattr(type(module), "_fullshard_wrapped_name", None)
+    wrapped = getattr(module, "_modules", {}).get(wrapped_name) if wrapped_name else None
     if wrapped is not None:
         return module_class_name(wrapped)
     cls = type(module)

@@ -15,7 +15,7 @@ import torch
 from torch.autograd import Variable
 
 from . import offload
-from .common import TrainingState, clean_fqn
+from .common import TrainingState
 from .exec_order import Agreed, ExecOrderValidator, Fingerprint
 from .group import ParamGroup
 from .param import ShardParam
@@ -137,7 +137,7 @@ class RootContext:
             return
         for index, names in agreed:  # the same order on every rank
             unit = self._units[index]
-            if unit is group and names == [clean_fqn(p.fqn) for p in params]:
+            if unit is group and names == [p.fqn for p in params]:
                 group.grads.submit(params, grads, self.reductions)
             else:
                 unit.join_reduction(names, self.reductions)
@@ -159,7 +159,7 @@ class RootContext:
     def _fingerprint(
         self, kind: str, group: ParamGroup, collective: bool, params: list[ShardParam] | None = None
     ) -> Fingerprint:
-        shapes = tuple((clean_fqn(p.fqn), tuple(p.global_size)) for p in params or group.params)
+        shapes = tuple((p.fqn, tuple(p.global_size)) for p in params or group.params)
         return Fingerprint(kind, self._unit_index[group], collective, shapes)
 
     def _run_agreed_all_gathers(self, agreed: list[Agreed] | None, mine: ParamGroup) -> None:

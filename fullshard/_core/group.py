@@ -38,7 +38,7 @@ from . import compat, trace
 from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
 from .buffer_view import BufferView
 from .buffers import UnitBuffers
-from .common import TrainingState, UnitConfig, clean_fqn
+from .common import TrainingState, UnitConfig
 from .grads import GradIntake
 from .layout import Layout
 from .mesh import GroupInfo, MeshInfo
@@ -375,7 +375,7 @@ class ParamGroup:
         """Takes part in another rank's reduction of this unit's parameters ``names``
         with zero gradients (execution-order validation); the averaged result is
         this rank's gradient too, as DDP does for unused parameters."""
-        params = [p for p in self.params if clean_fqn(p.fqn) in names]
+        params = [p for p in self.params if p.fqn in names]
         grads = [self.grads.zero_grad(p) for p in params]
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.POST_BACKWARD  # it will not run here this time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,13 +11,17 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from . import comm
-from .common import ParamModuleInfo, module_class_name
+from .common import ParamModuleInfo, UnitConfig, module_class_name
 from .mesh import MeshInfo
 from .state import get_state
 
 # Set on an original parameter once a unit shards it: a parameter shared by
 # two units would otherwise be silently duplicated (and untied).
 _CLAIM_ATTR = "_fullshard_sharded_by"
+# Where a unit's parameters are registered: module -> {parameter name: the unit}. The
+# module then holds the unit's own forms (DTensors, replaced by .to() or .half()),
+# which a later call must not take for tensor-parallel parameters and shard again.
+_REGISTERED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 def root_modules(modules: Iterable[nn.Module]) -> tuple[nn.Module, ...]:
@@ -139,7 +144,7 @@ def shard_dims(
     return dims
 
 
-def validate_devices(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -> None:
+def validate_devices(roots: tuple[nn.Module, ...], params: list[nn.Parameter], api: str) -> None:
     """All managed parameters on one device (all on meta counts as one)."""
 
     def where(p: torch.Tensor) -> torch.device:
@@ -149,7 +154,7 @@ def validate_devices(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -
         names = {id(p): n for root in roots for n, p in root.named_parameters(remove_duplicate=False)}
         listing = ", ".join(f"{names.get(id(p), '?')} on {where(p)}" for p in params)
         raise ValueError(
-            f"fully_shard expects all parameters of {module_class_name(roots[0])} on one device but got: "
+            f"{api} expects all parameters of {module_class_name(roots[0])} on one device but got: "
             f"{listing}. Move the module to one device (or build it all on meta) first."
         )
 
@@ -203,7 +208,7 @@ def broadcast_from_first_rank(params: list[nn.Parameter], buffers: list[torch.Te
         if not tensor.is_meta:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for group in (mesh_info.shard, mesh_info.replicate):
-        if group.size == 1:
+        if group.size == 1 or group.group is None:
             continue
         for same_dtype in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in same_dtype]).to(mesh_info.device)
@@ -214,15 +219,44 @@ def broadcast_from_first_rank(params: list[nn.Parameter], buffers: list[torch.Te
                 offset += tensor.numel()
 
 
-def claim_params(params: list[nn.Parameter], owner: str) -> None:
-    """Records which call shards each parameter; a second claim is a user error."""
+def validate_params(
+    params: list[nn.Parameter], infos: list[ParamModuleInfo], names: dict[int, str], owner: str, config: UnitConfig
+) -> None:
+    """Rejects parameters no unit can take: 0-dim ones (a shard is a slice of rows),
+    and the forms of parameters another unit already shards.
+
+    Raises:
+        ValueError: either (naming the parameter and the fix).
+    """
+    api = config.api_name
+    for param, info in zip(params, infos):
+        name = names.get(id(param), info.param_name)
+        sharded_by = _REGISTERED.get(info.module, {}).get(info.param_name)
+        if sharded_by is not None:
+            raise ValueError(
+                f"{api} expects parameters that no unit shards yet, but {name} of {owner} is already "
+                f"sharded by {sharded_by}; apply {api} to submodules "
+                f"before their parents (each parameter is sharded once, by the innermost call)"
+            )
+        if param.ndim == 0:
+            raise ValueError(
+                f"{api} expects parameters with at least one dimension but got the 0-dim {name} of {owner}; "
+                f"reshape it to (1,) or pass it in {config.ignore_argument}"
+            )
+
+
+def claim_params(params: list[nn.Parameter], infos: list[ParamModuleInfo], owner: str, api: str) -> None:
+    """Records which call shards each parameter, and where it is registered; a
+    second claim is a user error."""
     for param in params:
         previous = getattr(param, _CLAIM_ATTR, None)
         if previous is not None:
             raise ValueError(
-                f"fully_shard expects each parameter to be managed by one unit, but a parameter of "
-                f"{owner} is already sharded by fully_shard on {previous}. Shared (tied) parameters "
-                "must live in one unit: apply fully_shard to a common parent of the modules sharing it."
+                f"{api} expects each parameter to be managed by one unit, but a parameter of "
+                f"{owner} is already sharded by {previous}. Shared (tied) parameters "
+                f"must live in one unit: apply {api} to a common parent of the modules sharing it."
             )
-    for param in params:
-        setattr(param, _CLAIM_ATTR, owner)
+    for param, info in zip(params, infos):
+        setattr(param, _CLAIM_ATTR, f"{api} on {owner}")
+        for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+            _REGISTERED.setdefault(module, {})[name] = f"{api} on {owner}"

@@ -23,17 +23,19 @@ from .init import (
     root_modules,
     shard_dims,
     validate_devices,
+    validate_params,
 )
 from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
-from .state import ModuleState
+from .state import ModuleState, get_state
 
 
 def resolve_reshard_after_forward(
-    value: bool | int | None, mesh_info: MeshInfo, module: nn.Module
+    config: UnitConfig, mesh_info: MeshInfo, module: nn.Module
 ) -> tuple[bool, GroupInfo | None]:
     """(reshard after forward?, smaller post-forward group for an int)."""
+    value, api = config.reshard_after_forward, config.api_name
     if value is None:
         return True, None
     if isinstance(value, bool):
@@ -41,12 +43,12 @@ def resolve_reshard_after_forward(
     shard_size = mesh_info.shard.size
     if not isinstance(value, int):
         raise ValueError(
-            f"fully_shard expects reshard_after_forward to be None, a bool or an int but got "
+            f"{api} expects reshard_after_forward to be None, a bool or an int but got "
             f"{value!r} ({type(value).__name__}) for {module_class_name(module)}"
         )
     if value < 1 or shard_size % value != 0:
         raise ValueError(
-            f"fully_shard expects reshard_after_forward to be a bool or an int that divides the "
+            f"{api} expects reshard_after_forward to be a bool or an int that divides the "
             f"shard size {shard_size}, but got {value} for {module_class_name(module)}"
         )
     if value == 1:
@@ -67,24 +69,28 @@ def manage_module(
     all of them) minus those of already-managed submodules."""
     roots = (module,) if isinstance(module, nn.Module) else root_modules(module)
     device = mesh_info.device
-    validate_mesh_backend(mesh_info, module_class_name(roots[0]))
+    validate_mesh_backend(mesh_info, module_class_name(roots[0]), config.api_name)
     # Entries outside the module are not an error: one ignore list may serve
     # several units, each taking what lies below it.
     ignored = set(ignored_params or ())
-    reshard, post_forward = resolve_reshard_after_forward(config.reshard_after_forward, mesh_info, roots[0])
+    reshard, post_forward = resolve_reshard_after_forward(config, mesh_info, roots[0])
     modules = get_managed_modules(roots, ignored_modules)
     params, buffers = get_managed_states(modules, ignored)
-    validate_devices(roots, params)
+    infos = get_param_module_infos(params, roots)
+    names = {id(p): config.model_name(name) for root in roots for name, p in root.named_parameters()}
+    owner = (
+        "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
+    )
+    validate_params(params, infos, names, owner, config)
+    validate_devices(roots, params, config.api_name)
     if config.sync_module_states:
         broadcast_from_first_rank(params, buffers, mesh_info)
     buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
-    infos = get_param_module_infos(params, roots)
     mp_policy = config.mp_policy
-    names = {id(p): name for root in roots for name, p in root.named_parameters()}
     dims = shard_dims(params, config.shard_placement_fn, names)
     if post_forward is not None and any(dims):
         raise NotImplementedError(
-            f"fully_shard does not support an int reshard_after_forward with shard_placement_fn's "
+            f"{config.api_name} does not support an int reshard_after_forward with shard_placement_fn's "
             f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
         )
     shard_params = [
@@ -93,9 +99,13 @@ def manage_module(
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
-    owner = (
-        "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
-    )
-    claim_params(params, owner)
+    claim_params(params, infos, owner, config.api_name)
     group = ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard, owner) if shard_params else None
     return ModuleState(roots, group, config, device, buffer_dtypes)
+
+
+def states_below(module: nn.Module) -> list[ModuleState]:
+    """The engine states of ``module`` and every module below it, in module order
+    (a unit over several modules appears once)."""
+    found = [s for s in (get_state(m) for m in module.modules()) if s is not None]
+    return list(dict.fromkeys(found))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from . import compat
+from . import comm, compat
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,11 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_mesh(device_type: str | None = None) -> DeviceMesh:
+def default_mesh(device_type: str | None = None, api: str = "fully_shard") -> DeviceMesh:
     """A 1-D mesh over all ranks, on ``device_type`` (default: the accelerator, else CPU)."""
     if not dist.is_initialized():
         raise RuntimeError(
-            "fully_shard expects torch.distributed to be initialized (call "
+            f"{api} expects torch.distributed to be initialized (call "
             "torch.distributed.init_process_group) or an explicit mesh"
         )
     device_type = device_type or default_device_type()
@@ -117,7 +117,7 @@ def validate_mesh(mesh: DeviceMesh) -> None:
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")
 
 
-def validate_mesh_backend(mesh_info: MeshInfo, owner: str) -> None:
+def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str = "fully_shard") -> None:
     """Each of the mesh's groups must communicate natively on the mesh's device.
 
     Raises:
@@ -136,7 +136,7 @@ def validate_mesh_backend(mesh_info: MeshInfo, owner: str) -> None:
             else "init_process_group('nccl') to train on the GPU, or pass mesh=init_device_mesh('cpu', ...) for CPU"
         )
         raise ValueError(
-            f"fully_shard expects a mesh whose process group communicates on its device, but {owner} got a "
+            f"{api} expects a mesh whose process group communicates on its device, but {owner} got a "
             f"{kind} mesh over the {backend} backend; {fix}"
         )
 
@@ -212,9 +212,8 @@ def mesh_from_groups(
                 f"process_group expects the shard group {shard_ranks} and the replicate group "
                 f"{replicate_ranks} to share exactly this rank ({rank})"
             )
-        rows: list = [None] * world
-        dist.all_gather_object(rows, (replicate_ranks.index(rank), shard_ranks))
-        layout = [None] * len(replicate_ranks)
+        rows = comm.all_gather_objects((replicate_ranks.index(rank), shard_ranks))
+        layout: list[list[int] | None] = [None] * len(replicate_ranks)
         for replica, ranks in rows:
             if layout[replica] not in (None, ranks):
                 raise ValueError(

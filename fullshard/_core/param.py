@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import compat
-from .common import ParamModuleInfo, module_class_name, set_module_param, set_module_tensor
+from .common import ParamModuleInfo, set_module_param, set_module_tensor
 from .mesh import MeshInfo
 from .presentation import DTENSOR_SHARDS, DTensorShards
 
@@ -73,12 +73,6 @@ class ShardParam:
             self.spmd_mesh = mesh_info.mesh
             self.placements = tuple(Shard(shard_dim) if p.is_shard() else p for p in mesh_info.dp_placements)
             local = param.detach()
-        if local.ndim == 0:
-            raise NotImplementedError(
-                f"fully_shard does not support scalar (0-dim) parameters yet, but got "
-                f"{module_info.param_name} on {module_class_name(module_info.module)}; reshape it to "
-                "(1,) or pass it in ignored_params"
-            )
         self.unsharded_size = local.size()  # the TP-local size for TP parameters
         # "Rows" are the slices along the shard dim (dim 0 unless shard_placement_fn says otherwise).
         self.num_rows = local.size(shard_dim)
@@ -304,16 +298,7 @@ class ShardParam:
             self._make_unsharded_param(shard_region)
 
     def _make_unsharded_param(self, padded: torch.Tensor) -> None:
-        data = self.unsharded_view(padded)
-        if self.tp_mesh is not None:
-            data = DTensor.from_local(
-                data,
-                self.tp_mesh,
-                self.tp_placements,
-                run_check=False,
-                shape=self.global_size,
-                stride=self.global_stride,
-            )
+        data = self.full_form(self.unsharded_view(padded))
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
         self._hooked = False
 

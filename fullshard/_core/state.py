@@ -39,10 +39,11 @@ import torch
 import torch.nn as nn
 
 from ..api import BackwardPrefetch
-from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors
+from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors, module_class_name
 from .context import RootContext
 from .exec_order import validation_enabled
 from .group import ParamGroup, UnitUse
+from .log import log_lazy_init
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 
@@ -105,9 +106,6 @@ class ModuleState:
         # Accelerator meshes: the step's root moves its inputs to the device (as DDP does).
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
-        self.summoned = False  # inside summon_full_params
-        self.state_dict_settings: Any = None  # set by the front end (fullshard.state_dict)
-        self.full_values: list[torch.Tensor] | None = None  # a unit's full parameters while saving
         self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
         for module in self.modules:
             _STATES[module] = self
@@ -144,16 +142,17 @@ class ModuleState:
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
         self._init_fqns(states)
+        log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
 
     def _init_fqns(self, states: list[ModuleState]) -> None:
         by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
         for name, param in (item for root in self.modules for item in root.named_parameters()):
             if param in by_param:
-                by_param[param].fqn = name
+                by_param[param].fqn = self.config.model_name(name)
         for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is not None and state.group is not None:
-                state.group.module_fqn = name
+                state.group.module_fqn = self.config.model_name(name)
 
     # -- forward -------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -22,9 +22,9 @@ from types import ModuleType
 
 import torch
 
+from .._text import align, describe_model, human_bytes
 from ..models import PRESETS, ModelArgs, get_preset
 from ..plan import STRATEGIES, Plan, PlanConfig, estimate
-from .text import align, describe_model, human_bytes
 
 HELP = "predict per-rank memory and bytes per step for a model, world sizes and strategies"
 

@@ -62,6 +62,13 @@ class TrainConfig:
             vocab_size=VOCAB_SIZE,
         )
 
+    @property
+    def checkpoint_folder(self) -> str:
+        """``checkpoint_dir``, for the steps that need one (``validate`` checks ``--resume``'s)."""
+        if not self.checkpoint_dir:
+            raise ValueError("saving or resuming needs --checkpoint-dir")
+        return self.checkpoint_dir
+
     def validate(self) -> None:
         """Raises ValueError naming the flag for settings no rank could run."""
         if self.model not in PRESETS:

@@ -27,7 +27,7 @@ class Corpus:
 
     def __init__(self, text: bytes | None = None) -> None:
         if text is None:
-            text = resources.files(__package__).joinpath("data", "alice.txt").read_bytes()
+            text = (resources.files(__package__) / "data" / "alice.txt").read_bytes()
         tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         split = int(len(tokens) * (1 - _VALIDATION_FRACTION))
         self.train, self.validation = tokens[:split], tokens[split:]

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from .._core import comm
 from ..clip import clip_grad_norm_
+from ..fully_shard import FSDPModule
 from ..grad_scaler import ShardedGradScaler
 from ..models import Transformer
 from .config import TrainConfig
@@ -90,7 +91,10 @@ def _train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = model.loss(inputs, targets)
-    (scaler.scale(loss) if scaler else loss).backward()
+    scaled = scaler.scale(loss) if scaler else loss
+    if not isinstance(scaled, torch.Tensor):  # a tensor in, a tensor out
+        raise AssertionError(f"rank {dist.get_rank()}: the scaler returned {type(scaled).__name__} for a tensor")
+    scaled.backward()
     if scaler:
         scaler.unscale_(optimizer)
     if config.clip:
@@ -210,7 +214,8 @@ def train(config: TrainConfig) -> RunResult:
         result.validation_loss = _validation_loss(model, corpus, config, device)
         if config.sample:
             result.sample = _sample(model, corpus, config.sample, config.seed, device)
-        model.reshard()  # the root keeps its parameters after a forward without backward
+        if isinstance(model, FSDPModule):  # it is: build_sharded_model applied fully_shard
+            model.reshard()  # the root keeps its parameters after a forward without backward
     if rank == 0:
         print_summary(result)
     metrics.write({"summary": result.as_json()})

@@ -63,16 +63,16 @@ def build_sharded_model(config: TrainConfig, device: torch.device) -> Transforme
     """The configured Transformer, one unit per block plus the root, initialised on ``device``."""
     with torch.device("meta"):
         model = Transformer(config.model_args())
-    if config.strategy == "hybrid":
-        sharding = {"mesh": hybrid_mesh(device.type, config.shard_size)}
-    else:  # the loop's device (its backend's), not whatever this process can see
-        sharding = {"mesh": default_mesh(device.type), "strategy": _STRATEGIES[config.strategy]}
+    hybrid = config.strategy == "hybrid"
+    # The loop's device (its backend's), not whatever this process can see.
+    mesh = hybrid_mesh(device.type, config.shard_size) if hybrid else default_mesh(device.type)
     fully_shard(
         model,
+        mesh=mesh,
+        strategy=None if hybrid else _STRATEGIES[config.strategy],
         policy=ModuleWrapPolicy({TransformerBlock}),
         mp_policy=mixed_precision_policy(config),
         offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
-        **sharding,
     )
     model.to_empty(device="cpu" if config.cpu_offload else device)
     initialize(model, config.seed)

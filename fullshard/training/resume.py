@@ -51,7 +51,7 @@ def resume(
     if not config.resume:
         return 0
     check_checkpoint_dir(config)
-    extra = checkpoint.load(config.checkpoint_dir, model, optimizer)
+    extra = checkpoint.load(config.checkpoint_folder, model, optimizer)
     if scaler is not None and extra.get("scaler"):
         scaler.load_state_dict(extra["scaler"])
     return extra["step"]
@@ -69,7 +69,7 @@ def save(
         "model": dataclasses.asdict(config.model_args()),
         "scaler": scaler.state_dict() if scaler is not None else None,
     }
-    checkpoint.save(config.checkpoint_dir, model, optimizer, extra=extra)
+    checkpoint.save(config.checkpoint_folder, model, optimizer, extra=extra)
 
 
 def saved_step(config: TrainConfig) -> int | None:

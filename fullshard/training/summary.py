@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..cli.text import align, describe_model, human_bytes
+from .._text import align, describe_model, human_bytes
 from ..plan import PlanConfig, estimate
 from .config import TrainConfig
 
@@ -101,22 +101,23 @@ def _predicted_peaks(result: RunResult) -> tuple[int, int]:
     """``fullshard plan``'s peak per rank for this run, and for one unsharded process."""
     config = result.config
     compute = _DTYPES[config.mixed_precision]
-    common = {
-        "batch_size": config.batch // result.world_size,
-        "param_dtype": compute,
-        "reduce_dtype": torch.float32 if compute else None,
-        "cpu_offload": config.cpu_offload,
-        "device": "cuda" if result.device == "cuda" else "cpu",
-    }
-    sharded = PlanConfig(
-        config.model_args(),
-        result.world_size,
-        config.strategy,
-        ranks_per_node=config.shard_size or result.world_size,
-        **common,
+
+    def plan(world_size: int, strategy: str) -> PlanConfig:
+        return PlanConfig(
+            config.model_args(),
+            world_size,
+            strategy,
+            batch_size=config.batch // result.world_size,
+            param_dtype=compute,
+            reduce_dtype=torch.float32 if compute else None,
+            cpu_offload=config.cpu_offload,
+            device="cuda" if result.device == "cuda" else "cpu",
+        )
+
+    sharded = dataclasses.replace(
+        plan(result.world_size, config.strategy), ranks_per_node=config.shard_size or result.world_size
     )
-    alone = PlanConfig(config.model_args(), 1, "no-shard", **common)
-    return estimate(sharded).peak, estimate(alone).peak
+    return estimate(sharded).peak, estimate(plan(1, "no-shard")).peak
 
 
 def print_summary(result: RunResult) -> None:

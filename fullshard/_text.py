@@ -1,8 +1,9 @@
-"""Text output shared by the ``fullshard`` commands: sizes, model descriptions, aligned tables."""
+"""Text output shared by the ``fullshard`` commands and ``fullshard train``'s summary: sizes, model
+descriptions, aligned tables (a module of its own so that ``training/`` need not import ``cli/``)."""
 
 from __future__ import annotations
 
-from ..models import ModelArgs
+from .models import ModelArgs
 
 __all__ = ["align", "describe_model", "human_bytes"]
 

@@ -1,0 +1,18 @@
+"""The FSDP1 wrapper's place in module-tree names.
+
+``FullyShardedDataParallel`` holds the module it wraps as ``_fsdp_wrapped_module``,
+so a walk of a wrapped model's tree names a parameter
+``_fsdp_wrapped_module.layer._fsdp_wrapped_module.weight``. State dicts, messages
+and ``summon_full_params`` show the names of the unwrapped model instead; the
+engine gets ``model_name`` through ``UnitConfig.name_in_model``.
+"""
+
+from __future__ import annotations
+
+WRAPPED_MODULE = "_fsdp_wrapped_module"
+WRAPPER_PREFIX = WRAPPED_MODULE + "."
+
+
+def model_name(name: str) -> str:
+    """``name`` without the wrapper's segments: as in the unwrapped model."""
+    return name.replace(WRAPPER_PREFIX, "")
