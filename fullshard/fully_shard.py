@@ -12,7 +12,6 @@ Usage (2 ranks on CPU)::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable
@@ -124,11 +123,8 @@ class FSDPModule(nn.Module):
                 f"set_reshard_after_forward expects a bool but got {type(reshard_after_forward).__name__} "
                 f"for {type(self).__name__}; an int (a smaller post-forward group) can only be given to fully_shard"
             )
-        for state in self._states(recurse):
-            # kept through lazy initialisation, which otherwise keeps the root unsharded
-            state.config = dataclasses.replace(state.config, reshard_after_forward=reshard_after_forward)
-            if state.group is not None:
-                state.group.set_reshard_after_forward(reshard_after_forward)
+        for group in self._groups(recurse):
+            group.set_reshard_after_forward(reshard_after_forward)  # also kept through lazy init
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP gradient accumulation with the reduce-scatter but not the all-reduce.

@@ -103,6 +103,7 @@ class ParamGroup:
         self.keep_low_precision_grads = config.keep_low_precision_grads
         self.buffer_view: BufferView | None = None  # see install_buffer_view
         self.reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward_chosen = config.reshard_after_forward is not None
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.reduce_settings = ReduceSettings()
@@ -310,7 +311,13 @@ class ParamGroup:
             self._post_forward_shard = None
             self.sharded_state = ShardedState.SHARDED
         self.reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward_chosen = True
         self.post_forward_group = None
+
+    def keep_unsharded_as_root(self) -> None:
+        """Unless the user chose: the root keeps its parameters (backward needs them first)."""
+        if not self._reshard_after_forward_chosen:
+            self.reshard_after_forward = False
 
     def start_use_backward(self, use: UnitUse | None) -> None:
         """Backward reached the outputs of ``use`` (None: a use whose inputs need no grad)."""

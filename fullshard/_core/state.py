@@ -136,9 +136,8 @@ class ModuleState:
             state.ctx = self.ctx
             if state.group is not None:
                 state.group.adopt_registered_shards()
-        if self.config.reshard_after_forward is None and self.group is not None:
-            # Backward needs the root's parameters first: keep them.
-            self.group.reshard_after_forward = False
+        if self.group is not None:
+            self.group.keep_unsharded_as_root()
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
         self._init_fqns(states)
