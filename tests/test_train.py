@@ -187,13 +187,23 @@ def _start(flags: list[str], tmp_path: Path) -> subprocess.Popen:
 
 
 def _wait_for_steps(metrics: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Returns once ``count`` steps are logged; on failure the whole session is killed
+    (an endless run left behind would load the machine for every later test)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert process.poll() is None, "the run ended early"
+        if process.poll() is not None:
+            _kill_session(process)
+            raise AssertionError("the run ended early")
         if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
             return
         time.sleep(0.2)
+    _kill_session(process)
     raise AssertionError(f"fewer than {count} steps within {timeout} s")
+
+
+def _kill_session(process: subprocess.Popen) -> None:
+    if _session_alive(process):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _wait(process: subprocess.Popen, tmp_path: Path, timeout: float = 90) -> tuple[int, str, str]:
@@ -201,7 +211,7 @@ def _wait(process: subprocess.Popen, tmp_path: Path, timeout: float = 90) -> tup
     try:
         code = process.wait(timeout)
     finally:
-        if process.poll() is None:
+        if process.poll() is None:  # overstayed (stragglers after a clean exit are for the caller to see)
             os.killpg(process.pid, signal.SIGKILL)
     return code, (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
 
