@@ -12,7 +12,7 @@ TORCH_VERSIONS ?= 2.8.0 2.14.1
 CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py tests/test_wrapper.py \
 	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py
 
-.PHONY: install demo test test-fast lint bench clean check-torch
+.PHONY: install demo test test-fast test-system lint bench clean check-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
 
+# The suite on a Python that already has torch, pytest and tqdm (a GPU image's own torch, a machine
+# with no registry): no venv, no download. `make test-system SYSTEM_PYTHON=/path/to/python`.
+SYSTEM_PYTHON ?= python3
+test-system:
+	PYTHONPATH=$(CURDIR) $(SYSTEM_PYTHON) -m pytest -q tests
+
 $(TORCH_VENVS)/torch-%/.installed: pyproject.toml
 	$(PYTHON) -m venv $(@D)
 	$(@D)/bin/python -m pip install -q --upgrade pip
@@ -48,6 +54,9 @@ CHECK_TORCH_DESELECT_2.8.0 := --deselect tests/test_wrapper.py::test_keep_low_pr
 	--deselect tests/test_fully_shard_training.py::test_parity_mixed_precision
 
 check-torch: $(addprefix check-torch-,$(TORCH_VERSIONS))
+
+# Kept between runs (make would delete it as an intermediate file and reinstall next time).
+.PRECIOUS: $(TORCH_VENVS)/torch-%/.installed
 
 check-torch-%: $(TORCH_VENVS)/torch-%/.installed
 	PYTHONPATH=$(CURDIR) $(TORCH_VENVS)/torch-$*/bin/python -m pytest -q $(CHECK_TORCH_TESTS) $(CHECK_TORCH_DESELECT_$*)

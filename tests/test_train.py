@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.cli.__main__ import main as cli_main
-from fullshard.cli.train import torchrun_arguments
+from fullshard.cli.train import choose_device, torchrun_arguments
 from fullshard.models import Transformer
 from fullshard.testing import DataParallelReference, full_value, run_distributed
 from fullshard.training import TrainConfig, loop
@@ -297,6 +297,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
         (["--steps", "0"], "--steps expects a positive number but got 0"),
         (["--dim", "30", "--heads", "4"], "--dim 30 must be divisible by --heads 4"),
         (["--nproc", "0"], "--nproc expects at least 1 rank but got 0"),
+        (["--device", "cuda"], "--device cuda needs a GPU per rank, but this process sees no GPU: use --device cpu"),
     ],
 )
 def test_bad_flags_fail_before_any_rank_starts(flags, message, tmp_path, capsys, monkeypatch):
@@ -305,8 +306,46 @@ def test_bad_flags_fail_before_any_rank_starts(flags, message, tmp_path, capsys,
         SMALL.model_args())})
     flags = [f.format(empty=tmp_path / "empty", saved=saved) for f in flags]
     monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same on a GPU machine
     assert cli_main(["train", "--layers", "2", "--dim", "32", "--seq", "16", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "requested, nproc, gpus, device, notice",
+    [
+        ("auto", 2, 0, "cpu", None),
+        ("auto", 2, 2, "cuda", None),
+        ("auto", 2, 8, "cuda", None),
+        ("auto", 2, 1, "cpu", "2 ranks but 1 GPU on this machine: training on the CPU with gloo (--nproc 1 trains"),
+        ("cpu", 2, 8, "cpu", None),
+        ("cuda", 4, 4, "cuda", None),
+    ],
+)
+def test_device_choice(requested, nproc, gpus, device, notice):
+    chosen, said = choose_device(requested, nproc, gpus)
+    assert chosen == device
+    assert (said is None) if notice is None else (notice in said)
+
+
+def test_cuda_with_too_few_gpus_names_the_fix():
+    with pytest.raises(ValueError, match=r"--device cuda needs a GPU per rank, but --nproc 4 asks for 4 ranks and "
+                                         r"this machine has 2 GPUs: use --nproc 2, or --device cpu"):
+        choose_device("cuda", 4, 2)
+
+
+@pytest.mark.parametrize("gpus, ranks_see", [(1, ""), (2, "0,1")])
+def test_ranks_on_the_cpu_see_no_gpu(gpus, ranks_see, monkeypatch, capsys):
+    """A machine with fewer GPUs than ranks trains on the CPU: torchrun's ranks inherit
+    ``CUDA_VISIBLE_DEVICES=""`` (so each chooses gloo), and the user is told why."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    seen = []
+    monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]))
+    assert cli_main(["train", "--nproc", "2", "--layers", "2", "--dim", "32", "--seq", "16"]) == 0
+    assert seen == [ranks_see]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # the launcher's own environment is left as it was
+    assert ("training on the CPU with gloo" in capsys.readouterr().err) == (gpus == 1)
 
 
 def test_torchrun_options_pass_through_for_several_machines():

@@ -8,12 +8,15 @@
     fullshard train --nnodes 2 --node-rank 0 --nproc 8 --master-addr host0 --master-port 29500
 
 The ranks are started by torchrun's own launcher (``torch.distributed.run``):
-gloo on CPUs, NCCL on GPUs. Rank 0 shows a progress bar (loss, tokens/s, each
-rank's peak memory) and ends with a summary table; ``--metrics`` also writes
-JSON lines. The model is built on the meta device and initialised shard by
-shard, with values that do not depend on the world size: the same seed gives
-the same loss curve on any number of ranks (up to float rounding), and
-``--resume`` continues it exactly, at any world size or strategy.
+NCCL with one GPU per rank where this machine has a GPU for every rank, else
+gloo on the CPU (``--device`` chooses; a machine with too few GPUs for
+``--nproc`` says so and trains on the CPU, or names the fix under
+``--device cuda``). Rank 0 shows a progress bar (loss, tokens/s, each rank's
+peak memory) and ends with a summary table; ``--metrics`` also writes JSON
+lines. The model is built on the meta device and initialised shard by shard,
+with values that do not depend on the world size: the same seed gives the same
+loss curve on any number of ranks (up to float rounding), and ``--resume``
+continues it exactly, at any world size or strategy.
 
 Ctrl-C stops every rank after the same step and saves a checkpoint (with
 ``--checkpoint-dir``); a second Ctrl-C, or a rank that dies, stops the others
@@ -23,10 +26,13 @@ at once, and the newest complete checkpoint stays loadable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
+import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args as parse_torchrun_args
@@ -45,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch (torchrun's options, passed through)")
     launch.add_argument(
         "--nproc", "--nproc-per-node", dest="nproc", type=int, default=2, help="ranks on this machine (default 2)"
+    )
+    launch.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where the ranks compute: cuda (NCCL, a GPU per rank), cpu (gloo), or auto (default): "
+        "cuda when this machine has a GPU for every rank, else cpu",
     )
     launch.add_argument("--nnodes", default="1", help="machines, or MIN:MAX for an elastic job")
     launch.add_argument("--node-rank", type=int, default=0, help="this machine's index (static rendezvous)")
@@ -66,6 +79,45 @@ def torchrun_arguments(args: argparse.Namespace, config: TrainConfig) -> list[st
     return [*options, "--module", "fullshard.training", config.to_json()]
 
 
+def choose_device(requested: str, nproc: int, gpus: int) -> tuple[str, str | None]:
+    """Where ``nproc`` ranks on this machine compute, given its ``gpus``, and a line
+    for the user when ``auto`` passes GPUs by (NCCL needs one GPU per rank)."""
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return "cpu", None
+    if gpus >= nproc:
+        return "cuda", None
+    plural = "s" if gpus != 1 else ""
+    if requested == "cuda":
+        if gpus == 0:
+            raise ValueError("--device cuda needs a GPU per rank, but this process sees no GPU: use --device cpu")
+        raise ValueError(
+            f"--device cuda needs a GPU per rank, but --nproc {nproc} asks for {nproc} ranks and this machine "
+            f"has {gpus} GPU{plural}: use --nproc {gpus}, or --device cpu"
+        )
+    return "cpu", (
+        f"fullshard train: {nproc} ranks but {gpus} GPU{plural} on this machine: training on "
+        f"the CPU with gloo (--nproc {gpus} trains on the GPU{plural})"
+    )
+
+
+@contextlib.contextmanager
+def _ranks_see(device: str) -> Iterator[None]:
+    """The ranks torchrun starts inherit this environment: on ``cpu`` they see no GPU,
+    so they choose gloo and compute on the CPU."""
+    if device == "cuda":
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig.from_args(args)
@@ -74,13 +126,17 @@ def run(args: argparse.Namespace) -> int:
         if args.nnodes == "1":
             config.validate_world(args.nproc)
         check_checkpoint_dir(config)
+        device, notice = choose_device(args.device, args.nproc, torch.cuda.device_count())
     except ValueError as exc:
         print(f"fullshard train: {exc}", file=sys.stderr)
         return 2
+    if notice:
+        print(notice, file=sys.stderr)
     # torchrun would set 1 thread per rank (and warn); the ranks set their own count.
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // args.nproc)))
     try:
-        torchrun(parse_torchrun_args(torchrun_arguments(args, config)))
+        with _ranks_see(device):
+            torchrun(parse_torchrun_args(torchrun_arguments(args, config)))
     except ChildFailedError as exc:
         print(_describe_failure(exc, config), file=sys.stderr)
         return 1
