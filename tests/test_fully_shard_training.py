@@ -412,13 +412,23 @@ class Checkpointed(nn.Module):
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("checkpointing", ["unit inside", "torch wrapper, reentrant", "torch wrapper, non-reentrant"])
 @distributed(world_size=2)
-def test_parity_activation_checkpointing(reshard_after_forward):
+def test_parity_activation_checkpointing(checkpointing, reshard_after_forward):
+    """A unit inside ``torch.utils.checkpoint``, or (as torchtitan does) torch's
+    ``checkpoint_wrapper`` made a unit, with either of its implementations."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
     ref = make_transformer()
     model = copy.deepcopy(ref)
     for index, layer in enumerate(model.layers):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-        model.layers[index] = Checkpointed(layer)
+        if checkpointing == "unit inside":
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+            model.layers[index] = Checkpointed(layer)
+        else:
+            impl = CheckpointImpl.REENTRANT if checkpointing.endswith(", reentrant") else CheckpointImpl.NO_REENTRANT
+            model.layers[index] = checkpoint_wrapper(layer, checkpoint_impl=impl)
+            fully_shard(model.layers[index], reshard_after_forward=reshard_after_forward)
     fully_shard(model)
     with comm.record_comms() as records:
         train_in_parity(model, ref, adamw(model), adamw(ref), token_batches(5), lm_loss)

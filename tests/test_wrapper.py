@@ -112,6 +112,58 @@ def test_parity_matrix(strategy, use_orig_params, offload, mixed):
             torch.testing.assert_close(mine, other, **tolerance)
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("reentrant", [True, False])
+@distributed(world_size=2)
+def test_activation_checkpointing_applied_after_wrapping(reentrant, use_orig_params):
+    """FSDP1's usual recipe: wrap, then ``apply_activation_checkpointing`` puts torch's
+    ``checkpoint_wrapper`` inside each unit. Same training as one process and as torch's
+    FSDP1 with the same recipe, and the recomputation re-gathers nothing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    from fullshard._core import comm
+
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    rank = dist.get_rank()
+    ref = make_model()
+    model, oracle = wrapped_pair(ref, use_orig_params)
+    for m in (model, oracle):
+        apply_activation_checkpointing(
+            m, checkpoint_wrapper_fn=lambda block: checkpoint_wrapper(block, checkpoint_impl=impl),
+            check_fn=lambda module: isinstance(module, TransformerBlock),
+        )
+    assert all(type(unit.module).__name__ == "CheckpointWrapper" for unit in FSDP.fsdp_modules(model)[1:])
+    reference = DataParallelReference(ref, lm_loss)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, oracle, ref)]
+    with comm.record_comms() as records:
+        for step in range(3):
+            losses = []
+            for m in (model, oracle):
+                loss = lm_loss(m, batch_for(rank, step))
+                loss.backward()
+                losses.append(mean_over(loss))
+            ref_loss = reference.backward([batch_for(r, step) for r in range(2)])
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+            torch.testing.assert_close(losses[0], ref_loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    # one all-gather for the root, two for each block (forward, backward): as without checkpointing
+    assert sum(r.op == "all_gather" for r in records) == 3 * (1 + 2 * ARGS.n_layers)
+    with FSDP.summon_full_params(model):
+        assert_params_equal(model, ref, match_names=False)
+
+
+def wrapped_pair(ref: nn.Module, use_orig_params: bool) -> tuple[nn.Module, nn.Module]:
+    """``ref`` wrapped per block by this wrapper and by torch's FSDP1, fp32 FULL_SHARD."""
+    mine = FSDP(copy.deepcopy(ref), auto_wrap_policy=BLOCKS, use_orig_params=use_orig_params, device_id=CPU)
+    return mine, torch_fsdp1(copy.deepcopy(ref), ShardingStrategy.FULL_SHARD, use_orig_params, False, None)
+
+
 # -- members ------------------------------------------------------------------------------------
 def wrapped(**kwargs) -> tuple[nn.Module, Transformer]:
     ref = make_model()
