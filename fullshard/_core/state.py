@@ -107,10 +107,15 @@ class ModuleState:
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
         self._use: UnitUse | None = None  # the running forward call's, from pre- to post-forward
+        # ``module.compile()`` traces a module's hooks with its forward; ours gather,
+        # swap parameters and hook autograd, so they run eagerly (a graph break
+        # around the compiled forward), as torch's FSDP's do by default.
+        pre_forward_hook = torch.compiler.disable(self._pre_forward_hook)
+        post_forward_hook = torch.compiler.disable(self._post_forward_hook)
         for module in self.modules:
             _STATES[module] = self
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False)
+            module.register_forward_pre_hook(pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(post_forward_hook, prepend=False)
 
     # -- lazy initialization -------------------------------------------------------
     def lazy_init(self) -> None:
