@@ -164,6 +164,17 @@ class FSDPModule(nn.Module):
         for group in self._groups(recurse=False):
             group.reduce_settings.sum_only = enable
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduces zero gradients for the trainable parameters this rank's backward
+        did not reach, as DDP's ``find_unused_parameters`` does: every rank then
+        reduces the same parameters when ranks use different ones (a mixture of
+        experts routing by data). Without it such a unit's ranks would reduce
+        different parameter sets together. A unit that some ranks skip entirely
+        reduces at the end of their backward: keep conditionally used parameters
+        in a unit every rank runs (e.g. the whole expert layer)."""
+        for group in self._groups(recurse):
+            group.reduce_settings.include_unused = reduce_scatter_unused_params
+
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Calls ``hook(reduced)`` with this unit's reduced gradient shards (one flat
         tensor, the unit's parameters back to back) after its last collective

@@ -1,7 +1,7 @@
 """``FSDPModule``'s run-time settings, each against torch's FSDP2 doing the same
 (its behaviour is the spec) and against what the setting promises:
-set_reshard_after_forward, set_gradient_divide_factor, set_requires_all_reduce
-and set_unshard_in_backward."""
+set_reshard_after_forward, set_gradient_divide_factor, set_requires_all_reduce,
+set_unshard_in_backward and set_reduce_scatter_unused_params."""
 
 import copy
 
@@ -197,6 +197,46 @@ def test_unshard_in_backward_false_skips_the_gather():
     assert_grads_equal(ours, theirs)
     assert_params_equal(ours, gathered)
     assert_grads_equal(ours, gathered)
+
+
+class Experts(nn.Module):
+    """A shared layer, then the expert each call names (routing that differs by rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts[expert](self.shared(x).relu())
+
+
+@distributed(world_size=2)
+def test_reduce_scatter_unused_params_trains_rank_dependent_experts():
+    """Rank r routes to expert r, expert 2 is used by nobody: with unused parameters
+    reduced, every gradient is one process's over both ranks' data (expert 2's: zero),
+    as torch's FSDP2 gives. By default, as in torch, each rank reduces only what it
+    used, so the ranks reduce different experts together."""
+    torch.manual_seed(0)
+    ref = Experts()
+    data = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    (sum(ref(x, r).square().mean() for r, x in enumerate(data)) / 2).backward()
+    rank = dist.get_rank()
+    models = {}
+    for name, shard in (("ours", fully_shard), ("theirs", torch_fully_shard)):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        shard(model)
+        if name == "ours" or hasattr(model, "set_reduce_scatter_unused_params"):  # torch 2.13 and later
+            model.set_reduce_scatter_unused_params(True)
+            model(data[rank], rank).square().mean().backward()
+            models[name] = model
+    for name, param in models["ours"].named_parameters():
+        expected = ref.get_parameter(name).grad
+        expected = torch.zeros_like(param.full_tensor()) if expected is None else expected
+        torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-5, atol=1e-6, msg=name)
+    if "theirs" in models:
+        assert_grads_equal(models["ours"], models["theirs"])
 
 
 def test_all_reduce_hook_matches_fsdp2():

@@ -71,17 +71,27 @@ class GradIntake:
         }
 
     def take(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
-        """Pops this step's unsharded gradients (with what was accumulated unsynced)."""
+        """Pops this step's unsharded gradients (with what was accumulated unsynced);
+        zeros for the unused trainable parameters when the unit includes them."""
+        include_unused = self.unit.reduce_settings.include_unused
         params, grads = [], []
         for param in self.unit.params:
             grad = _pop_unsharded_grad(param)
             if param.unsynced_grad is not None:
                 grad = param.unsynced_grad if grad is None else param.unsynced_grad.add_(grad)
                 param.unsynced_grad = None
+            if grad is None and include_unused and param.sharded_param.requires_grad:
+                grad = self.zero_grad(param)
             if grad is not None:
                 params.append(param)
                 grads.append(grad.contiguous())
         return params, grads
+
+    def owes_reduction(self) -> bool:
+        """Whether the end of backward must still reduce: gradients are pending, or
+        the unit includes unused parameters (the other ranks reduce them too)."""
+        include_unused = self.unit.reduce_settings.include_unused
+        return self.has_pending() or (include_unused and any(p.sharded_param.requires_grad for p in self.unit.params))
 
     def accumulate_unsynced(self) -> None:
         """No sync: gradients stay unsharded, summed in the reduce dtype."""

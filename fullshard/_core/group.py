@@ -390,7 +390,7 @@ class ParamGroup:
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what is left, drop stray prefetches, go idle."""
-        if self.training_state is not TrainingState.POST_BACKWARD and self.grads.has_pending():
+        if self.training_state is not TrainingState.POST_BACKWARD and self.grads.owes_reduction():
             self.post_backward()
         if self._all_gather is not None:  # a prefetch whose unit never ran
             self.wait_for_unshard()

@@ -140,6 +140,9 @@ class ReduceSettings:
     comm_hook: tuple[Callable[..., None], Any] | None = None  # (hook, state): communicates instead
     post_reduce_hook: Callable[[torch.Tensor], None] | None = None  # sees each final reduced shard
     sum_only: bool = False  # average with SUM and divisions, never ReduceOp.AVG
+    # Zero gradients for trainable parameters this rank's backward did not reach, so that
+    # every rank reduces the same parameters (conditional use: mixture of experts).
+    include_unused: bool = False
 
     def partial_only(self, replicate: GroupInfo) -> bool:
         return not self.all_reduce and replicate.size > 1
