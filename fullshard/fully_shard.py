@@ -164,6 +164,15 @@ class FSDPModule(nn.Module):
         for group in self._groups(recurse=False):
             group.reduce_settings.sum_only = enable
 
+    def reset_iter_state(self) -> None:
+        """Forgets a step that an exception cut short in forward or backward (an
+        out-of-memory error caught to skip a batch, say): waits for the collectives in
+        flight, drops that step's reductions and gradients (accumulated ones too),
+        reshards every unit and lets the next step start afresh. Call it on the root
+        after catching the exception; the root's next forward also does it by itself,
+        with a warning."""
+        self._fsdp_state().reset_iter_state("reset_iter_state")
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduces zero gradients for the trainable parameters this rank's backward
         did not reach, as DDP's ``find_unused_parameters`` does: every rank then

@@ -6,6 +6,7 @@ fp32 runs must match the local reference to 1e-5 relative.
 """
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -436,3 +437,48 @@ def test_parity_activation_checkpointing(checkpointing, reshard_after_forward):
     per_step = sum(r.op == "all_gather" for r in records) / 5
     assert per_step == 1 + len(ref.layers) * (2 if reshard_after_forward else 1)
     assert_params_equal(model, ref, match_names=False)
+
+
+class Fails:
+    """A hook that raises while armed: an exception in the middle of a step."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, *_) -> None:
+        if self.armed:
+            raise RuntimeError("cut short")
+
+
+@pytest.mark.parametrize("recovery", ["reset_iter_state", "next forward"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@distributed(world_size=2)
+def test_step_cut_short_by_an_exception(where, recovery):
+    """A step an exception stops midway (an out-of-memory error caught to skip the
+    batch) leaves nothing behind: its gradients are dropped, every unit is resharded
+    and training goes on exactly as one process that never saw the batch. The root's
+    next forward does it by itself, with a warning, if reset_iter_state() is not called."""
+    ref = make_transformer()
+    model = shard_transformer(copy.deepcopy(ref))
+    optims = adamw(model), adamw(ref)  # made first: they hold the sharded parameters
+    fails = Fails()
+    if where == "forward":
+        model.layers[1].register_forward_pre_hook(fails)
+        step = lambda: lm_loss(model, token_batches(1)[0])  # noqa: E731
+    else:
+        model.layers[0].register_full_backward_pre_hook(fails)  # after the last layer's and the root's reduction
+        step = lambda: lm_loss(model, token_batches(1)[0]).backward()  # noqa: E731
+    with pytest.raises(RuntimeError, match="cut short"):
+        step()
+    fails.armed = False
+    if recovery == "reset_iter_state":
+        with pytest.raises(RuntimeError, match=r"reset_iter_state\(\) must be called on the root .* not on TransformerBlock"):
+            model.layers[0].reset_iter_state()
+        model.reset_iter_state()
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())  # resharded
+    for param in model.parameters():
+        param.grad = None  # what the failed backward's finished reductions wrote
+    context = pytest.warns(UserWarning, match="stopped midway") if recovery == "next forward" else nullcontext()
+    with context:
+        train_in_parity(model, ref, *optims, token_batches(3, seed=5), lm_loss)
+    assert_params_equal(model, ref)

@@ -32,6 +32,8 @@ class ContextState(Protocol):
 
     def finish_forward_pass(self) -> None: ...
 
+    def abandon_step(self) -> None: ...
+
 
 class RootContext:
     """See the module docstring; a ``UnitRoot`` for every unit under the root."""
@@ -126,6 +128,32 @@ class RootContext:
             self.reductions.drain()
             offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
             self.post_forward_order.clear()
+
+    def abandon_step(self) -> None:
+        """Forgets a step an exception cut short in forward or backward: waits for the
+        collectives in flight, drops its reductions and gradients, reshards every
+        unit and starts the next step afresh (``FSDPModule.reset_iter_state``)."""
+        self.reductions.discard()
+        offload.wait_for_host_copies()
+        for state in self.all_states:
+            state.abandon_step()
+        for unit in self._units:
+            unit.abandon_step()
+        self.prefetched.clear()
+        self.iteration_root = None
+        self.forward_order, self.previous_forward_order = [], []
+        self.post_forward_order.clear()
+        self.end_of_backward_queued = False  # autograd drops the callback of a failed backward
+        if self.validator is not None:
+            self.validator = ExecOrderValidator()
+
+    @property
+    def step_cut_short(self) -> bool:
+        """Whether a forward or backward under this root stopped midway (an exception):
+        seen when the root's next forward starts."""
+        return self.end_of_backward_queued or any(
+            state.training_state is TrainingState.FORWARD for state in self.all_states
+        )
 
     def reduce(self, group: ParamGroup, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
         """Starts reducing ``group``'s gradients ``grads`` (of ``params``), after the

@@ -105,6 +105,14 @@ class GradIntake:
             grad, unsharded.grad = _local_grad(param, unsharded.grad).to(reduce_dtype), None
             param.unsynced_grad = grad if param.unsynced_grad is None else param.unsynced_grad.add_(grad)
 
+    def discard(self) -> None:
+        """Drops every gradient not yet reduced: unsharded, accumulated unsynced, partial."""
+        for param in self.unit.params:
+            _pop_unsharded_grad(param)
+            param.unsynced_grad = None
+        self._partial.clear()
+        self.awaiting = set()
+
     def has_pending(self) -> bool:
         return any(
             p.unsynced_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)

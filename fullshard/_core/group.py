@@ -401,5 +401,15 @@ class ParamGroup:
         self._uses_in_backward = 0
         self._post_forward_indices.clear()
 
+    def abandon_step(self) -> None:
+        """After an exception cut a step short: no gather in flight, sharded, no
+        gradient of that step kept (see ``RootContext.abandon_step``)."""
+        self.reshard()  # waits for a gather in flight first
+        self.grads.discard()
+        self.training_state = TrainingState.IDLE
+        self._uses_in_backward = 0
+        self._post_forward_indices.clear()
+        self.prefetch_after_backward = []
+
     def __repr__(self) -> str:
         return f"ParamGroup({self.module_fqn or '<root>'}, {len(self.params)} params)"

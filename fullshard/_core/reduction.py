@@ -234,6 +234,12 @@ class GradReduction:
                 self._work = fn(tensors[0], group.group, op, async_op=True)
         self._post_divide = post
 
+    def wait_in_flight(self) -> None:
+        """Waits for the collective in flight, if any, without going on."""
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._in_flight = None, ()
+
     def _wait(self) -> None:
         if self._work is not None:
             self._work.wait()
@@ -274,4 +280,11 @@ class ReductionQueue:
         for reduction in self._pending:
             while not reduction.advance():
                 pass
+        self._pending = []
+
+    def discard(self) -> None:
+        """Drops every reduction after waiting for its collective in flight (an
+        aborted step's gradients are lost; no later stage is started)."""
+        for reduction in self._pending:
+            reduction.wait_in_flight()
         self._pending = []

@@ -32,6 +32,7 @@ ends, which then finishes the pass.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any
 
@@ -175,6 +176,23 @@ class ModuleState:
                 return self._cast_output(output)
         return self.post_forward(output)
 
+    def abandon_step(self) -> None:
+        """See ``RootContext.abandon_step``."""
+        self.training_state = TrainingState.IDLE
+        self._modules_to_run.clear()
+        self._use = None
+
+    def reset_iter_state(self, api: str) -> None:
+        """Forgets a step an exception cut short; ``api`` names the caller in errors."""
+        if self.is_root is None:
+            return  # never ran: nothing to forget
+        if not self.is_root:
+            raise RuntimeError(
+                f"{api}() must be called on the root module (the one whose forward runs first, where "
+                f"fully_shard was applied last), not on {module_class_name(self.module)}"
+            )
+        self.ctx.abandon_step()
+
     def finish_forward_pass(self) -> None:
         """Ends a pass in which some of the unit's modules did not run."""
         if self._modules_to_run and self.training_state is TrainingState.FORWARD:
@@ -184,6 +202,8 @@ class ModuleState:
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.in_registered_method:  # forward called from a registered method: already gathered
             return args, kwargs
+        if self.is_root and torch._C._current_graph_task_id() == -1 and self.ctx.step_cut_short:
+            self._abandon_cut_short_step()
         if self.recomputing:
             if self.group is not None:
                 self.group.unshard()
@@ -218,6 +238,16 @@ class ModuleState:
         if torch.is_grad_enabled():
             args, kwargs = self._hook_input_grads(args, kwargs)
         return args, kwargs
+
+    def _abandon_cut_short_step(self) -> None:
+        """A root forward outside backward found the last step stopped midway."""
+        warnings.warn(
+            f"the previous step of {module_class_name(self.module)} stopped midway (an exception in forward "
+            "or backward?): its gradients are dropped and every unit resharded before this forward. Call "
+            "reset_iter_state() on the root after catching the exception to do this explicitly.",
+            stacklevel=2,
+        )
+        self.ctx.abandon_step()
 
     def post_forward(self, output: Any) -> Any:
         if self.in_registered_method:
