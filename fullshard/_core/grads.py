@@ -111,7 +111,6 @@ class GradIntake:
             _pop_unsharded_grad(param)
             param.unsynced_grad = None
         self._partial.clear()
-        self.awaiting = set()
 
     def has_pending(self) -> bool:
         return any(

@@ -396,6 +396,9 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.reshard_after_backward and self.is_unsharded:
             self.reshard()
+        self._go_idle()
+
+    def _go_idle(self) -> None:
         self.training_state = TrainingState.IDLE
         self.grads.awaiting = set()
         self._uses_in_backward = 0
@@ -406,9 +409,7 @@ class ParamGroup:
         gradient of that step kept (see ``RootContext.abandon_step``)."""
         self.reshard()  # waits for a gather in flight first
         self.grads.discard()
-        self.training_state = TrainingState.IDLE
-        self._uses_in_backward = 0
-        self._post_forward_indices.clear()
+        self._go_idle()
         self.prefetch_after_backward = []
 
     def __repr__(self) -> str:

@@ -234,18 +234,17 @@ class GradReduction:
                 self._work = fn(tensors[0], group.group, op, async_op=True)
         self._post_divide = post
 
-    def wait_in_flight(self) -> None:
-        """Waits for the collective in flight, if any, without going on."""
-        if self._work is not None:
-            self._work.wait()
-            self._work, self._in_flight = None, ()
+    def wait_in_flight(self) -> bool:
+        """Waits for the collective in flight, if any (True), without going on."""
+        if self._work is None:
+            return False
+        self._work.wait()
+        self._work, self._in_flight = None, ()
+        return True
 
     def _wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work, self._in_flight = None, ()
-            if self._post_divide != 1.0:
-                self._output.div_(self._post_divide)
+        if self.wait_in_flight() and self._post_divide != 1.0:
+            self._output.div_(self._post_divide)
 
     def advance(self) -> bool:
         """Finishes the collective in flight and starts the next; True when all done."""
