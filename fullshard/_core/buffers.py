@@ -37,9 +37,12 @@ class UnitBuffers:
         on_meta = any(s.is_meta for s in shards)
         device = torch.device("meta") if on_meta else self.storage_device
         self.storage_layout = Layout.build([p.shard_numel for p in self.params], [s.dtype for s in shards])
-        buffer = torch.zeros(self.storage_layout.total, dtype=self.storage_layout.dtype, device=device)
-        if self.pin_memory and not on_meta:
-            buffer = buffer.pin_memory()
+        buffer = torch.zeros(
+            self.storage_layout.total,
+            dtype=self.storage_layout.dtype,
+            device=device,
+            pin_memory=self.pin_memory and not on_meta,  # allocated pinned: no second host copy
+        )
         for index, shard in enumerate(shards):
             if not on_meta and shard.numel() > 0:
                 region = self.storage_layout.region(buffer, index, shard.dtype)
