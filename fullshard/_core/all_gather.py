@@ -158,7 +158,8 @@ class AllGather:
         # Saved activations of an earlier forward alias this storage: the refill
         # must not look like an in-place change to autograd.
         with torch.no_grad(), contextlib.ExitStack() as stack:
-            for tensor in padded:
+            refreshed = [p.unsharded_param for p in in_flight.extended if p.unsharded_param is not None]
+            for tensor in padded + refreshed:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             stack.enter_context(trace.span(labels.copy_out))
             in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, views)
