@@ -132,13 +132,13 @@ def shard_units(model: nn.Sequential, shard: Any, **kwargs: Any) -> nn.Sequentia
     return model
 
 
-def train(model: nn.Module, steps: int, batch: int = 4, lr: float = 0.1) -> list[float]:
+def train(model: nn.Module, steps: int, dim: int = 8, lr: float = 0.1, batch: int = 4) -> list[float]:
     """SGD steps on this rank's slice of seeded batches; the mean loss over ranks."""
     optim = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
     losses = []
     for step in range(steps):
         generator = torch.Generator().manual_seed(step)
-        inputs = torch.randn(batch * dist.get_world_size(), model[0].in_features, generator=generator)
+        inputs = torch.randn(batch * dist.get_world_size(), dim, generator=generator)
         loss = model(inputs.chunk(dist.get_world_size())[dist.get_rank()]).pow(2).mean()
         loss.backward()
         optim.step()
@@ -218,3 +218,103 @@ def test_unsupported_subclass_parameters_raise_naming_the_parameter():
                 fully_shard(model)
             else:
                 FullyShardedDataParallel(model, use_orig_params=front_end.endswith("True"))
+
+
+# -- torchao NF4 (QLoRA): frozen 4-bit base weights, trainable adapters -----------------
+
+
+def to_nf4(tensor: torch.Tensor) -> torch.Tensor:
+    nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", reason="needs torchao")
+    return nf4.to_nf4(tensor)
+
+
+class LoRALinear(nn.Module):
+    """A frozen NF4 base weight plus a trainable low-rank update (QLoRA)."""
+
+    def __init__(self, dim: int, rank: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim, bias=False)
+        self.base.weight = nn.Parameter(to_nf4(self.base.weight.detach().to(torch.bfloat16)), requires_grad=False)
+        self.lora_a = nn.Linear(dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class QLoRAModel(nn.Sequential):
+    def __init__(self, dim: int = 256) -> None:  # NF4 shards need 256 x 64-element blocks per rank
+        torch.manual_seed(0)
+        super().__init__(LoRALinear(dim), nn.Tanh(), LoRALinear(dim), nn.Linear(dim, 4))
+
+
+def shard_qlora(model: QLoRAModel, shard: Any) -> QLoRAModel:
+    shard(model[0])
+    shard(model[2])
+    shard(model)
+    return model
+
+
+def nf4_nbytes(weight: torch.Tensor) -> int:
+    """The bytes of an NF4 weight's sharded payload: packed 4-bit data and its scales."""
+    inner = (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor)
+    return sum(t.numel() * t.element_size() for t in inner)
+
+
+@distributed(world_size=2)
+def test_nf4_weight_shards_and_gathers_back_exactly():
+    # The issue's reproduction: this failed in ShardParam with
+    # NotImplementedError: aten.slice(NF4Tensor) with end=128.
+    model = nn.Sequential(QLoRAModel()[0].base)
+    full = copy.deepcopy(model[0].weight.detach())
+    fully_shard(model)
+    local = model[0].weight.to_local()
+    assert type(local).__name__ == "NF4Tensor" and local.shape == (128, 256), (type(local), local.shape)
+    rows = slice(128 * dist.get_rank(), 128 * (dist.get_rank() + 1))
+    torch.testing.assert_close(local.get_original_weight(), full.get_original_weight()[rows], rtol=0, atol=0)
+    for _ in range(2):  # the second gather refreshes the first one's tensor
+        model.unshard()
+        gathered = model[0].weight
+        assert type(gathered.data).__name__ == "NF4Tensor" and gathered.shape == (256, 256)
+        assert torch.equal(gathered.quantized_data, full.quantized_data)
+        torch.testing.assert_close(gathered.get_original_weight(), full.get_original_weight(), rtol=0, atol=0)
+        model.reshard()
+
+
+@distributed(world_size=2)
+def test_nf4_qlora_trains_as_torch_fsdp2_and_one_process_sending_packed_bytes():
+    model = shard_qlora(QLoRAModel(), fully_shard)
+    with comm.record_comms() as records:
+        losses = train(model, steps=3, dim=256, lr=0.5)
+    ref = shard_qlora(QLoRAModel(), torch_fully_shard)
+    assert losses == train(ref, steps=3, dim=256, lr=0.5)
+    for param, ref_param in zip(model.parameters(), ref.parameters()):
+        if param.requires_grad:
+            torch.testing.assert_close(param.to_local(), ref_param.to_local(), rtol=0, atol=0)
+    local = QLoRAModel()
+    local_losses = []
+    optim = torch.optim.SGD(local.parameters(), lr=0.5)
+    for step in range(3):
+        inputs = torch.randn(8, 256, generator=torch.Generator().manual_seed(step))
+        loss = local(inputs).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        local_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(local_losses), rtol=1e-5, atol=1e-6)
+    # A block's all-gather: the NF4 payload (0.5 byte an element, plus scales), then the fp32 adapters.
+    block = QLoRAModel()[0]
+    expected = nf4_nbytes(block.base.weight) + 4 * (block.lora_a.weight.numel() + block.lora_b.weight.numel())
+    gathers = [r for r in records if r.op == "all_gather"]
+    assert sum(r.nbytes == expected for r in gathers) == 2 * 2 * 3, [r.nbytes for r in gathers]  # 2 blocks, fwd+bwd
+    assert expected - 4 * 2 * 8 * 256 < 256 * 256 * 2 / 3  # far below the bf16 weight's bytes
+    assert all(r.dtype is torch.uint8 for r in gathers if r.nbytes == expected)
+
+
+@distributed(world_size=2)
+def test_nf4_that_cannot_split_evenly_is_refused_naming_the_parameter():
+    model = nn.Sequential(nn.Linear(64, 256, bias=False))  # 64 x 256 elements: one scale block, not two
+    model[0].weight = nn.Parameter(to_nf4(model[0].weight.detach().to(torch.bfloat16)), requires_grad=False)
+    message = r"^fully_shard cannot shard parameter 0\.weight: its tensor subclass NF4Tensor does not support"
+    with pytest.raises(NotImplementedError, match=message):
+        fully_shard(model)
