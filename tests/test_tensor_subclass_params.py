@@ -318,3 +318,60 @@ def test_nf4_that_cannot_split_evenly_is_refused_naming_the_parameter():
     message = r"^fully_shard cannot shard parameter 0\.weight: its tensor subclass NF4Tensor does not support"
     with pytest.raises(NotImplementedError, match=message):
         fully_shard(model)
+
+
+# -- torchao float8 training with float8 all-gather ---------------------------------------
+
+
+def float8_model(bias: bool, fp8_all_gather: bool = True) -> nn.Sequential:
+    float8 = pytest.importorskip("torchao.float8", reason="needs torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=bias), nn.ReLU(), nn.Linear(64, 16, bias=bias))
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
+    return float8.convert_to_float8_training(model, config=config)
+
+
+def train_adamw(model: nn.Sequential, steps: int = 3) -> list[float]:
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        inputs = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+        loss = model(inputs.chunk(2)[dist.get_rank()]).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(mean_over(loss.detach()).item())
+    return losses
+
+
+@distributed(world_size=2)
+def test_float8_all_gather_sends_fp8_bytes_and_trains_as_torch_fsdp2():
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    # The issue: the weight wrapper was dropped and fp32 gathered. Now the wire
+    # carries one byte an element; a unit of float8 weights alone (no bias) has
+    # no other dtype to hide behind, where torch's FSDP2 on gloo fails
+    # ("Invalid scalar type"): compare with torch gathering fp32 and casting.
+    for bias, torch_fp8_all_gather in ((False, False), (True, True)):
+        full, probe = float8_model(bias), fully_shard(float8_model(bias))
+        assert type(probe[0].weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+        probe.unshard()
+        gathered = probe[0].weight.data
+        expected = hp_tensor_to_float8_dynamic(
+            full[0].weight._tensor, torch.float8_e4m3fn, full[0].linear_mm_config, gemm_input_role=GemmInputRole.WEIGHT
+        )
+        assert type(gathered).__name__ == "Float8TrainingTensor" and gathered._data.dtype is torch.float8_e4m3fn
+        assert torch.equal(gathered._data.view(torch.uint8), expected._data.view(torch.uint8))
+        assert torch.equal(gathered._scale, expected._scale)
+
+        model = shard_units(float8_model(bias), fully_shard)
+        with comm.record_comms() as records:
+            losses = train_adamw(model)
+        gathers = [r for r in records if r.op == "all_gather"]
+        sizes = {64 * 32 + (64 * 4 if bias else 0), 16 * 64 + (16 * 4 if bias else 0)}  # fp8: 1 byte an element
+        assert {r.nbytes for r in gathers} == sizes and {r.dtype for r in gathers} == {torch.uint8}, gathers
+        ref = shard_units(float8_model(bias, torch_fp8_all_gather), torch_fully_shard)
+        assert losses == train_adamw(ref), (bias, losses)
+        for param, ref_param in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=0, atol=0)
