@@ -189,6 +189,6 @@ class TensorHooks:
 def _allocate(tensor: torch.Tensor) -> None:
     """Gives a freed tensor its storage back (same storage object: views stay valid)."""
     storage = tensor.untyped_storage()
-    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    needed = int((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
     if storage.size() < needed:
         storage.resize_(needed)
