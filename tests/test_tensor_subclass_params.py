@@ -375,3 +375,20 @@ def test_float8_all_gather_sends_fp8_bytes_and_trains_as_torch_fsdp2():
         assert losses == train_adamw(ref), (bias, losses)
         for param, ref_param in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=0, atol=0)
+
+
+@distributed(world_size=2)
+def test_float8_model_built_on_meta_trains_as_torch_fsdp2():
+    # torchtitan's recipe: convert on meta, shard, materialize, initialize.
+    losses = []
+    for shard in (fully_shard, torch_fully_shard):
+        with torch.device("meta"):
+            model = float8_model(bias=True)
+        shard_units(model, shard)
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        for module in (model[0], model[2]):
+            module.reset_parameters()
+        assert type(model[2].weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+        losses.append(train_adamw(model, steps=2))
+    assert losses[0] == losses[1], losses
