@@ -392,3 +392,12 @@ def test_float8_model_built_on_meta_trains_as_torch_fsdp2():
         assert type(model[2].weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
         losses.append(train_adamw(model, steps=2))
     assert losses[0] == losses[1], losses
+
+
+@distributed(world_size=2)
+def test_full_state_dict_of_subclass_parameters_raises_rather_than_gathering_garbage():
+    from fullshard.state_dict import full_state_dict
+
+    model = fully_shard(nn.Sequential(QLoRAModel()[0]))
+    with pytest.raises(NotImplementedError, match=r"^summon_full_params and full state dicts are not yet supported"):
+        full_state_dict(model)

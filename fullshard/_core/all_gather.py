@@ -126,7 +126,7 @@ class AllGather:
         self, source: torch.Tensor, layout: Layout, group: GroupInfo, async_op: bool, labels: trace.UnitLabels
     ) -> AllGatherInFlight:
         """Issues the collective over ``group`` (none for a group of one)."""
-        extended = tuple(self.buffers.extended)
+        extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
         output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)

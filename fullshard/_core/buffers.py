@@ -27,7 +27,7 @@ class UnitBuffers:
     ) -> None:
         self.params = params
         # The parameters whose all-gather an extension makes (see extension.py).
-        self.extended = [p for p in params if p.extension is not None]
+        self.extended = tuple(p for p in params if p.extension is not None)
         self.mp_policy = mp_policy
         self.storage_device = storage_device  # the host under CPU offload
         self.pin_memory = pin_memory  # pinned host memory: copies to an accelerator are asynchronous

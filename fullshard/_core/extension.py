@@ -60,9 +60,9 @@ def has_gather_hooks(tensor: torch.Tensor) -> bool:
 
 
 def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str) -> torch.Tensor:
-    """This rank's dim-0 chunk of a tensor subclass, in storage of its own (the
-    full tensor can then be freed), padded to the first chunk's size as the
-    other ranks' pieces are and returned unpadded (a no-op ``narrow``)."""
+    """This rank's dim-0 chunk of a tensor subclass, copied into storage of its
+    own so that the full tensor can be freed. The copy has the first (padded)
+    chunk's size; a shorter last chunk is returned as its leading rows."""
     kind = type(full).__name__
     if not has_gather_hooks(full):
         raise NotImplementedError(
