@@ -40,7 +40,7 @@ from fullshard.testing import run_distributed  # noqa: E402
 
 class LoRALinear(nn.Module):
     def __init__(self, dim: int, rank: int = 16) -> None:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        from torchao.quantization import to_nf4
 
         super().__init__()
         self.base = nn.Linear(dim, dim, bias=False)

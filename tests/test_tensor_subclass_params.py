@@ -12,6 +12,7 @@ the comm spy proves what the wire carried.
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import pytest
@@ -223,9 +224,16 @@ def test_unsupported_subclass_parameters_raise_naming_the_parameter():
 # -- torchao NF4 (QLoRA): frozen 4-bit base weights, trainable adapters -----------------
 
 
+# torchao is an optional test dependency (torchao==0.18.0, installed against the pinned torch).
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="needs torchao (pip install torchao==0.18.0)"
+)
+
+
 def to_nf4(tensor: torch.Tensor) -> torch.Tensor:
-    nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", reason="needs torchao")
-    return nf4.to_nf4(tensor)
+    from torchao.quantization import to_nf4 as quantize
+
+    return quantize(tensor)
 
 
 class LoRALinear(nn.Module):
@@ -261,6 +269,7 @@ def nf4_nbytes(weight: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in inner)
 
 
+@needs_torchao
 @distributed(world_size=2)
 def test_nf4_weight_shards_and_gathers_back_exactly():
     # The reproduction: this failed in ShardParam with
@@ -281,6 +290,7 @@ def test_nf4_weight_shards_and_gathers_back_exactly():
         model.reshard()
 
 
+@needs_torchao
 @distributed(world_size=2)
 def test_nf4_qlora_trains_as_torch_fsdp2_and_one_process_sending_packed_bytes():
     model = shard_qlora(QLoRAModel(), fully_shard)
@@ -311,6 +321,7 @@ def test_nf4_qlora_trains_as_torch_fsdp2_and_one_process_sending_packed_bytes():
     assert all(r.dtype is torch.uint8 for r in gathers if r.nbytes == expected)
 
 
+@needs_torchao
 @distributed(world_size=2)
 def test_nf4_that_cannot_split_evenly_is_refused_naming_the_parameter():
     model = nn.Sequential(nn.Linear(64, 256, bias=False))  # 64 x 256 elements: one scale block, not two
@@ -324,7 +335,8 @@ def test_nf4_that_cannot_split_evenly_is_refused_naming_the_parameter():
 
 
 def float8_model(bias: bool, fp8_all_gather: bool = True) -> nn.Sequential:
-    float8 = pytest.importorskip("torchao.float8", reason="needs torchao")
+    import torchao.float8 as float8
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64, bias=bias), nn.ReLU(), nn.Linear(64, 16, bias=bias))
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
@@ -344,6 +356,7 @@ def train_adamw(model: nn.Sequential, steps: int = 3) -> list[float]:
     return losses
 
 
+@needs_torchao
 @distributed(world_size=2)
 def test_float8_all_gather_sends_fp8_bytes_and_trains_as_torch_fsdp2():
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
@@ -377,6 +390,7 @@ def test_float8_all_gather_sends_fp8_bytes_and_trains_as_torch_fsdp2():
             torch.testing.assert_close(full_value(param), full_value(ref_param), rtol=0, atol=0)
 
 
+@needs_torchao
 @distributed(world_size=2)
 def test_float8_model_built_on_meta_trains_as_torch_fsdp2():
     # torchtitan's recipe: convert on meta, shard, materialize, initialize.
@@ -394,6 +408,7 @@ def test_float8_model_built_on_meta_trains_as_torch_fsdp2():
     assert losses[0] == losses[1], losses
 
 
+@needs_torchao
 @distributed(world_size=2)
 def test_full_state_dict_of_subclass_parameters_raises_rather_than_gathering_garbage():
     from fullshard.state_dict import full_state_dict
