@@ -416,3 +416,19 @@ def test_full_state_dict_of_subclass_parameters_raises_rather_than_gathering_gar
     model = fully_shard(nn.Sequential(QLoRAModel()[0]))
     with pytest.raises(NotImplementedError, match=r"^summon_full_params and full state dicts are not yet supported"):
         full_state_dict(model)
+
+
+@distributed(world_size=2)
+def test_toy_subclass_on_hybrid_meshes_trains_as_torch_fsdp2():
+    # (2, 1): a shard group of one (no all-gather, the hooks still run); (1, 2): the hooks get the shard mesh.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for shape in ((2, 1), (1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        losses = []
+        for shard in (fully_shard, torch_fully_shard):
+            log: list = []
+            model = shard_units(toy_model(Bf16Gathered, log), shard, mesh=mesh)
+            losses.append(train(model, steps=2))
+            assert ("pre", shape[1]) in log and ("post", "metadata", torch.float32, True) in log, (shape, log)
+        assert losses[0] == losses[1], (shape, losses)
