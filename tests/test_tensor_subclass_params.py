@@ -12,6 +12,7 @@ the comm spy proves what the wire carried.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fullshard import MixedPrecisionPolicy, fully_shard
@@ -319,6 +321,13 @@ def test_nf4_qlora_trains_as_torch_fsdp2_and_one_process_sending_packed_bytes():
     assert sum(r.nbytes == expected for r in gathers) == 2 * 2 * 3, [r.nbytes for r in gathers]  # 2 blocks, fwd+bwd
     assert expected - 4 * 2 * 8 * 256 < 256 * 256 * 2 / 3  # far below the bf16 weight's bytes
     assert all(r.dtype is torch.uint8 for r in gathers if r.nbytes == expected)
+    # QLoRA's usual setting: adapters gathered and computed in bf16 (cast into the bytes layout).
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    mixed = [
+        train(shard_qlora(QLoRAModel(), functools.partial(shard, mp_policy=policy(**dtypes))), steps=2, dim=256)
+        for shard, policy in ((fully_shard, MixedPrecisionPolicy), (torch_fully_shard, TorchMixedPrecisionPolicy))
+    ]
+    assert mixed[0] == mixed[1], mixed
 
 
 @needs_torchao
