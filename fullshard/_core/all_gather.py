@@ -15,9 +15,16 @@ import torch.distributed as dist
 
 from . import comm, offload, trace
 from .buffers import UnitBuffers
+from .extension import GatherExtension
 from .layout import Layout
 from .mesh import GroupInfo
 from .param import ShardParam
+
+
+def _extension(param: ShardParam) -> GatherExtension:
+    if param.extension is None:
+        raise AssertionError(f"{param.fqn} has no gather extension")
+    return param.extension
 
 
 class _Waitable(Protocol):
@@ -31,6 +38,8 @@ class AllGatherInFlight:
     output: torch.Tensor
     layout: Layout
     num_chunks: int
+    # Parameters whose extension inputs follow the plain regions, in order (see extension.py).
+    extended: tuple[ShardParam, ...] = ()
 
 
 @dataclass
@@ -70,12 +79,15 @@ class AllGather:
         issued (see [Note: Streams] in offload.py)."""
         return offload.on_stream(self.device, offload.ALL_GATHER)
 
-    def input(self, labels: trace.UnitLabels) -> torch.Tensor:
-        """This rank's shards on the compute device, in the gather dtype (copy-in)."""
+    def input(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
+        """This rank's shards on the compute device, in the gather dtype (copy-in),
+        and their layout."""
         buffers = self.buffers
         shard_buffer, gather_layout = buffers.shard_buffer, buffers.gather_layout
+        if buffers.extended:
+            return self._input_with_extensions(labels)
         if not buffers.needs_cast and shard_buffer.device == self.device:
-            return shard_buffer
+            return shard_buffer, gather_layout
         staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
         with self._copy_stream(), trace.span(labels.all_gather_copy_in):
             if not buffers.needs_cast or gather_layout.lines_up(buffers.storage_layout):  # one fused cast
@@ -86,18 +98,41 @@ class AllGather:
                     [buffers.storage_layout.region(shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
                     non_blocking=True,
                 )
-        return staged
+        return staged, gather_layout
+
+    def _input_with_extensions(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
+        """The plain shards (cast) then every extension's inputs, packed as bytes
+        (see [Note: Gather extensions])."""
+        buffers, params = self.buffers, self.params
+        plain = [(i, p) for i, p in enumerate(params) if p.extension is None]
+        with self._copy_stream(), trace.span(labels.all_gather_copy_in):
+            inputs = [t for p in buffers.extended for t in _extension(p).inputs(p.local_shard, buffers.mp_policy)]
+            layout = Layout.build(
+                [p.buffer_numel for p in params] + [t.numel() for t in inputs],
+                [p.param_dtype for p in params] + [t.dtype for t in inputs],
+                in_bytes=True,
+            )
+            staged = torch.empty(layout.total, dtype=layout.dtype, device=self.device)
+            first_input = len(params)
+            torch._foreach_copy_(
+                [layout.region(staged, i, p.param_dtype) for i, p in plain]
+                + [layout.region(staged, first_input + j, t.dtype) for j, t in enumerate(inputs)],
+                [buffers.storage_layout.region(buffers.shard_buffer, i, p.orig_dtype) for i, p in plain] + inputs,
+                non_blocking=True,
+            )
+        return staged, layout
 
     def start(
         self, source: torch.Tensor, layout: Layout, group: GroupInfo, async_op: bool, labels: trace.UnitLabels
     ) -> AllGatherInFlight:
         """Issues the collective over ``group`` (none for a group of one)."""
+        extended = self.buffers.extended
         if group.size == 1:
-            return AllGatherInFlight(None, source, source, layout, 1)
+            return AllGatherInFlight(None, source, source, layout, 1, extended)
         output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
         with self._copy_stream(), trace.span(labels.all_gather):  # after the copy-in
             work = comm.all_gather(output, source, process_group(group), async_op=async_op)
-        return AllGatherInFlight(work, source, output, layout, group.size)
+        return AllGatherInFlight(work, source, output, layout, group.size, extended)
 
     def join(self, source: torch.Tensor, group: GroupInfo) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
@@ -108,18 +143,32 @@ class AllGather:
                 comm.all_gather(scratch, source, process_group(group), async_op=False)
             offload.join_stream(self.device, offload.ALL_GATHER)
 
-    def copy_out(self, in_flight: AllGatherInFlight, padded: list[torch.Tensor], labels: trace.UnitLabels) -> None:
-        """Waits for ``in_flight`` and fills ``padded``, the unsharded parameters' storage."""
+    def copy_out(self, in_flight: AllGatherInFlight, labels: trace.UnitLabels) -> None:
+        """Waits for ``in_flight`` and fills the unsharded parameters' storage (and
+        the extensions' outputs, from which their parameters are then rebuilt)."""
         if in_flight.work is not None:
             in_flight.work.wait()
         offload.join_stream(self.device, offload.ALL_GATHER)
+        padded = [p.padded_unsharded(self.device) if p.extension is None else self._no_region() for p in self.params]
+        views = split_views(self.params, padded)
+        for param in in_flight.extended:
+            outputs = _extension(param).outputs(in_flight.num_chunks, self.device)
+            padded += outputs
+            views = views + [None] * len(outputs) if views is not None else None
         # Saved activations of an earlier forward alias this storage: the refill
         # must not look like an in-place change to autograd.
         with torch.no_grad(), contextlib.ExitStack() as stack:
-            for tensor in padded:
+            refreshed = [p.unsharded_param for p in in_flight.extended if p.unsharded_param is not None]
+            for tensor in padded + refreshed:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             stack.enter_context(trace.span(labels.copy_out))
-            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, split_views(self.params, padded))
+            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, views)
+            for param in in_flight.extended:
+                param.rebuild_unsharded()
+
+    def _no_region(self) -> torch.Tensor:
+        """An extended parameter's (empty) region among the plain ones."""
+        return torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def keep_post_forward(self, shard_size: int, group: GroupInfo) -> PostForwardShard:
         """This rank's 1/k of the gathered parameters, for a re-gather within ``group``."""

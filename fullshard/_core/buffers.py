@@ -26,6 +26,8 @@ class UnitBuffers:
         shards: list[torch.Tensor],
     ) -> None:
         self.params = params
+        # The parameters whose all-gather an extension makes (see extension.py).
+        self.extended = tuple(p for p in params if p.extension is not None)
         self.mp_policy = mp_policy
         self.storage_device = storage_device  # the host under CPU offload
         self.pin_memory = pin_memory  # pinned host memory: copies to an accelerator are asynchronous
@@ -36,15 +38,15 @@ class UnitBuffers:
         """(Re)packs this rank's shards into one flat buffer."""
         on_meta = any(s.is_meta for s in shards)
         device = torch.device("meta") if on_meta else self.storage_device
-        self.storage_layout = Layout.build([p.shard_numel for p in self.params], [s.dtype for s in shards])
+        self.storage_layout = Layout.build([p.buffer_numel for p in self.params], [s.dtype for s in shards])
         buffer = torch.zeros(
             self.storage_layout.total,
             dtype=self.storage_layout.dtype,
             device=device,
             pin_memory=self.pin_memory and not on_meta,  # allocated pinned: no second host copy
         )
-        for index, shard in enumerate(shards):
-            if not on_meta and shard.numel() > 0:
+        for index, (param, shard) in enumerate(zip(self.params, shards)):
+            if not on_meta and param.buffer_numel > 0 and shard.numel() > 0:
                 region = self.storage_layout.region(buffer, index, shard.dtype)
                 region[: shard.numel()].view_as(shard).copy_(shard)
         self._bind(buffer)
@@ -53,7 +55,7 @@ class UnitBuffers:
         """Makes ``buffer`` (the storage a buffer view was given by ``nn.Module._apply``)
         the home of the shards; they take its dtype (``model.half()``)."""
         dtypes = [buffer.dtype] * len(self.params)
-        self.storage_layout = Layout.build([p.shard_numel for p in self.params], dtypes)
+        self.storage_layout = Layout.build([p.buffer_numel for p in self.params], dtypes)
         self._bind(buffer, dtypes)
 
     def check_materialized(self) -> None:
@@ -103,16 +105,17 @@ class UnitBuffers:
         each viewed as ``dtypes[i]`` (default: its current dtype)."""
         dtypes = dtypes or [p.local_dtype for p in self.params]
         for index, (param, dtype) in enumerate(zip(self.params, dtypes)):
-            param.bind_shard(self.storage_layout.region(buffer, index, dtype))
+            if param.extension is None:  # an extension's shard is a tensor of its own
+                param.bind_shard(self.storage_layout.region(buffer, index, dtype))
         self.shard_buffer = buffer  # 1D
         self.set_gather_layout()
         self.reduce_dtype = self._pick_reduce_dtype()
 
     def set_gather_layout(self) -> None:
         """The all-gather input's layout: the storage layout unless parameters cast."""
-        needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params)
+        needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params if p.extension is None)
         self.gather_layout = (
-            Layout.build([p.shard_numel for p in self.params], [p.param_dtype for p in self.params])
+            Layout.build([p.buffer_numel for p in self.params], [p.param_dtype for p in self.params])
             if needs_cast
             else self.storage_layout
         )

@@ -84,6 +84,11 @@ def gather_full_values(unit: ParamGroup) -> list[torch.Tensor]:
 
     Gathers over the shard group only: replicas hold the same shards.
     """
+    if unit.buffers.extended:  # their shards are not in the buffer (see extension.py)
+        raise NotImplementedError(
+            f"summon_full_params and full state dicts are not yet supported with tensor-subclass parameters "
+            f"({unit.buffers.extended[0].fqn}); use sharded state dicts"
+        )
     return _gather_storage_layout(unit, unit.shard_buffer)
 
 

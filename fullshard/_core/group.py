@@ -125,6 +125,11 @@ class ParamGroup:
         pin_memory = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type != "cpu"
         shards = [p.bound_rows for p in params]
         self.buffers = UnitBuffers(params, config.mp_policy, self.storage_device, pin_memory, shards)
+        if self.buffers.extended and (post_forward is not None or self.offload):
+            raise NotImplementedError(
+                f"{'CPU offload' if self.offload else 'an int reshard_after_forward'} is not yet supported with "
+                f"tensor-subclass parameters ({self.buffers.extended[0].fqn} in {unit_name})"
+            )
         self.gather = AllGather(params, self.buffers, device, self.offload)
         for param in params:
             param.to_sharded()
@@ -169,6 +174,11 @@ class ParamGroup:
 
     def install_buffer_view(self, view: BufferView) -> None:
         """A front end registers ``view`` in place of the shards (see buffer_view.py)."""
+        if self.buffers.extended:
+            raise NotImplementedError(
+                f"tensor-subclass parameters ({self.buffers.extended[0].fqn} in {self.unit_name}) are not yet "
+                "supported with use_orig_params=False (one flat parameter cannot hold them); use fully_shard"
+            )
         self.buffer_view = view
         for param in self.params:
             param.register_sharded = False
@@ -197,10 +207,11 @@ class ParamGroup:
         if kept is not None:
             source, layout, group = kept.source, kept.layout, kept.group
         else:
-            if self.mesh_info.shard.size == 1 and not self.buffers.needs_cast and not self.offload:
+            buffers = self.buffers
+            if self.mesh_info.shard.size == 1 and not buffers.needs_cast and not buffers.extended and not self.offload:
                 self._alias_unsharded()
                 return
-            source, layout, group = self.gather.input(self.labels), self.buffers.gather_layout, self.mesh_info.shard
+            (source, layout), group = self.gather.input(self.labels), self.mesh_info.shard
         self._all_gather = self.gather.start(source, layout, group, async_op, self.labels)
 
     def unshard_needs_collective(self) -> bool:
@@ -218,7 +229,7 @@ class ParamGroup:
         if kept is not None:
             self.gather.join(kept.source, kept.group)
         else:
-            self.gather.join(self.gather.input(self.labels), self.mesh_info.shard)
+            self.gather.join(self.gather.input(self.labels)[0], self.mesh_info.shard)
 
     def _alias_unsharded(self) -> None:
         if self.buffer_view is not None:
@@ -236,7 +247,7 @@ class ParamGroup:
             if self._shows_shards_unsharded:  # kept unsharded but showing the shards
                 self._register_unsharded()
             return
-        self.gather.copy_out(in_flight, [p.padded_unsharded(self.device) for p in self.params], self.labels)
+        self.gather.copy_out(in_flight, self.labels)
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED

@@ -34,7 +34,10 @@ gradient copy-in reads them back; the unsharded parameter stays contiguous.
 
 A ``Layout`` records offsets in elements of its dtype. Parameters of different
 dtypes in one unit share a ``uint8`` layout counted in bytes, each offset
-aligned for its dtype.
+aligned for its dtype. A parameter with a gather extension (a tensor
+subclass, see [Note: Gather extensions]) has an empty region in the shard
+buffer; the extension's all-gather inputs follow the plain regions in a bytes
+layout built at each unshard.
 """
 
 from __future__ import annotations
@@ -54,10 +57,13 @@ class Layout:
     total: int
 
     @staticmethod
-    def build(numels: list[int], dtypes: list[torch.dtype]) -> Layout:
-        """Packs chunks of ``numels[i]`` elements of ``dtypes[i]``."""
-        if len(set(dtypes)) <= 1:
-            dtype = dtypes[0] if dtypes else torch.float32
+    def build(numels: list[int], dtypes: list[torch.dtype], in_bytes: bool = False) -> Layout:
+        """Packs chunks of ``numels[i]`` elements of ``dtypes[i]``; in bytes when
+        the dtypes of non-empty chunks differ or ``in_bytes`` asks for it (an
+        all-gather that carries extension outputs, see extension.py)."""
+        kinds = {dtype for numel, dtype in zip(numels, dtypes) if numel} or set(dtypes[:1])
+        if len(kinds) <= 1 and not in_bytes:
+            dtype = kinds.pop() if kinds else torch.float32
             offsets, total = [], 0
             for numel in numels:
                 offsets.append(total)

@@ -94,7 +94,9 @@ def manage_module(
             f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
         )
     shard_params = [
-        ShardParam(p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS, dim)
+        ShardParam(
+            p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS, dim, names.get(id(p))
+        )
         for p, info, dim in zip(params, infos, dims)
     ]
     for shard_param, param in zip(shard_params, params):

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import compat
 from .common import ParamModuleInfo, set_module_param, set_module_tensor
+from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
 from .mesh import MeshInfo
 from .presentation import DTENSOR_SHARDS, DTensorShards
 
@@ -50,17 +51,26 @@ class ShardParam:
         param_dtype: torch.dtype | None,
         presentation: DTensorShards = DTENSOR_SHARDS,
         shard_dim: int = 0,
+        fqn: str | None = None,
     ) -> None:
         self.module_info = module_info
         self.presentation = presentation
         self.shard_dim = shard_dim  # the tensor dim split across the shard group; see layout.py
         self.mesh_info = mesh_info
-        self.fqn = module_info.param_name  # made root-relative at lazy init
+        self.fqn = fqn or module_info.param_name  # made root-relative at lazy init
+        # What this parameter all-gathers when it is not its shard's elements
+        # (see [Note: Gather extensions]); None for the flat buffer's plain path.
+        self.extension: GatherExtension | None = None
         self.global_size = param.size()
         self.global_stride = _contiguous_stride(param.size())
         self._requested_param_dtype = param_dtype
         self.full_precision = False  # compute in orig_dtype despite param_dtype (ParamGroup.set_full_precision)
         if isinstance(param, DTensor):
+            if is_tensor_subclass(param._local_tensor):
+                raise NotImplementedError(
+                    f"fully_shard does not support tensor-subclass parameters with tensor parallelism yet "
+                    f"({self.fqn} is a DTensor over {type(param._local_tensor).__name__})"
+                )
             if shard_dim != 0:
                 raise NotImplementedError(
                     f"fully_shard does not support shard_placement_fn's Shard({shard_dim}) with tensor "
@@ -83,9 +93,13 @@ class ShardParam:
         first_row = shard.rank * self.shard_rows
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
-        # This rank's rows of the unsharded value until the unit packs them into
-        # its buffer (``bind_shard``); they keep the original storage alive until then.
-        self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
+        if is_tensor_subclass(local):
+            # This rank's rows, for good: a subclass shard stays out of the flat buffer.
+            self.bound_rows = self._init_extension(local)
+        else:
+            # This rank's rows of the unsharded value until the unit packs them into
+            # its buffer (``bind_shard``); they keep the original storage alive until then.
+            self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
         # The user's own object is rebound by bind_shard, so that a later parameter's
         # error leaves the model untouched.
         self.sharded_param = (
@@ -105,6 +119,26 @@ class ShardParam:
         self.unsynced_grad: torch.Tensor | None = None
         # Called once autograd accumulated this step's gradient (set by ParamGroup).
         self.on_grad_ready: Callable[[ShardParam], None] | None = None
+
+    def _init_extension(self, local: torch.Tensor) -> torch.Tensor:
+        """Shards a tensor-subclass parameter (see [Note: Gather extensions])."""
+        if self.shard_dim != 0 or self.presentation.keeps_user_param:
+            where = "the FSDP1 wrapper" if self.presentation.keeps_user_param else f"Shard({self.shard_dim})"
+            raise NotImplementedError(
+                f"tensor-subclass parameters ({self.fqn}: {type(local).__name__}) are not yet supported with "
+                f"{where}; use fully_shard with dim-0 sharding"
+            )
+        shard = self.mesh_info.shard
+        rows = shard_subclass(local, shard.size, shard.rank, self.fqn)
+        self.extension = TensorHooks(
+            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows
+        )
+        return rows
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements this parameter takes in the unit's shard buffer (none with an extension)."""
+        return self.shard_numel if self.extension is None else 0
 
     def _init_tensor_parallel(self, param: DTensor) -> torch.Tensor:
         spec = param._spec
@@ -306,7 +340,21 @@ class ShardParam:
         if self.on_grad_ready is not None:
             self.on_grad_ready(self)
 
+    def rebuild_unsharded(self) -> None:
+        """Builds (first time) or refreshes the unsharded parameter from what its
+        extension gathered (see [Note: Gather extensions])."""
+        if self.extension is None:
+            raise AssertionError(f"{self.fqn} has no gather extension to rebuild from")
+        built = self.extension.rebuild(self.param_dtype, self.unsharded_param)
+        if built is not None:
+            data = torch.as_strided(built, self.unsharded_size, self.global_stride, 0)
+            self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
+            self._hooked = False
+
     def free_unsharded(self) -> None:
+        if self.extension is not None:
+            self.extension.free()
+            return
         padded = self._padded_unsharded
         if padded is not None and padded.untyped_storage().size() != 0:
             padded.untyped_storage().resize_(0)
