@@ -16,9 +16,9 @@ def _round_trip(quantizer: BlockQuantizer, values: torch.Tensor) -> torch.Tensor
     packed = torch.empty(num_chunks, quantizer.packed_numel(numel), dtype=torch.uint8)
     for chunk, row in zip(packed, values):
         quantizer.encode(row, chunk)
-    out = torch.empty(num_chunks * numel)
-    quantizer.decode(packed.view(-1), num_chunks, numel, out)
-    return out.view(num_chunks, numel)
+    out = torch.empty(num_chunks, numel)
+    quantizer.decode(packed, numel, out)
+    return out
 
 
 def _block_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -89,9 +89,9 @@ def test_decodes_into_the_compute_dtype() -> None:
     packed = torch.empty(2, quantizer.packed_numel(24), dtype=torch.uint8)
     for chunk, row in zip(packed, values):
         quantizer.encode(row, chunk)
-    out = torch.empty(48, dtype=torch.bfloat16)
-    quantizer.decode(packed.view(-1), 2, 24, out)
-    reference = _round_trip(quantizer, values).view(-1).to(torch.bfloat16)
+    out = torch.empty(2, 24, dtype=torch.bfloat16)
+    quantizer.decode(packed, 24, out)
+    reference = _round_trip(quantizer, values).to(torch.bfloat16)
     assert torch.equal(out, reference)
 
 

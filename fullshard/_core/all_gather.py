@@ -18,6 +18,7 @@ from .buffers import UnitBuffers
 from .layout import Layout
 from .mesh import GroupInfo
 from .param import ShardParam
+from .quantized_gather import QuantizedGather
 
 
 class _Waitable(Protocol):
@@ -31,6 +32,7 @@ class AllGatherInFlight:
     output: torch.Tensor
     layout: Layout
     num_chunks: int
+    codec: QuantizedGather | None  # the output holds its codes (see quantized_gather.py)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class AllGather:
         self.buffers = buffers
         self.device = device  # where compute and communication happen
         self.offload = offload
+        self.codec: QuantizedGather | None = None  # set_all_gather_quantization
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
@@ -93,18 +96,28 @@ class AllGather:
     ) -> AllGatherInFlight:
         """Issues the collective over ``group`` (none for a group of one)."""
         if group.size == 1:
-            return AllGatherInFlight(None, source, source, layout, 1)
-        output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-        with self._copy_stream(), trace.span(labels.all_gather):  # after the copy-in
-            work = comm.all_gather(output, source, process_group(group), async_op=async_op)
-        return AllGatherInFlight(work, source, output, layout, group.size)
+            return AllGatherInFlight(None, source, source, layout, 1, None)
+        with self._copy_stream():  # after the copy-in
+            source = self._encode(source, layout, labels)
+            output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
+            with trace.span(labels.all_gather):
+                work = comm.all_gather(output, source, process_group(group), async_op=async_op)
+        return AllGatherInFlight(work, source, output, layout, group.size, self.codec)
 
-    def join(self, source: torch.Tensor, group: GroupInfo) -> None:
+    def _encode(self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels) -> torch.Tensor:
+        """What goes on the wire: ``source`` itself, or its codes under a quantized all-gather."""
+        if self.codec is None:
+            return source
+        with trace.span(labels.all_gather_quantize):
+            return self.codec.encode(source, layout)
+
+    def join(self, source: torch.Tensor, layout: Layout, group: GroupInfo, labels: trace.UnitLabels) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
         if group.size > 1:
-            scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             with self._copy_stream():
+                source = self._encode(source, layout, labels)
+                scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
                 comm.all_gather(scratch, source, process_group(group), async_op=False)
             offload.join_stream(self.device, offload.ALL_GATHER)
 
@@ -119,7 +132,11 @@ class AllGather:
             for tensor in padded:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             stack.enter_context(trace.span(labels.copy_out))
-            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, split_views(self.params, padded))
+            gathered = in_flight.output
+            if in_flight.codec is not None:
+                with trace.span(labels.all_gather_dequantize):
+                    gathered = in_flight.codec.decode(gathered, in_flight.num_chunks, in_flight.layout)
+            in_flight.layout.copy_out(gathered, in_flight.num_chunks, padded, split_views(self.params, padded))
 
     def keep_post_forward(self, shard_size: int, group: GroupInfo) -> PostForwardShard:
         """This rank's 1/k of the gathered parameters, for a re-gather within ``group``."""

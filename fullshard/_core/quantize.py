@@ -70,13 +70,13 @@ class BlockQuantizer:
         out[padded:].view(torch.float32).copy_(scales)
 
     @torch.no_grad()
-    def decode(self, packed: torch.Tensor, num_chunks: int, numel: int, out: torch.Tensor) -> None:
-        """Decodes ``num_chunks`` gathered chunks (``packed``: uint8, rank-major), each
-        holding ``numel`` values, into ``out`` (``num_chunks * numel`` values, any dtype)."""
-        num_blocks = self.num_blocks(numel)
+    def decode(self, chunks: torch.Tensor, numel: int, out: torch.Tensor) -> None:
+        """Decodes gathered chunks (``chunks``: uint8, one row per rank, codes first;
+        rows may be strided) of ``numel`` values each into ``out`` (rows of ``numel``,
+        any float dtype)."""
+        num_chunks, num_blocks = chunks.size(0), self.num_blocks(numel)
         padded = num_blocks * self.block_size
-        chunks = packed.view(num_chunks, -1)
         codes = chunks[:, :padded].view(self.code_dtype).view(num_chunks, num_blocks, self.block_size)
-        scales = chunks[:, padded:].view(torch.float32).view(num_chunks, num_blocks, 1)
-        values = (codes.to(torch.float32) * scales).view(num_chunks, padded)[:, :numel]
-        out.view(num_chunks, numel).copy_(values)
+        scales = chunks[:, padded : padded + num_blocks * _SCALE_BYTES].view(torch.float32).unsqueeze(2)
+        values = (codes.to(torch.float32) * scales).view(num_chunks, padded)
+        out.copy_(values[:, :numel])
