@@ -29,6 +29,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "keeps_exact_by_default",
 ]
 
 
