@@ -56,17 +56,18 @@ class BlockQuantizer:
         """Writes ``values`` (1D, any float dtype) into ``out`` (uint8, ``packed_numel``)."""
         num_blocks = self.num_blocks(values.numel())
         padded = num_blocks * self.block_size
-        blocks = values.new_zeros(padded, dtype=torch.float32)
-        blocks[: values.numel()].copy_(values)
-        blocks = blocks.view(num_blocks, self.block_size)
+        if values.numel() < padded:  # a short last block, padded with zeros
+            values = torch.cat([values, values.new_zeros(padded - values.numel())])
+        blocks = values.view(num_blocks, self.block_size)
         code_max = CODE_MAX[self.code_dtype]
-        scales = blocks.abs().amax(dim=1).div_(code_max)
-        scales.masked_fill_(scales == 0, 1.0)  # an all-zero block decodes to zeros under any scale
-        blocks.div_(scales.unsqueeze(1)).clamp_(-code_max, code_max)
-        codes = out[:padded].view(self.code_dtype).view(num_blocks, self.block_size)
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).float()
+        scales = absmax.div_(code_max).masked_fill_(absmax == 0, 1.0)  # a zero block decodes to zeros anyway
+        scaled = torch.mul(blocks, scales.reciprocal().unsqueeze(1))  # fp32, within +-code_max (to rounding)
         if self.code_dtype == torch.int8:
-            blocks.round_()
-        codes.copy_(blocks)
+            scaled.round_()
+        else:
+            scaled.clamp_(-code_max, code_max)  # float8_e4m3fn has no infinity: past 448 is NaN
+        out[:padded].view(self.code_dtype).view(num_blocks, self.block_size).copy_(scaled)
         out[padded:].view(torch.float32).copy_(scales)
 
     @torch.no_grad()
@@ -78,5 +79,8 @@ class BlockQuantizer:
         padded = num_blocks * self.block_size
         codes = chunks[:, :padded].view(self.code_dtype).view(num_chunks, num_blocks, self.block_size)
         scales = chunks[:, padded : padded + num_blocks * _SCALE_BYTES].view(torch.float32).unsqueeze(2)
-        values = (codes.to(torch.float32) * scales).view(num_chunks, padded)
-        out.copy_(values[:, :numel])
+        if self.code_dtype == torch.int8:
+            values = torch.mul(codes, scales)  # one pass, int8 read as fp32
+        else:
+            values = codes.to(torch.float32).mul_(scales)  # no mixed float8 arithmetic on every device
+        out.copy_(values.view(num_chunks, padded)[:, :numel])
