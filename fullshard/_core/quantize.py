@@ -79,8 +79,18 @@ class BlockQuantizer:
         padded = num_blocks * self.block_size
         codes = chunks[:, :padded].view(self.code_dtype).view(num_chunks, num_blocks, self.block_size)
         scales = chunks[:, padded : padded + num_blocks * _SCALE_BYTES].view(torch.float32).unsqueeze(2)
+        if self.code_dtype == torch.int8 and numel == padded and _casts_in_kernel(out):
+            torch.mul(codes, scales, out=out.view(num_chunks, num_blocks, self.block_size))  # one pass, no temporary
+            return
         if self.code_dtype == torch.int8:
-            values = torch.mul(codes, scales)  # one pass, int8 read as fp32
+            values = torch.mul(codes, scales)  # int8 read as fp32
         else:
             values = codes.to(torch.float32).mul_(scales)  # no mixed float8 arithmetic on every device
         out.copy_(values.view(num_chunks, padded)[:, :numel])
+
+
+def _casts_in_kernel(out: torch.Tensor) -> bool:
+    """Whether a product written into ``out`` costs one pass: fp32 anywhere, any dtype on an
+    accelerator (the CPU's kernels convert a low-precision output element by element, slower
+    than an fp32 temporary and a copy)."""
+    return out.dtype == torch.float32 or out.device.type != "cpu"
