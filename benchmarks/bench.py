@@ -5,6 +5,7 @@
     python benchmarks/bench.py --nproc 4 --strategy hybrid --frameworks fullshard-wrapper,fsdp1
     python benchmarks/bench.py --frameworks all --json results.json
     python benchmarks/bench.py --frameworks all --mixed-precision bf16
+    python benchmarks/bench.py --frameworks fullshard,fullshard-int8,fullshard-float8 --mixed-precision bf16
     python benchmarks/bench.py --device cuda --model gpt-1.3b --batch 4 --seq 2048 --mixed-precision bf16
     python benchmarks/bench.py --device cuda --fake-world 8 --model gpt-7b --batch 1 --seq 2048 --mixed-precision bf16
     python benchmarks/bench.py --device cpu --fake-world 8 --model gpt-tiny --steps 1   # smoke check
@@ -29,6 +30,10 @@ hits all alike. Reported per framework:
 - ``fullshard-checked``: fully_shard with execution-order validation on (the
   DETAIL debug level at its lazy initialisation); its ratio to ``fullshard``
   is what the check costs. At other levels the validator does not exist;
+- ``fullshard-int8`` / ``fullshard-float8``: fully_shard with its weights gathered as
+  block-wise codes (``set_all_gather_quantization``, default rule: norms and
+  embeddings exact); their rows also show the time per step spent quantizing
+  and dequantizing (the profiler's ``fullshard::all_gather_(de)quantize`` ranges);
 - bytes per step: data passed to all-gather, reduce-scatter, all-reduce and
   broadcast (full buffers), counted by wrapping torch.distributed's functions,
   which the FSDP implementations call, and through a DDP communication hook.
@@ -73,6 +78,10 @@ COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1", "fullshard-ch
 # debug level, which turns the validator on for good; the level then goes back to the default,
 # so the process groups and every other framework stay unchanged.
 CHECKED = "fullshard-checked"
+# fully_shard with a quantized all-gather (not in "all": its counterpart is fullshard itself)
+QUANTIZED = {"fullshard-int8": torch.int8, "fullshard-float8": torch.float8_e4m3fn}
+COUNTERPART.update(dict.fromkeys(QUANTIZED, "fullshard"))
+CODEC_LABELS = ("fullshard::all_gather_quantize", "fullshard::all_gather_dequantize")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -102,9 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.frameworks = ALL_FRAMEWORKS if args.frameworks == "all" else tuple(args.frameworks.split(","))
-    unknown = set(args.frameworks) - set(ALL_FRAMEWORKS)
+    unknown = set(args.frameworks) - set(ALL_FRAMEWORKS) - set(QUANTIZED)
     if unknown:
-        parser.error(f"unknown frameworks {sorted(unknown)}; choose from {', '.join(ALL_FRAMEWORKS)}")
+        parser.error(f"unknown frameworks {sorted(unknown)}; choose from {', '.join((*ALL_FRAMEWORKS, *QUANTIZED))}")
     if args.strategy == "hybrid" and args.nproc % 2:
         parser.error("--strategy hybrid needs an even --nproc (two 'nodes')")
     args.device_mode = args.device == "cuda" or args.fake_world is not None
@@ -184,7 +193,7 @@ def _hybrid_mesh(args: argparse.Namespace):
 def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: list[ByteCounter]) -> nn.Module:
     """``model`` prepared by framework ``name`` for ``args.strategy``."""
     cpu = torch.device("cpu")
-    if name in ("fullshard", "fsdp2", CHECKED):
+    if name in ("fullshard", "fsdp2", CHECKED, *QUANTIZED):
         if name != "fsdp2":
             from fullshard import fully_shard
         else:
@@ -200,7 +209,12 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
             else MixedPrecisionPolicy()
         for layer in model.layers:
             fully_shard(layer, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
-        return fully_shard(model, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
+        model = fully_shard(model, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
+        if name in QUANTIZED:
+            from fullshard import AllGatherQuantization, set_all_gather_quantization
+
+            set_all_gather_quantization(model, AllGatherQuantization(dtype=QUANTIZED[name]))
+        return model
     if name in ("fullshard-wrapper", "fsdp1"):
         if name == "fullshard-wrapper":
             from fullshard import FSDP, MixedPrecision, ShardingStrategy
@@ -230,6 +244,13 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
         ddp.register_comm_hook(None, counted_allreduce)
         return ddp
     return model  # local: this rank's batch, no communication
+
+
+def codec_seconds(run_step: Callable[[], None]) -> float:
+    """CPU time one step spends quantizing and dequantizing (the engine's profiler ranges)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run_step()
+    return sum(e.cpu_time_total for e in profile.key_averages() if e.key.startswith(CODEC_LABELS)) / 1e6
 
 
 def persistent_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
@@ -309,6 +330,8 @@ def worker(args: argparse.Namespace) -> None:
                     progress.update()
         for name in args.frameworks:
             results[name]["step_s"] = statistics.median(times[name])
+            if name in QUANTIZED:
+                results[name]["codec_s"] = codec_seconds(lambda: step(name))
     else:
         peaks: dict[str, list[int]] = {name: [] for name in args.frameworks}
         for index in range(1 + args.memory_steps):
@@ -380,6 +403,11 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
             r = ratios[f"{ours}/{theirs}"]
             print(f"  {ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
                   f"bytes {r['bytes_mib']:.4f}x")
+    for name in rows:
+        if name in QUANTIZED:
+            rows[name]["codec_s"] = statistics.median(r[name]["codec_s"] for r in timing)
+            print(f"  {name}: quantize + dequantize {1e3 * rows[name]['codec_s']:.1f} ms per step "
+                  f"({100 * rows[name]['codec_s'] / rows[name]['step_s']:.1f}% of its step)")
     print(f"(ideal bytes for full sharding: 2 all-gathers of {gather_bytes * num_params / mib:.1f} MiB and one "
           f"reduce-scatter of {4 * num_params / mib:.1f} MiB)")
     return {"args": {k: v for k, v in vars(args).items() if k not in ("phase", "out")}, "rows": rows, "ratios": ratios}

@@ -5,7 +5,9 @@ imports.
 """
 
 from ._core.mesh import hybrid_mesh
+from .all_gather_quantization import set_all_gather_quantization
 from .api import (
+    AllGatherQuantization,
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
@@ -33,6 +35,7 @@ from .state_dict import full_state_dict
 from .wrapper import FSDP, FullyShardedDataParallel
 
 __all__ = [
+    "AllGatherQuantization",
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
@@ -63,6 +66,7 @@ __all__ = [
     "hybrid_mesh",
     "register_fsdp_forward_method",
     "replicate",
+    "set_all_gather_quantization",
 ]
 
 for _name in __all__:

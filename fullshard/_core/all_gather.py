@@ -19,6 +19,7 @@ from .extension import GatherExtension
 from .layout import Layout
 from .mesh import GroupInfo
 from .param import ShardParam
+from .quantized_gather import QuantizedGather
 
 
 def _extension(param: ShardParam) -> GatherExtension:
@@ -40,6 +41,7 @@ class AllGatherInFlight:
     num_chunks: int
     # Parameters whose extension inputs follow the plain regions, in order (see extension.py).
     extended: tuple[ShardParam, ...] = ()
+    codec: QuantizedGather | None = None  # the output holds its codes (see quantized_gather.py)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class AllGather:
         self.buffers = buffers
         self.device = device  # where compute and communication happen
         self.offload = offload
+        self.codec: QuantizedGather | None = None  # set_all_gather_quantization
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
@@ -129,17 +132,27 @@ class AllGather:
         extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
-        output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-        with self._copy_stream(), trace.span(labels.all_gather):  # after the copy-in
-            work = comm.all_gather(output, source, process_group(group), async_op=async_op)
-        return AllGatherInFlight(work, source, output, layout, group.size, extended)
+        with self._copy_stream():  # after the copy-in
+            source = self._encode(source, layout, labels)
+            output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
+            with trace.span(labels.all_gather):
+                work = comm.all_gather(output, source, process_group(group), async_op=async_op)
+        return AllGatherInFlight(work, source, output, layout, group.size, extended, self.codec)
 
-    def join(self, source: torch.Tensor, group: GroupInfo) -> None:
+    def _encode(self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels) -> torch.Tensor:
+        """What goes on the wire: ``source`` itself, or its codes under a quantized all-gather."""
+        if self.codec is None:
+            return source
+        with trace.span(labels.all_gather_quantize):
+            return self.codec.encode(source, layout)
+
+    def join(self, source: torch.Tensor, layout: Layout, group: GroupInfo, labels: trace.UnitLabels) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
         if group.size > 1:
-            scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
             with self._copy_stream():
+                source = self._encode(source, layout, labels)
+                scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
                 comm.all_gather(scratch, source, process_group(group), async_op=False)
             offload.join_stream(self.device, offload.ALL_GATHER)
 
@@ -162,7 +175,11 @@ class AllGather:
             for tensor in padded + refreshed:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             stack.enter_context(trace.span(labels.copy_out))
-            in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, views)
+            gathered = in_flight.output
+            if in_flight.codec is not None:
+                with trace.span(labels.all_gather_dequantize):
+                    gathered = in_flight.codec.decode(gathered, in_flight.num_chunks, in_flight.layout)
+            in_flight.layout.copy_out(gathered, in_flight.num_chunks, padded, views)
             for param in in_flight.extended:
                 param.rebuild_unsharded()
 

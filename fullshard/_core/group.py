@@ -227,9 +227,10 @@ class ParamGroup:
         (execution-order validation, see [Note: Execution order])."""
         kept = self._post_forward_shard
         if kept is not None:
-            self.gather.join(kept.source, kept.group)
+            self.gather.join(kept.source, kept.layout, kept.group, self.labels)
         else:
-            self.gather.join(self.gather.input(self.labels)[0], self.mesh_info.shard)
+            source, layout = self.gather.input(self.labels)
+            self.gather.join(source, layout, self.mesh_info.shard, self.labels)
 
     def _alias_unsharded(self) -> None:
         if self.buffer_view is not None:

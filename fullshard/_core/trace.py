@@ -26,7 +26,9 @@ _NOT_PROFILING: contextlib.AbstractContextManager[None] = contextlib.nullcontext
 @dataclass(frozen=True)
 class UnitLabels:
     all_gather_copy_in: str
+    all_gather_quantize: str
     all_gather: str
+    all_gather_dequantize: str
     copy_out: str
     reshard: str
     reduce_copy_in: str

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from ..models import PRESETS, ModelArgs, get_preset
 from .corpus import VOCAB_SIZE
 
-__all__ = ["MIXED_PRECISION", "STRATEGIES", "TrainConfig", "add_arguments"]
+__all__ = ["ALL_GATHER_DTYPES", "MIXED_PRECISION", "STRATEGIES", "TrainConfig", "add_arguments"]
 
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
 MIXED_PRECISION = ("none", "bf16", "fp16")
+ALL_GATHER_DTYPES = ("none", "int8", "float8")  # none: weights gathered in the compute dtype
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class TrainConfig:
     shard_size: int | None = None
     mixed_precision: str = "none"
     cpu_offload: bool = False
+    all_gather_dtype: str = "none"
     steps: int = 200
     batch: int = 16
     lr: float = 3e-3
@@ -77,6 +79,8 @@ class TrainConfig:
             raise ValueError(f"--strategy expects one of {', '.join(STRATEGIES)} but got {self.strategy!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"--mixed-precision expects one of {', '.join(MIXED_PRECISION)}")
+        if self.all_gather_dtype not in ALL_GATHER_DTYPES:
+            raise ValueError(f"--all-gather-dtype expects one of {', '.join(ALL_GATHER_DTYPES)}")
         for flag, value in (
             ("--steps", self.steps),
             ("--batch", self.batch),
@@ -142,6 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute dtype; gradients are reduced in fp32 (fp16 adds a ShardedGradScaler)",
     )
     sharding.add_argument("--cpu-offload", action="store_true", help="shards, gradients and optimizer on the host")
+    sharding.add_argument(
+        "--all-gather-dtype",
+        choices=ALL_GATHER_DTYPES,
+        default=defaults.all_gather_dtype,
+        help="gather weights as block-wise int8 or float8 codes (about half of bf16's bytes); "
+        "norms and embeddings stay exact",
+    )
     training = parser.add_argument_group("training")
     training.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in total")
     training.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step, over all ranks")

@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._core.mesh import default_mesh, hybrid_mesh
-from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from ..all_gather_quantization import set_all_gather_quantization
+from ..api import AllGatherQuantization, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from ..fully_shard import fully_shard
 from ..models import Transformer, TransformerBlock
 from ..wrap import ModuleWrapPolicy
@@ -26,6 +27,7 @@ __all__ = ["build_sharded_model", "initialize"]
 
 _INIT_STD = 0.02  # GPT-2's
 _DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CODES = {"int8": torch.int8, "float8": torch.float8_e4m3fn}
 _STRATEGIES = {
     "full": ShardingStrategy.FULL_SHARD,
     "grad-op": ShardingStrategy.SHARD_GRAD_OP,
@@ -74,6 +76,8 @@ def build_sharded_model(config: TrainConfig, device: torch.device) -> Transforme
         mp_policy=mixed_precision_policy(config),
         offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
     )
+    if config.all_gather_dtype != "none":
+        set_all_gather_quantization(model, AllGatherQuantization(dtype=_CODES[config.all_gather_dtype]))
     model.to_empty(device="cpu" if config.cpu_offload else device)
     initialize(model, config.seed)
     return model

@@ -124,6 +124,8 @@ def print_summary(result: RunResult) -> None:
     config = result.config
     precision = "fp32" if config.mixed_precision == "none" else f"{config.mixed_precision} compute, fp32 reduce"
     offload = ", CPU offload" if config.cpu_offload else ""
+    if config.all_gather_dtype != "none":
+        offload += f", weights gathered as {config.all_gather_dtype}"
     lines = [
         "",
         f"{config.model}: {describe_model(config.model_args())}",

@@ -1,0 +1,71 @@
+"""``set_all_gather_quantization``: weights gathered as block-wise codes, for both front ends.
+
+fullshard's addition: torch's FSDP gathers in fp8 only through torchao's float8
+training weights. See [Note: Quantized all-gather] in ``_core/quantize.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ._core.manage import states_below
+from ._core.param import ShardParam
+from ._core.quantize import BlockQuantizer
+from ._core.quantized_gather import QuantizedGather
+from .api import AllGatherQuantization
+
+__all__ = ["set_all_gather_quantization"]
+
+
+def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuantization | None) -> None:
+    """Makes every unit in ``module`` (``fully_shard`` units or ``FullyShardedDataParallel``
+    instances, ``module`` included) gather its weights as ``quantization`` says from
+    its next all-gather on; None gathers them as they are again.
+
+    Only the gathered copy that forward and backward compute with is quantized:
+    gradients are exact with respect to it, and the sharded weights the optimizer
+    steps on keep their precision. A unit whose shard group has one rank gathers
+    nothing, so it computes with its exact weights.
+
+    Raises:
+        ValueError: ``module`` holds no unit, or the settings are invalid.
+        NotImplementedError: a unit mixes parameter dtypes (no one gather dtype to decode into), or
+            holds tensor-subclass parameters (they gather in their own format).
+    """
+    states = states_below(module)
+    if not states:
+        raise ValueError(
+            "set_all_gather_quantization expects a module sharded by fully_shard or FullyShardedDataParallel "
+            f"but got {type(module).__name__}, which holds no unit; shard it first"
+        )
+    quantizer = None if quantization is None else BlockQuantizer(quantization.dtype, quantization.block_size)
+    for state in states:
+        group = state.group
+        if group is None:
+            continue
+        if quantization is None or quantizer is None:
+            group.gather.codec = None
+            continue
+        if group.buffers.extended:
+            names = ", ".join(p.fqn for p in group.buffers.extended)
+            raise NotImplementedError(
+                f"set_all_gather_quantization is not yet supported with tensor-subclass parameters, which gather "
+                f"in their own format ({group.owner_name} holds {names}); leave this unit out of `module`"
+            )
+        if group.storage_layout.dtype == torch.uint8:
+            dtypes = sorted({str(p.orig_dtype) for p in group.params})
+            raise NotImplementedError(
+                f"set_all_gather_quantization is not yet supported with a unit of several dtypes ({group.owner_name}"
+                f" holds {', '.join(dtypes)}); give its parameters one dtype"
+            )
+        exact = [_keeps_exact(param, quantization) for param in group.params]
+        group.gather.codec = QuantizedGather(quantizer, exact)
+
+
+def _keeps_exact(param: ShardParam, quantization: AllGatherQuantization) -> bool:
+    """Whether any module registering ``param`` asks for it to stay exact."""
+    info = param.module_info
+    owners = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+    value = param.sharded_param
+    return any(quantization.keep_exact(module, name, value) for module, name in owners)

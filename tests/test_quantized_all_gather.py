@@ -1,0 +1,228 @@
+"""Quantized all-gather (``set_all_gather_quantization``): what goes on the wire, what
+every rank computes with, exact gradients with respect to it, and every front end and
+mesh. See [Note: Quantized all-gather] in fullshard/_core/quantize.py.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fullshard import (
+    AllGatherQuantization,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    fully_shard,
+    set_all_gather_quantization,
+)
+from fullshard._core import comm
+from fullshard._core.quantize import BlockQuantizer
+from fullshard._core.state import get_state
+from fullshard.models import ModelArgs, Transformer
+from fullshard.testing import distributed
+from fullshard.wrap import ModuleWrapPolicy
+from test_tensor_subclass_params import Bf16Gathered  # a tensor subclass with torch's FSDP2 gather hooks
+
+ARGS = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=64, n_heads=4)
+CODES = [torch.int8, torch.float8_e4m3fn]
+NOTHING_EXACT = AllGatherQuantization(keep_exact=lambda module, name, param: False)
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(ARGS.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The next-token loss through ``model``'s forward (the wrapper gathers only there)."""
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _sharded(quantization: AllGatherQuantization | None, **kwargs) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    set_all_gather_quantization(model, quantization)
+    return model
+
+
+def _gathered_bytes(model: nn.Module) -> tuple[int, set[torch.dtype]]:
+    with comm.record_comms() as records:
+        _loss(model, _batch(0)).backward()
+    gathers = [r for r in records if r.op == "all_gather"]
+    return sum(r.nbytes for r in gathers), {r.dtype for r in gathers}
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("code", CODES)
+def test_about_half_the_bytes_of_a_bf16_gather(code: torch.dtype):
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    plain, plain_dtypes = _gathered_bytes(_sharded(None, mp_policy=bf16))
+    assert plain_dtypes == {torch.bfloat16}
+    everything = AllGatherQuantization(dtype=code, keep_exact=NOTHING_EXACT.keep_exact)
+    coded, coded_dtypes = _gathered_bytes(_sharded(everything, mp_policy=bf16))
+    assert coded_dtypes == {torch.uint8}  # float8 travels as its bytes: gloo has no float8
+    assert coded <= 0.55 * plain
+    # The default rule keeps norms and the embedding exact: more bytes, but still far under bf16.
+    default, _ = _gathered_bytes(_sharded(AllGatherQuantization(dtype=code), mp_policy=bf16))
+    assert coded < default < 0.7 * plain
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("code", CODES)
+def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype):
+    """The gathered weight is, bit for bit, each rank's shard encoded and decoded."""
+    quantization = AllGatherQuantization(dtype=code, block_size=32)
+    model = _sharded(quantization)
+    linear = model.layers[0].attention.wq
+    seen: list[torch.Tensor] = []
+    linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.detach().clone()))
+    _loss(model, _batch(0))
+    gathered = seen[0]
+    everyone = [torch.empty_like(gathered) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, gathered)
+    assert all(torch.equal(other, gathered) for other in everyone)
+    # wq is one of the unit's coded parameters: blocks run over all of them back to back,
+    # so rebuild this rank's codes the same way from the unit's shards.
+    group = get_state(model.layers[0]).group
+    codec = group.gather.codec
+    plan = codec._plan(group.buffers.gather_layout)
+    layout = group.buffers.gather_layout
+    shard_buffer = group.buffers.shard_buffer
+    values = torch.cat([shard_buffer[layout.offsets[i] : layout.offsets[i] + layout.sizes[i]] for i in plan.coded])
+    quantizer = BlockQuantizer(code, 32)
+    packed = torch.empty(1, quantizer.packed_numel(values.numel()), dtype=torch.uint8)
+    quantizer.encode(values, packed[0])
+    decoded = torch.empty(1, values.numel())
+    quantizer.decode(packed, values.numel(), decoded)
+    index = [p.module_info.module for p in group.params].index(linear)
+    start = sum(layout.sizes[i] for i in plan.coded[: plan.coded.index(index)])
+    mine = decoded[0, start : start + layout.sizes[index]]
+    rows = gathered.size(0) // dist.get_world_size()
+    assert torch.equal(gathered[dist.get_rank() * rows : (dist.get_rank() + 1) * rows].reshape(-1), mine)
+    assert not torch.equal(gathered, linear.weight.full_tensor())  # quantized, not the exact weight
+
+
+@distributed(world_size=2)
+def test_gradients_exact_with_respect_to_the_quantized_weights():
+    """One process computing with the decoded weights gets our reduced gradients."""
+    model = _sharded(AllGatherQuantization(block_size=16))
+    used: dict[str, torch.Tensor] = {}
+
+    def keep_weight(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            used[name] = module.weight.detach().clone()
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(keep_weight(name + ".weight"))
+    batches = [_batch(rank) for rank in range(dist.get_world_size())]
+    _loss(model, batches[dist.get_rank()]).backward()
+    torch.manual_seed(0)
+    reference = Transformer(ARGS)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(used.get(name, dict(model.named_parameters())[name].full_tensor()))
+    for batch in batches:
+        (_loss(reference, batch) / len(batches)).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
+
+
+def _train(model: nn.Module, steps: int = 4) -> list[float]:
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        batch = _batch(10 * step + dist.get_rank())
+        loss = _loss(model, batch)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@distributed(world_size=2)
+def test_trains_close_to_exact_and_can_be_turned_off():
+    exact = _train(_sharded(None))
+    coded = _train(_sharded(AllGatherQuantization()))
+    assert exact != coded
+    torch.testing.assert_close(torch.tensor(coded), torch.tensor(exact), rtol=1e-2, atol=0)
+    model = _sharded(AllGatherQuantization())
+    set_all_gather_quantization(model, None)
+    assert _train(model) == exact
+
+
+@distributed(world_size=2)
+def test_cpu_offload_sends_and_computes_the_same():
+    coded = _train(_sharded(AllGatherQuantization()))
+    offloaded = _train(_sharded(AllGatherQuantization(), offload_policy=CPUOffloadPolicy()))
+    assert offloaded == coded
+
+
+@distributed(world_size=4)
+def test_backward_regather_within_a_smaller_group_is_quantized_too():
+    model = _sharded(NOTHING_EXACT, reshard_after_forward=2)
+    with comm.record_comms() as records:
+        _loss(model, _batch(0)).backward()
+    gathers = [r for r in records if r.op == "all_gather"]
+    assert {r.group_size for r in gathers} == {2, 4}
+    assert {r.dtype for r in gathers} == {torch.uint8}
+    losses = _train(_sharded(NOTHING_EXACT, reshard_after_forward=2))
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@distributed(world_size=4)
+def test_hybrid_mesh_quantizes_the_shard_group_gather():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    plain, _ = _gathered_bytes(_sharded(None, mesh=mesh))
+    coded, dtypes = _gathered_bytes(_sharded(NOTHING_EXACT, mesh=mesh))
+    assert dtypes == {torch.uint8}
+    assert coded <= 0.3 * plain  # 1 byte (and a scale per block) instead of fp32's 4
+    exact = torch.tensor(_train(_sharded(None, mesh=mesh)))
+    torch.testing.assert_close(torch.tensor(_train(_sharded(AllGatherQuantization(), mesh=mesh))), exact, rtol=1e-2, atol=0)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_wrapper_front_end(use_orig_params: bool):
+    def wrapped() -> FullyShardedDataParallel:
+        torch.manual_seed(0)
+        policy = ModuleWrapPolicy({type(Transformer(ARGS).layers[0])})
+        return FullyShardedDataParallel(Transformer(ARGS), auto_wrap_policy=policy, use_orig_params=use_orig_params)
+
+    plain_model = wrapped()
+    plain, _ = _gathered_bytes(plain_model)
+    model = wrapped()
+    set_all_gather_quantization(model, NOTHING_EXACT)
+    coded, dtypes = _gathered_bytes(model)
+    assert dtypes == {torch.uint8}
+    assert coded <= 0.3 * plain
+    model = wrapped()
+    set_all_gather_quantization(model, AllGatherQuantization())
+    torch.testing.assert_close(torch.tensor(_train(model)), torch.tensor(_train(wrapped())), rtol=1e-2, atol=0)
+
+
+@distributed(world_size=2)
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"^set_all_gather_quantization expects a module sharded .* but got Linear"):
+        set_all_gather_quantization(nn.Linear(2, 2), AllGatherQuantization())
+    with pytest.raises(ValueError, match=r"^quantized all-gather expects a code dtype in .* but got torch.float16$"):
+        set_all_gather_quantization(_sharded(None), AllGatherQuantization(dtype=torch.float16))
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    fully_shard(mixed)
+    with pytest.raises(NotImplementedError, match=r"with a unit of several dtypes \(Sequential holds torch.float32"):
+        set_all_gather_quantization(mixed, AllGatherQuantization())
+    with_subclass = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with_subclass[1].weight = nn.Parameter(Bf16Gathered(with_subclass[1].weight.detach()))
+    fully_shard(with_subclass)
+    with pytest.raises(NotImplementedError, match=r"with tensor-subclass parameters, .* \(Sequential holds 1.weight\)"):
+        set_all_gather_quantization(with_subclass, AllGatherQuantization())
