@@ -224,9 +224,12 @@ class FSDPModule(nn.Module):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty()/to()/half() give the shards new tensors: re-pack them into
         # the unit's flat buffer so the all-gather stays copy-free.
+        # A unit over several modules ([norm, head]) is visited one module at a
+        # time: re-pack once all its shards share a device again, since packing
+        # a moved half with a meta half would leave the whole unit on meta.
         result = super()._apply(*args, **kwargs)
         group = self._fsdp_state().group
-        if group is not None:
+        if group is not None and len({getattr(p.module_registration(), "device", None) for p in group.params}) == 1:
             group.rebind_shards()
         return result
 
