@@ -9,6 +9,7 @@ from .api import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -26,7 +27,7 @@ from .api import (
     StateDictType,
 )
 from .clip import clip_grad_norm_
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .grad_scaler import ShardedGradScaler
 from .replicate import ReplicateModule, replicate
 from .state_dict import full_state_dict
@@ -36,6 +37,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDP",
     "FSDPModule",
     "FullOptimStateDictConfig",
@@ -63,6 +65,7 @@ __all__ = [
     "hybrid_mesh",
     "register_fsdp_forward_method",
     "replicate",
+    "share_comm_ctx",
 ]
 
 for _name in __all__:

@@ -27,17 +27,31 @@ from ._core.common import UnitConfig, module_class_name
 from ._core.init import root_modules, validate_dtensor_meshes, validate_module
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
+from ._core.spmd_mesh import data_parallel_mesh
 from ._core.state import ModuleState, get_state
-from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
+from .api import (
+    HYBRID_STRATEGIES,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
+from .comm_settings import CommSettings
 from .state_dict import default_settings, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
+    def wait(self) -> None:
+        """Makes the unsharded parameters usable (nothing left to wait for here)."""
+
+
+class _UnitUnshardHandle(UnshardHandle):
     def __init__(self, state: ModuleState) -> None:
         self._state: ModuleState | None = state
 
@@ -47,7 +61,7 @@ class UnshardHandle:
         self._state = None
 
 
-class FSDPModule(nn.Module):
+class FSDPModule(CommSettings, nn.Module):
     """Mixed into the class of every module that ``fully_shard`` was applied to
     (first base of ``FSDP<Class>(FSDPModule, Class)``; see ``swap_class``)."""
 
@@ -76,7 +90,7 @@ class FSDPModule(nn.Module):
             state.group.unshard(async_op=async_op)
             if not async_op:
                 state.group.wait_for_unshard()
-        return UnshardHandle(state) if async_op else None
+        return _UnitUnshardHandle(state) if async_op else None
 
     def reshard(self) -> None:
         """Frees this module's full parameters and registers the shards again."""
@@ -276,6 +290,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     policy: Policy | PolicyFn | None = None,
     strategy: ShardingStrategy | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
@@ -304,6 +319,11 @@ def fully_shard(
         mp_policy: parameter/reduction/output dtypes (``MixedPrecisionPolicy``).
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, moved or reduced).
+        dp_mesh_dims: ``mesh`` is a whole SPMD mesh and these are its
+            data-parallel dims (``DataParallelMeshDims``): the unit shards over
+            ``shard`` and replicates over ``replicate`` (several names are
+            flattened into one dim). Not with ``strategy`` or an int
+            ``reshard_after_forward``.
         policy: an auto-wrap policy (``fullshard.wrap``): the submodules it
             selects get their own ``fully_shard`` first, with these arguments.
         strategy: a ``ShardingStrategy`` instead of ``mesh``/``reshard_after_forward``:
@@ -329,7 +349,10 @@ def fully_shard(
         validate_module(candidate, "fully_shard")
     roots = root_modules(listed)
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
-    mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
+    if dp_mesh_dims is not None:
+        mesh, replicate_only = _spmd_data_parallel_mesh(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
+    else:
+        mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
     for root in roots:
         validate_dtensor_meshes(root, mesh.device_type)
     mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
@@ -363,6 +386,26 @@ def fully_shard(
     for root in roots:
         swap_class(root, FSDPModule, "FSDP")
     return cast(FSDPModule, module)  # swap_class made it one (a list: each of its modules)
+
+
+def _spmd_data_parallel_mesh(
+    roots: tuple[nn.Module, ...],
+    mesh: DeviceMesh | None,
+    dims: DataParallelMeshDims,
+    strategy: ShardingStrategy | None,
+    reshard_after_forward: bool | int | None,
+) -> tuple[DeviceMesh, bool]:
+    """(data-parallel mesh, replicate only?) for ``dp_mesh_dims`` (see spmd_mesh.py)."""
+    owner = module_class_name(roots[0])
+    if strategy is not None:
+        raise ValueError(f"fully_shard expects either strategy or dp_mesh_dims, but got both for {owner}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard does not support an int reshard_after_forward with dp_mesh_dims yet ({owner}); pass a bool"
+        )
+    mesh = mesh if mesh is not None else default_mesh()
+    params = [item for root in roots for item in root.named_parameters()]
+    return data_parallel_mesh(mesh, dims, params)
 
 
 def _resolve_strategy(
@@ -446,3 +489,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(output)
 
     module.__dict__[method_name] = wrapped
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Lets several roots (pipeline stages' model chunks) share communication
+    streams. fullshard's side streams are already one per device and process,
+    shared by every root, so this only checks its argument."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx expects modules that fully_shard was applied to, but got {module_class_name(module)}"
+            )
