@@ -24,7 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
-from ._core.init import root_modules, validate_dtensor_meshes, validate_module
+from ._core.init import (
+    get_managed_modules,
+    get_managed_states,
+    root_modules,
+    validate_dtensor_meshes,
+    validate_module,
+)
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
 from ._core.spmd_mesh import data_parallel_mesh
@@ -404,8 +410,9 @@ def _spmd_data_parallel_mesh(
             f"fully_shard does not support an int reshard_after_forward with dp_mesh_dims yet ({owner}); pass a bool"
         )
     mesh = mesh if mesh is not None else default_mesh()
-    params = [item for root in roots for item in root.named_parameters()]
-    return data_parallel_mesh(mesh, dims, params)
+    names = {id(p): name for root in roots for name, p in root.named_parameters()}
+    params, _ = get_managed_states(get_managed_modules(roots))  # not those of units below
+    return data_parallel_mesh(mesh, dims, [(names[id(p)], p) for p in params])
 
 
 def _resolve_strategy(
