@@ -31,6 +31,7 @@ from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_f
 from .grad_scaler import ShardedGradScaler
 from .replicate import ReplicateModule, replicate
 from .state_dict import full_state_dict
+from .torch_names import restore_torch_names, use_in_place_of_torch
 from .wrapper import FSDP, FullyShardedDataParallel
 
 __all__ = [
@@ -65,7 +66,9 @@ __all__ = [
     "hybrid_mesh",
     "register_fsdp_forward_method",
     "replicate",
+    "restore_torch_names",
     "share_comm_ctx",
+    "use_in_place_of_torch",
 ]
 
 for _name in __all__:
