@@ -91,11 +91,7 @@ def use_in_place_of_torch() -> TorchNamesRebound:
     """
     start = len(_replaced)
     ours = _ours()
-    for path in TORCH_MODULES:
-        try:
-            module = importlib.import_module(path)
-        except ImportError:  # a path this torch does not have
-            continue
+    for module in _torch_modules():
         for name, obj in ours.items():
             current = getattr(module, name, None)
             # A submodule of that name (``torch.distributed.fsdp.wrap``) is not a name to rebind.
@@ -103,6 +99,18 @@ def use_in_place_of_torch() -> TorchNamesRebound:
                 _replaced.append((module, name, current))
                 setattr(module, name, obj)
     return TorchNamesRebound(start)
+
+
+def _torch_modules() -> list[ModuleType]:
+    """All of ``TORCH_MODULES`` this torch has, imported before any name is rebound:
+    one imported later would copy fullshard's names, taking them for torch's."""
+    modules = []
+    for path in TORCH_MODULES:
+        try:
+            modules.append(importlib.import_module(path))
+        except ImportError:  # a path this torch does not have
+            continue
+    return modules
 
 
 def restore_torch_names() -> None:

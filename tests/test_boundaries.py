@@ -110,7 +110,7 @@ TORCH_FSDP = ("torch.distributed.fsdp", "torch.distributed._composable")
 CLEAN_ROOM_MARK = "# clean-room: rebinds torch's names only"
 # What the rebinding module may call: builtins, importlib, its own functions and list/dict methods.
 REBINDER_CALLS = {
-    "getattr", "setattr", "isinstance", "len", "import_module", "TorchNamesRebound", "_ours", "undo",
+    "getattr", "setattr", "isinstance", "len", "import_module", "TorchNamesRebound", "_ours", "_torch_modules", "undo",
     "pop", "append", "update", "items",
 }  # fmt: skip
 

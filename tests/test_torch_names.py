@@ -1,6 +1,8 @@
 """``fullshard.use_in_place_of_torch()``: torch's FSDP names resolve to fullshard's, until undone."""
 
 import importlib
+import subprocess
+import sys
 
 import torch.distributed._composable.fsdp as composable_fsdp
 import torch.distributed.fsdp as torch_fsdp
@@ -73,3 +75,16 @@ def test_a_library_looking_for_torchs_class_finds_our_units():
         for unit in units:
             unit.set_requires_gradient_sync(False)  # the methods a library calls are ours
         assert all(not g.requires_gradient_sync for u in units for g in u._groups(recurse=False))
+
+
+def test_undo_restores_modules_first_imported_by_the_rebinding():
+    """A torch module imported for the first time while names are rebound would copy ours."""
+    script = (
+        "import fullshard, sys\n"
+        "assert 'torch.distributed._composable.fsdp' not in sys.modules\n"
+        "fullshard.use_in_place_of_torch().undo()\n"
+        "import torch.distributed._composable.fsdp as C, torch.distributed.fsdp as T\n"
+        "assert C.FSDPModule is T.FSDPModule is not fullshard.FSDPModule\n"
+        "assert C.fully_shard is T.fully_shard is not fullshard.fully_shard\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
