@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import fullshard
 from fullshard.testing import distributed
 
+pytestmark = pytest.mark.libraries
 pytest.importorskip("triton", reason="torchtitan imports triton (about 1 GB): make test-libraries installs it")
 torchtitan = pytest.importorskip("torchtitan", reason="torchtitan is an optional test dependency")
 
