@@ -74,7 +74,7 @@ class FSDPModule(CommSettings, nn.Module):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (nn.Sequential
         # slicing): those are plain modules, so build the original class.
-        original: type[nn.Module] = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        original: type[nn.Module] = cls._fullshard_original_class  # type: ignore[attr-defined]  # swap_class's
         return original(*args, **kwargs)
 
     def _fsdp_state(self) -> ModuleState:
