@@ -19,7 +19,9 @@ import fullshard
 from fullshard._core import comm
 from fullshard.testing import distributed
 
-lightning = pytest.importorskip("lightning", reason="lightning is an optional test dependency (pip install -e '.[libraries]')")
+lightning = pytest.importorskip(
+    "lightning", reason="lightning is an optional test dependency (pip install -e '.[libraries]')"
+)
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 

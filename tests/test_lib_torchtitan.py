@@ -42,7 +42,9 @@ def run_parallelize_llama(use_fullshard: bool) -> list[float]:
             dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=dist.get_world_size()
         )
         dims.build_mesh()
-        args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=SEQ_LEN, multiple_of=16)
+        args = TransformerModelArgs(
+            dim=32, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=SEQ_LEN, multiple_of=16
+        )
         with torch.device("meta"):
             model = Transformer(args)
         job = JobConfig()

@@ -14,9 +14,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import fully_shard
+from fullshard.testing import distributed
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
-from fullshard.testing import distributed
 
 
 class _Head(nn.Module):
