@@ -25,15 +25,13 @@ from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
 from ._core.init import (
-    get_managed_modules,
-    get_managed_states,
     root_modules,
     validate_dtensor_meshes,
     validate_module,
 )
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
-from ._core.spmd_mesh import data_parallel_mesh
+from ._core.spmd_mesh import resolve_dp_mesh_dims
 from ._core.state import ModuleState, get_state
 from .api import (
     HYBRID_STRATEGIES,
@@ -356,7 +354,7 @@ def fully_shard(
     roots = root_modules(listed)
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
     if dp_mesh_dims is not None:
-        mesh, replicate_only = _spmd_data_parallel_mesh(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
+        mesh, replicate_only = resolve_dp_mesh_dims(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
     else:
         mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
     for root in roots:
@@ -392,27 +390,6 @@ def fully_shard(
     for root in roots:
         swap_class(root, FSDPModule, "FSDP")
     return cast(FSDPModule, module)  # swap_class made it one (a list: each of its modules)
-
-
-def _spmd_data_parallel_mesh(
-    roots: tuple[nn.Module, ...],
-    mesh: DeviceMesh | None,
-    dims: DataParallelMeshDims,
-    strategy: ShardingStrategy | None,
-    reshard_after_forward: bool | int | None,
-) -> tuple[DeviceMesh, bool]:
-    """(data-parallel mesh, replicate only?) for ``dp_mesh_dims`` (see spmd_mesh.py)."""
-    owner = module_class_name(roots[0])
-    if strategy is not None:
-        raise ValueError(f"fully_shard expects either strategy or dp_mesh_dims, but got both for {owner}")
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"fully_shard does not support an int reshard_after_forward with dp_mesh_dims yet ({owner}); pass a bool"
-        )
-    mesh = mesh if mesh is not None else default_mesh()
-    names = {id(p): name for root in roots for name, p in root.named_parameters()}
-    params, _ = get_managed_states(get_managed_modules(roots))  # not those of units below
-    return data_parallel_mesh(mesh, dims, [(names[id(p)], p) for p in params])
 
 
 def _resolve_strategy(

@@ -17,8 +17,32 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..api import DataParallelMeshDims
+from ..api import DataParallelMeshDims, ShardingStrategy
 from . import compat
+from .common import module_class_name
+from .init import get_managed_modules, get_managed_states
+from .mesh import default_mesh
+
+
+def resolve_dp_mesh_dims(
+    roots: tuple[nn.Module, ...],
+    mesh: DeviceMesh | None,
+    dims: DataParallelMeshDims,
+    strategy: ShardingStrategy | None,
+    reshard_after_forward: bool | int | None,
+) -> tuple[DeviceMesh, bool]:
+    """``fully_shard``'s (data-parallel mesh, replicate only?) for ``dp_mesh_dims``."""
+    owner = module_class_name(roots[0])
+    if strategy is not None:
+        raise ValueError(f"fully_shard expects either strategy or dp_mesh_dims, but got both for {owner}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard does not support an int reshard_after_forward with dp_mesh_dims yet ({owner}); pass a bool"
+        )
+    mesh = mesh if mesh is not None else default_mesh()
+    names = {id(p): name for root in roots for name, p in root.named_parameters()}
+    params, _ = get_managed_states(get_managed_modules(roots))  # not those of units below
+    return data_parallel_mesh(mesh, dims, [(names[id(p)], p) for p in params])
 
 
 def data_parallel_mesh(
