@@ -10,16 +10,18 @@ TORCH  := torch==2.13.0
 TORCH_VENVS    ?= $(HOME)/.cache/fullshard/torch-venvs
 TORCH_VERSIONS ?= 2.8.0 2.14.1
 CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py tests/test_wrapper.py \
-	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py tests/test_compile.py
+	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py tests/test_compile.py \
+	tests/test_torch_surface.py
 
-.PHONY: install demo test test-fast test-system lint bench clean check-torch
+.PHONY: install demo test test-fast test-libraries test-system lint bench clean check-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,plot,lint]'  # plot: the suite also draws fullshard plan's chart
+	# plot: the suite also draws fullshard plan's chart; libraries: Lightning, accelerate, peft (tests/test_lib_*.py), torchao
+	$(PY) -m pip install -q -e '.[test,plot,lint,libraries]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,11 +30,20 @@ demo: install
 	$(VENV)/bin/fullshard train --nproc 2 --steps 300 --sample 200
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not libraries" tests
 
 # The inner loop: everything but the tests marked slow (CI runs `make test`, all of them).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not libraries" tests
+
+# torchtitan's parallelize_llama over fullshard: torchtitan imports triton (about 1 GB), so it is
+# installed only here (measured: triton 24 s from a local wheel, the test 46 s, on a loaded 2-core machine).
+$(VENV)/.installed-torchtitan: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[torchtitan]'
+	touch $@
+
+test-libraries: $(VENV)/.installed-torchtitan
+	$(PY) -m pytest -q tests/test_lib_*.py
 
 # The suite on a Python that already has torch, pytest and tqdm (a GPU image's own torch, a machine
 # with no registry): no venv, no download. `make test-system SYSTEM_PYTHON=/path/to/python`.

@@ -11,6 +11,7 @@ from .api import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -28,10 +29,11 @@ from .api import (
     StateDictType,
 )
 from .clip import clip_grad_norm_
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .grad_scaler import ShardedGradScaler
 from .replicate import ReplicateModule, replicate
 from .state_dict import full_state_dict
+from .torch_names import restore_torch_names, use_in_place_of_torch
 from .wrapper import FSDP, FullyShardedDataParallel
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDP",
     "FSDPModule",
     "FullOptimStateDictConfig",
@@ -66,7 +69,10 @@ __all__ = [
     "hybrid_mesh",
     "register_fsdp_forward_method",
     "replicate",
+    "restore_torch_names",
     "set_all_gather_quantization",
+    "share_comm_ctx",
+    "use_in_place_of_torch",
 ]
 
 for _name in __all__:

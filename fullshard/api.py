@@ -14,6 +14,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
@@ -65,7 +66,9 @@ class MixedPrecision:
         keep_low_precision_grads: leave the reduced gradients in the reduce
             dtype instead of casting them back to the parameters' dtype.
         cast_forward_inputs: cast every wrapped module's floating-point inputs
-            to ``param_dtype`` (the root's are always cast).
+            to ``param_dtype``.
+        cast_root_forward_inputs: cast the root's floating-point inputs to
+            ``param_dtype`` (whatever ``cast_forward_inputs`` says).
     """
 
     param_dtype: torch.dtype | None = None
@@ -73,6 +76,7 @@ class MixedPrecision:
     buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,39 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Names the data-parallel dims of a whole SPMD mesh given to
+    ``fully_shard(mesh, dp_mesh_dims=...)``; the mesh's other dims are left alone.
+
+    Attributes:
+        shard: the dim (or dims, flattened into one) the parameters are sharded over.
+        replicate: the dim (or dims, flattened into one) they are replicated over
+            (HSDP with ``shard``; data parallel without sharding alone).
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims expects shard or replicate (or both) but got neither")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(dims: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if dims is None:
+        return ()
+    return (dims,) if isinstance(dims, str) else tuple(dims)
 
 
 @dataclass
@@ -167,7 +204,9 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class OptimStateDictConfig:
-    offload_to_cpu: bool = False
+    """``offload_to_cpu``: hand out CPU tensors (the default for optimizer states, as in torch)."""
+
+    offload_to_cpu: bool = True
 
 
 @dataclass
@@ -182,7 +221,7 @@ class ShardedOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
-    pass
+    offload_to_cpu: bool = False
 
 
 @dataclass

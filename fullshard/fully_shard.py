@@ -24,20 +24,38 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._core.common import UnitConfig, module_class_name
-from ._core.init import root_modules, validate_dtensor_meshes, validate_module
+from ._core.init import (
+    root_modules,
+    validate_dtensor_meshes,
+    validate_module,
+)
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
+from ._core.spmd_mesh import resolve_dp_mesh_dims
 from ._core.state import ModuleState, get_state
-from .api import HYBRID_STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
+from .api import (
+    HYBRID_STRATEGIES,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
+from .comm_settings import CommSettings
 from .state_dict import default_settings, install_state_dict_hooks
 from .wrap import Policy, PolicyFn, select_modules
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
+    def wait(self) -> None:
+        """Makes the unsharded parameters usable (nothing left to wait for here)."""
+
+
+class _UnitUnshardHandle(UnshardHandle):
     def __init__(self, state: ModuleState) -> None:
         self._state: ModuleState | None = state
 
@@ -47,14 +65,14 @@ class UnshardHandle:
         self._state = None
 
 
-class FSDPModule(nn.Module):
+class FSDPModule(CommSettings, nn.Module):
     """Mixed into the class of every module that ``fully_shard`` was applied to
     (first base of ``FSDP<Class>(FSDPModule, Class)``; see ``swap_class``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (nn.Sequential
         # slicing): those are plain modules, so build the original class.
-        original: type[nn.Module] = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        original: type[nn.Module] = cls._fullshard_original_class  # type: ignore[attr-defined]  # swap_class's
         return original(*args, **kwargs)
 
     def _fsdp_state(self) -> ModuleState:
@@ -76,7 +94,7 @@ class FSDPModule(nn.Module):
             state.group.unshard(async_op=async_op)
             if not async_op:
                 state.group.wait_for_unshard()
-        return UnshardHandle(state) if async_op else None
+        return _UnitUnshardHandle(state) if async_op else None
 
     def reshard(self) -> None:
         """Frees this module's full parameters and registers the shards again."""
@@ -224,9 +242,12 @@ class FSDPModule(nn.Module):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty()/to()/half() give the shards new tensors: re-pack them into
         # the unit's flat buffer so the all-gather stays copy-free.
+        # A unit over several modules ([norm, head]) is visited one module at a
+        # time: re-pack once all its shards share a device again, since packing
+        # a moved half with a meta half would leave the whole unit on meta.
         result = super()._apply(*args, **kwargs)
         group = self._fsdp_state().group
-        if group is not None:
+        if group is not None and len({getattr(p.module_registration(), "device", None) for p in group.params}) == 1:
             group.rebind_shards()
         return result
 
@@ -273,6 +294,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     policy: Policy | PolicyFn | None = None,
     strategy: ShardingStrategy | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
@@ -301,6 +323,11 @@ def fully_shard(
         mp_policy: parameter/reduction/output dtypes (``MixedPrecisionPolicy``).
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU.
         ignored_params: parameters left alone (not sharded, moved or reduced).
+        dp_mesh_dims: ``mesh`` is a whole SPMD mesh and these are its
+            data-parallel dims (``DataParallelMeshDims``): the unit shards over
+            ``shard`` and replicates over ``replicate`` (several names are
+            flattened into one dim). Not with ``strategy`` or an int
+            ``reshard_after_forward``.
         policy: an auto-wrap policy (``fullshard.wrap``): the submodules it
             selects get their own ``fully_shard`` first, with these arguments.
         strategy: a ``ShardingStrategy`` instead of ``mesh``/``reshard_after_forward``:
@@ -326,7 +353,10 @@ def fully_shard(
         validate_module(candidate, "fully_shard")
     roots = root_modules(listed)
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
-    mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
+    if dp_mesh_dims is not None:
+        mesh, replicate_only = resolve_dp_mesh_dims(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
+    else:
+        mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
     for root in roots:
         validate_dtensor_meshes(root, mesh.device_type)
     mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
@@ -443,3 +473,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(output)
 
     module.__dict__[method_name] = wrapped
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Lets several roots (pipeline stages' model chunks) share communication
+    streams. fullshard's side streams are already one per device and process,
+    shared by every root, so this only checks its argument."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx expects modules that fully_shard was applied to, but got {module_class_name(module)}"
+            )

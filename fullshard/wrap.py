@@ -126,7 +126,7 @@ def lambda_auto_wrap_policy(
     return True if recurse else bool(lambda_fn(module))
 
 
-def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, **kwargs: Any) -> bool:
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     """Every submodule gets its own unit (parameterless ones too, as in torch).
 
     Mostly for tests and tiny models: one unit per module means one

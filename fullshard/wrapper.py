@@ -789,7 +789,7 @@ def _unit_config(strategy: ShardingStrategy, settings: _Settings) -> UnitConfig:
         offload_policy=CPUOffloadPolicy() if offload is not None and offload.offload_params else OffloadPolicy(),
         forward_prefetch=settings.forward_prefetch,
         backward_prefetch=settings.backward_prefetch,
-        cast_root_inputs=precision.param_dtype is not None,
+        cast_root_inputs=precision.cast_root_forward_inputs and precision.param_dtype is not None,
         keep_low_precision_grads=precision.keep_low_precision_grads,
         # Read when wrapping, as PyTorch's FSDP1 does.
         full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",

@@ -7,6 +7,12 @@
   must not be counted in its bytes per step.
 - ``training/`` (the ranks of ``fullshard train``) does not import ``cli/``
   (the launcher).
+- Clean room: nothing in ``fullshard/`` imports torch's FSDP
+  (``torch.distributed.fsdp``, ``torch.distributed._composable``), by an import
+  statement or ``importlib``, except the one module marked
+  ``# clean-room: rebinds torch's names only`` (``torch_names.py``), which may
+  import them to rebind names and calls nothing of theirs: every call in it is
+  to a builtin or a function of its own (``REBINDER_CALLS``).
 """
 
 from __future__ import annotations
@@ -98,3 +104,64 @@ def test_training_does_not_import_cli(path: Path) -> None:
         if isinstance(node, ast.Import):
             imported += [a.name for a in node.names]
     assert not [m for m in imported if m in ("..cli", "fullshard.cli") or m.startswith(("..cli.", "fullshard.cli."))]
+
+
+TORCH_FSDP = ("torch.distributed.fsdp", "torch.distributed._composable")
+CLEAN_ROOM_MARK = "# clean-room: rebinds torch's names only"
+# What the rebinding module may call: builtins, importlib, its own functions and list/dict methods.
+REBINDER_CALLS = {
+    "getattr", "setattr", "isinstance", "len", "import_module", "TorchNamesRebound", "_ours", "_torch_modules", "undo",
+    "pop", "append", "update", "items",
+}  # fmt: skip
+
+
+def torch_fsdp_imports(source: str) -> list[str]:
+    """``module:line`` of each import of torch's FSDP in ``source`` (anywhere, ``importlib`` included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "__import__")):
+            names = [a.value for a in node.args[:1] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        found += [f"{n}:{node.lineno}" for n in names if n.startswith(TORCH_FSDP)][:1]
+    return found
+
+
+def called_names(source: str) -> set[str]:
+    """The last segment of every called name in ``source`` (``importlib.import_module`` -> ``import_module``)."""
+    calls = [n.func for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
+    return {f.attr if isinstance(f, ast.Attribute) else ast.unparse(f) for f in calls}
+
+
+def test_clean_room_scanner_finds_imports() -> None:
+    source = (
+        "import torch.distributed.fsdp\nfrom torch.distributed import fsdp\n"
+        "def f():\n    from torch.distributed._composable.fsdp import fully_shard\n"
+        "importlib.import_module('torch.distributed.fsdp.wrap')\nimport torch.distributed.tensor\n"
+    )
+    assert torch_fsdp_imports(source) == [
+        "torch.distributed.fsdp:1",
+        "torch.distributed.fsdp:2",
+        "torch.distributed._composable.fsdp:4",
+        "torch.distributed.fsdp.wrap:5",
+    ]
+    assert called_names("a.b.c(x)\nf(g(y))\n") == {"c", "f", "g"}
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_clean_room(path: Path) -> None:
+    source = path.read_text()
+    if CLEAN_ROOM_MARK in source.splitlines():
+        assert path == PACKAGE / "torch_names.py", f"{path.relative_to(PACKAGE)} claims the clean-room exception"
+        extra = called_names(source) - REBINDER_CALLS
+        assert not extra, f"torch_names.py calls {sorted(extra)}: it may only rebind names"
+        return
+    imports = torch_fsdp_imports(source)
+    assert not imports, f"{path.relative_to(PACKAGE)} imports torch's FSDP {imports}; fullshard is a clean room"
+
+
+def test_the_rebinding_module_is_marked() -> None:
+    assert CLEAN_ROOM_MARK in (PACKAGE / "torch_names.py").read_text().splitlines()

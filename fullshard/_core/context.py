@@ -51,6 +51,8 @@ class RootContext:
         # reductions in flight instead of waiting, and keeps the prefetch order.
         self.is_last_backward = True
         self.validator: ExecOrderValidator | None = None  # at TORCH_DISTRIBUTED_DEBUG=DETAIL
+        # FSDPModule.set_post_optim_event's event: the next all-gather waits for it, once.
+        self.post_optim_event: torch.Event | None = None
         self._units: list[ParamGroup] = []  # the root's order: a unit's index names it across ranks
         self._unit_index: dict[ParamGroup, int] = {}
 

@@ -134,7 +134,7 @@ class GradIntake:
             grads,
             [p.shard_numel for p in params],
             [p.shard_dim for p in params],
-            unit.mesh_info.shard,
+            unit.reduce_settings.scatter_group or unit.mesh_info.shard,
             unit.mesh_info.replicate,
             unit.reduce_dtype,
             on_done=lambda output: (self._keep_partial if partial_only else self._accept)(params, output),

@@ -86,12 +86,24 @@ def on_stream(device: torch.device, name: str) -> Iterator[None]:
         yield
         return
     module = _device_module(device)
-    stream = _streams.get((device, name))
-    if stream is None:
-        stream = _streams[(device, name)] = module.Stream(device)
+    stream = _side_stream(device, name)
     stream.wait_stream(module.current_stream(device))
     with module.stream(stream):
         yield
+
+
+def _side_stream(device: torch.device, name: str) -> Any:
+    stream = _streams.get((device, name))
+    if stream is None:
+        stream = _streams[(device, name)] = _device_module(device).Stream(device)
+    return stream
+
+
+def wait_for_event(device: torch.device, name: str, event: Any) -> None:
+    """Makes side stream ``name`` wait (on the device) for ``event`` besides the
+    current stream it always waits for; CPU: in order already, nothing to wait for."""
+    if device.type != "cpu":
+        _side_stream(device, name).wait_event(event)
 
 
 def join_stream(device: torch.device, name: str) -> None:

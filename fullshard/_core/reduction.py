@@ -143,6 +143,9 @@ class ReduceSettings:
     # Zero gradients for trainable parameters this rank's backward did not reach, so that
     # every rank reduces the same parameters (conditional use: mixture of experts).
     include_unused: bool = False
+    # The shard ranks' own group for reduce-scatters (set_separate_reduce_scatter_group),
+    # so they need not queue behind all-gathers on one communicator; None: the mesh's.
+    scatter_group: GroupInfo | None = None
 
     def partial_only(self, replicate: GroupInfo) -> bool:
         return not self.all_reduce and replicate.size > 1

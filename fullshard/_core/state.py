@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..api import BackwardPrefetch
+from . import offload
 from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors, module_class_name
 from .context import RootContext
 from .exec_order import validation_enabled
@@ -104,6 +105,7 @@ class ModuleState:
         policy = config.mp_policy
         self._cast_inputs_to = policy.param_dtype if policy.cast_forward_inputs else None
         self._output_dtype = policy.output_dtype
+        self.device = device  # the mesh's: compute and collectives
         # Accelerator meshes: the step's root moves its inputs to the device (as DDP does).
         self._input_device = device if device.type != "cpu" else None
         self.in_registered_method = False
@@ -212,6 +214,9 @@ class ModuleState:
         self.lazy_init()
         if self.ctx.iteration_root is None:
             self.ctx.begin_iteration(self)
+            if self.ctx.post_optim_event is not None:
+                offload.wait_for_event(self.device, offload.ALL_GATHER, self.ctx.post_optim_event)
+                self.ctx.post_optim_event = None
             if self._input_device is not None:
                 args, kwargs = map_tensors(lambda t: t.to(self._input_device, non_blocking=True), (args, kwargs))
         self.training_state = TrainingState.FORWARD

@@ -1,0 +1,95 @@
+"""The data-parallel mesh inside a whole SPMD mesh (``fully_shard(dp_mesh_dims=...)``).
+
+``DataParallelMeshDims`` names the mesh dims that shard and replicate; several
+names flatten into one dim. The engine then runs on that data-parallel mesh: 1D
+(shard, or replicate only) or 2D (replicate, shard), as if it had been passed
+as ``mesh``. Parameters that are DTensors on the whole mesh (replicated on its
+data-parallel dims, placed on the others) are not supported yet: the engine
+composes with tensor parallelism through parameters on the non-data-parallel
+mesh, which is what it asks for instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..api import DataParallelMeshDims, ShardingStrategy
+from . import compat
+from .common import module_class_name
+from .init import get_managed_modules, get_managed_states
+from .mesh import default_mesh
+
+
+def resolve_dp_mesh_dims(
+    roots: tuple[nn.Module, ...],
+    mesh: DeviceMesh | None,
+    dims: DataParallelMeshDims,
+    strategy: ShardingStrategy | None,
+    reshard_after_forward: bool | int | None,
+) -> tuple[DeviceMesh, bool]:
+    """``fully_shard``'s (data-parallel mesh, replicate only?) for ``dp_mesh_dims``."""
+    owner = module_class_name(roots[0])
+    if strategy is not None:
+        raise ValueError(f"fully_shard expects either strategy or dp_mesh_dims, but got both for {owner}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard does not support an int reshard_after_forward with dp_mesh_dims yet ({owner}); pass a bool"
+        )
+    mesh = mesh if mesh is not None else default_mesh()
+    names = {id(p): name for root in roots for name, p in root.named_parameters()}
+    params, _ = get_managed_states(get_managed_modules(roots))  # not those of units below
+    return data_parallel_mesh(mesh, dims, [(names[id(p)], p) for p in params])
+
+
+def data_parallel_mesh(
+    mesh: DeviceMesh, dims: DataParallelMeshDims, params: Iterable[tuple[str, nn.Parameter]]
+) -> tuple[DeviceMesh, bool]:
+    """(the data-parallel mesh, replicate only?) for ``mesh`` and ``dims``.
+
+    Raises:
+        ValueError: the mesh has no dim names, a name is not among them, or a
+            parameter is a plain tensor while a non-data-parallel dim has more
+            than one rank (it would need to be a DTensor on the whole mesh).
+        NotImplementedError: a parameter is a DTensor on the whole mesh.
+    """
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("fully_shard expects a mesh with mesh_dim_names when dp_mesh_dims is given, but got none")
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(f"fully_shard expects dp_mesh_dims among the mesh's dims {names}, but got {name!r}")
+    data_parallel = {*dims.shard_names, *dims.replicate_names}
+    others = [name for name in names if name not in data_parallel and mesh[name].size() > 1]
+    for name, param in params:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"fully_shard(dp_mesh_dims=...) with parameters that are DTensors on the whole mesh is not yet "
+                f"supported ({name}); pass mesh=mesh[{tuple(sorted(data_parallel))}] with the parameters on the "
+                f"other dims' mesh (parallelize_module(model, mesh['tp'], ...))"
+            )
+        if others:
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...) expects parameters that are DTensors on the whole mesh when its "
+                f"non-data-parallel dims {others} have more than one rank, but {name} is a plain tensor"
+            )
+    shard = _flattened(mesh, dims.shard_names)
+    replicate = _flattened(mesh, dims.replicate_names)
+    if shard is None and replicate is not None:
+        return replicate, True
+    if shard is None:
+        raise AssertionError("DataParallelMeshDims names neither shard nor replicate dims")
+    if replicate is None:
+        return shard, False
+    return compat.concatenate_meshes([replicate, shard]), False
+
+
+def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
+    if not names:
+        return None
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))

@@ -1,0 +1,118 @@
+"""torch 2.14's communication settings of ``FSDPModule``.
+
+Each has torch's signature. What fullshard's engine can honour it does
+(``set_post_optim_event``, ``set_separate_reduce_scatter_group``); the knobs
+that tune something this engine does not do warn once that they have no
+effect; the custom collectives, which would replace the engine's own, raise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from ._core.mesh import GroupInfo
+
+if TYPE_CHECKING:
+    from ._core.group import ParamGroup
+    from ._core.state import ModuleState
+
+__all__ = ["CommSettings"]
+
+_warned: set[str] = set()
+
+
+def _warn_no_effect(setting: str, why: str) -> None:
+    if setting not in _warned:
+        _warned.add(setting)
+        warnings.warn(f"{setting} has no effect with fullshard: {why}", UserWarning, stacklevel=3)
+
+
+class CommSettings:
+    """Mixed into ``FSDPModule`` (which supplies ``_fsdp_state`` and ``_groups``)."""
+
+    if TYPE_CHECKING:
+
+        def _fsdp_state(self) -> ModuleState: ...
+
+        def _groups(self, recurse: bool) -> Iterable[ParamGroup]: ...
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Makes the root's next all-gather wait for ``event`` (recorded after the
+        optimizer step), then forgets it: pass a new event every step. The
+        all-gather stream also still waits for the current stream, since
+        fullshard allocates its communication buffers there. Nothing to wait
+        for on a CPU mesh."""
+        self._fsdp_state().ctx.post_optim_event = event
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: the all-gather is fullshard's own (one flat buffer per unit)."""
+        raise NotImplementedError(
+            f"set_custom_all_gather is not yet supported with fullshard ({type(self).__name__}): "
+            "its all-gather gathers the unit's flat shard buffer itself"
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: the reduce-scatter is fullshard's own; use ``set_all_reduce_hook``
+        for an extra reduction of one's own."""
+        raise NotImplementedError(
+            f"set_custom_reduce_scatter is not yet supported with fullshard ({type(self).__name__}): "
+            "its reduce-scatter is the engine's own; set_all_reduce_hook adds a reduction after it"
+        )
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Validated as torch does; no effect: fullshard allocates each reduce-scatter
+        input anew and never waits to reuse one, so there is no stall to remove."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"set_reduce_scatter_max_input_buffers expects an int but got {type(max_input_buffers).__name__} "
+                f"for {type(self).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers expects an int >= 1 but got {max_input_buffers} "
+                f"for {type(self).__name__}"
+            )
+        if max_input_buffers > 1:
+            _warn_no_effect(
+                "set_reduce_scatter_max_input_buffers",
+                "each reduce-scatter input is a new buffer, none waits to be reused",
+            )
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Runs gradient reduce-scatters on a process group of their own over the
+        shard ranks (one per rank set), so they do not queue behind all-gathers
+        on one communicator. Creating the group is collective: call it on every
+        rank alike. ``False`` goes back to the mesh's group."""
+        created: dict[tuple[int, ...], GroupInfo] = {}
+        for group in self._groups(recurse):
+            shard = group.mesh_info.shard
+            if not enable or shard.group is None:
+                group.reduce_settings.scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(shard.group))
+            if ranks not in created:
+                new = dist.new_group(list(ranks), use_local_synchronization=True)
+                created[ranks] = GroupInfo(new, shard.size, shard.rank)
+            group.reduce_settings.scatter_group = created[ranks]
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """No effect: communication buffers come from torch's caching allocator."""
+        if enable:
+            _warn_no_effect(
+                "set_allocate_memory_from_process_group_for_comm",
+                "its communication buffers come from torch's caching allocator",
+            )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """No effect: fullshard's all-gathers do not use symmetric memory (and a CPU
+        mesh has none)."""
+        if backend != "NCCL":
+            raise ValueError(
+                f"set_symm_mem_for_comm expects backend 'NCCL' but got {backend!r} for {type(self).__name__}"
+            )
+        _warn_no_effect("set_symm_mem_for_comm", "its all-gather buffers are not allocated in symmetric memory")

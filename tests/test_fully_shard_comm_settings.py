@@ -1,0 +1,136 @@
+"""torch 2.14's communication settings and ``dp_mesh_dims`` (issue 22, breakage 5).
+
+What the engine honours is checked by what it does (the comm spy, parity with
+one process); knobs without effect warn once; the rest raises clearly.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+
+from fullshard import DataParallelMeshDims, fully_shard, share_comm_ctx
+from fullshard._core import comm, offload
+from fullshard.comm_settings import _warned
+from fullshard.models import MLP
+from fullshard.testing import distributed, train_in_parity
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(MLP(8, torch.device("cpu")), MLP(8, torch.device("cpu")))
+
+
+def _shard(model: nn.Module, **kwargs) -> nn.Module:
+    for block in model:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _batches(num_steps: int = 3):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=generator),) for _ in range(num_steps)]
+
+
+def _train_like_one_process(model: nn.Module, ref: nn.Module) -> list[float]:
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    return train_in_parity(model, ref, optim, ref_optim, _batches(), lambda m, b: m(b[0]).pow(2).mean())
+
+
+@distributed(world_size=2)
+def test_separate_reduce_scatter_group_reduces_on_its_own_group():
+    ref = _model()
+    model = _shard(copy.deepcopy(ref))
+    model.set_separate_reduce_scatter_group()
+    with comm.record_comms() as records:
+        _train_like_one_process(model, ref)
+    gather_groups = {id(r.group) for r in records if r.op == "all_gather"}
+    scatter_groups = {id(r.group) for r in records if r.op == "reduce_scatter"}
+    assert len(scatter_groups) == 1 and not scatter_groups & gather_groups
+    model.set_separate_reduce_scatter_group(False)
+    with comm.record_comms() as records:
+        _train_like_one_process(model, ref)
+    assert {id(r.group) for r in records if r.op == "reduce_scatter"} <= gather_groups
+
+
+@distributed(world_size=2)
+def test_post_optim_event_is_waited_once_then_forgotten():
+    ref = _model()
+    model = _shard(copy.deepcopy(ref))
+    event = torch.Event()  # never recorded: on a CPU mesh nothing waits on the device
+    waits = []
+    original = offload.wait_for_event
+    offload.wait_for_event = lambda device, stream, e: waits.append((device, stream, e))
+    try:
+        model.set_post_optim_event(event)
+        _train_like_one_process(model, ref)
+    finally:
+        offload.wait_for_event = original
+    assert waits == [(torch.device("cpu"), offload.ALL_GATHER, event)]  # the first step's, only
+    assert fully_shard.state(model).ctx.post_optim_event is None
+
+
+@distributed(world_size=2)
+def test_knobs_without_effect_warn_once_and_validate_like_torch():
+    model = _shard(_model())
+    _warned.clear()
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.set_symm_mem_for_comm()
+            model.set_allocate_memory_from_process_group_for_comm(True)
+            model.set_reduce_scatter_max_input_buffers(2)
+        expected = 3 if _ == 0 else 0
+        assert len([w for w in caught if "has no effect with fullshard" in str(w.message)]) == expected
+    with pytest.raises(ValueError, match="set_symm_mem_for_comm expects backend 'NCCL'"):
+        model.set_symm_mem_for_comm("NVSHMEM")
+    with pytest.raises(TypeError, match="set_reduce_scatter_max_input_buffers expects an int"):
+        model.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="expects an int >= 1 but got 0"):
+        model.set_reduce_scatter_max_input_buffers(0)
+    with pytest.raises(NotImplementedError, match="set_custom_all_gather is not yet supported"):
+        model.set_custom_all_gather(object())
+    with pytest.raises(NotImplementedError, match="set_custom_reduce_scatter is not yet supported"):
+        model.set_custom_reduce_scatter(object())
+    share_comm_ctx([model, model[0]])  # streams are shared already: accepted
+    with pytest.raises(ValueError, match="share_comm_ctx expects modules that fully_shard was applied to"):
+        share_comm_ctx([model, nn.Linear(2, 2)])
+
+
+@distributed(world_size=2)
+def test_dp_mesh_dims_shard_and_replicate_train_like_one_process():
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("outer", "inner"))
+    cases = [
+        DataParallelMeshDims(shard="inner"),
+        DataParallelMeshDims(shard=("outer", "inner")),  # flattened into one dim of 2
+        DataParallelMeshDims(replicate="outer", shard="inner"),  # HSDP
+        DataParallelMeshDims(replicate=("outer", "inner")),  # replicated only
+    ]
+    for dims in cases:
+        ref = _model()
+        model = _shard(copy.deepcopy(ref), mesh=mesh, dp_mesh_dims=dims)
+        replicated_only = not dims.shard_names
+        for param in model.parameters():
+            assert param.to_local().shape[0] == (param.shape[0] if replicated_only else param.shape[0] // 2)
+        _train_like_one_process(model, ref)
+
+
+@distributed(world_size=2)
+def test_dp_mesh_dims_errors():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match="expects shard or replicate"):
+        DataParallelMeshDims()
+    with pytest.raises(ValueError, match=r"expects dp_mesh_dims among the mesh's dims \('dp',\), but got 'fsdp'"):
+        fully_shard(_model(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp"))
+    with pytest.raises(NotImplementedError, match="an int reshard_after_forward with dp_mesh_dims"):
+        fully_shard(_model(), mesh=mesh, reshard_after_forward=2, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    model = _model()
+    for name, param in list(model[0].in_proj.named_parameters()):
+        model[0].in_proj.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()])))
+    with pytest.raises(NotImplementedError, match=r"DTensors on the whole mesh is not yet supported \(0.in_proj"):
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
