@@ -53,6 +53,12 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
                 f"set_all_gather_quantization is not yet supported with tensor-subclass parameters, which gather "
                 f"in their own format ({group.owner_name} holds {names}); leave this unit out of `module`"
             )
+        other_dims = [p.fqn for p in group.params if p.shard_dim != 0]
+        if other_dims:
+            raise NotImplementedError(
+                f"set_all_gather_quantization is not yet supported with shard_placement_fn's dims other than 0 "
+                f"({group.owner_name} shards {', '.join(other_dims)} so); return None for them"
+            )
         if group.storage_layout.dtype == torch.uint8:
             dtypes = sorted({str(p.orig_dtype) for p in group.params})
             raise NotImplementedError(

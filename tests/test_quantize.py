@@ -10,15 +10,20 @@ from fullshard._core.quantize import CODE_MAX, BlockQuantizer
 CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
 
 
+def _encode(quantizer: BlockQuantizer, row: torch.Tensor, out: torch.Tensor) -> None:
+    """Encodes ``row`` zero-padded to whole blocks, as a unit's coded values are."""
+    padded = torch.zeros(quantizer.num_blocks(row.numel()) * quantizer.block_size)
+    padded[: row.numel()] = row
+    quantizer.encode(padded, out)
+
+
 def _round_trip(quantizer: BlockQuantizer, values: torch.Tensor) -> torch.Tensor:
     """Encodes each row of ``values`` as one rank's shard and decodes them all at once."""
     num_chunks, numel = values.shape
     packed = torch.empty(num_chunks, quantizer.packed_numel(numel), dtype=torch.uint8)
     for chunk, row in zip(packed, values):
-        quantizer.encode(row, chunk)
-    out = torch.empty(num_chunks, numel)
-    quantizer.decode(packed, numel, out)
-    return out
+        _encode(quantizer, row, chunk)
+    return quantizer.decode(packed, numel)
 
 
 def _block_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -68,7 +73,7 @@ def test_packed_layout_codes_then_scales(code_dtype: torch.dtype) -> None:
     quantizer = BlockQuantizer(code_dtype, 16)
     values = torch.arange(40, dtype=torch.float32)
     packed = torch.empty(quantizer.packed_numel(40), dtype=torch.uint8)
-    quantizer.encode(values, packed)
+    _encode(quantizer, values, packed)
     num_blocks = 3
     assert packed.numel() == num_blocks * 16 + num_blocks * 4
     scales = packed[num_blocks * 16 :].view(torch.float32)
@@ -83,16 +88,12 @@ def test_about_half_the_bytes_of_bf16() -> None:
     assert quantizer.packed_numel(numel) / (2 * numel) <= 0.52
 
 
-def test_decodes_into_the_compute_dtype() -> None:
+def test_encode_takes_fp32_whole_blocks() -> None:
     quantizer = BlockQuantizer(torch.int8, 8)
-    values = torch.randn(2, 24)
-    packed = torch.empty(2, quantizer.packed_numel(24), dtype=torch.uint8)
-    for chunk, row in zip(packed, values):
-        quantizer.encode(row, chunk)
-    out = torch.empty(2, 24, dtype=torch.bfloat16)
-    quantizer.decode(packed, 24, out)
-    reference = _round_trip(quantizer, values).to(torch.bfloat16)
-    assert torch.equal(out, reference)
+    packed = torch.empty(quantizer.packed_numel(24), dtype=torch.uint8)
+    for values in (torch.randn(24, dtype=torch.bfloat16), torch.randn(20)):
+        with pytest.raises(AssertionError, match="encode expects fp32 values in whole blocks"):
+            quantizer.encode(values, packed)
 
 
 @pytest.mark.parametrize(

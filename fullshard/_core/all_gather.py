@@ -175,11 +175,11 @@ class AllGather:
             for tensor in padded + refreshed:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             stack.enter_context(trace.span(labels.copy_out))
-            gathered = in_flight.output
             if in_flight.codec is not None:
                 with trace.span(labels.all_gather_dequantize):
-                    gathered = in_flight.codec.decode(gathered, in_flight.num_chunks, in_flight.layout)
-            in_flight.layout.copy_out(gathered, in_flight.num_chunks, padded, views)
+                    in_flight.codec.decode(in_flight.output, in_flight.num_chunks, in_flight.layout, padded)
+            else:
+                in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, views)
             for param in in_flight.extended:
                 param.rebuild_unsharded()
 

@@ -53,44 +53,34 @@ class BlockQuantizer:
 
     @torch.no_grad()
     def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """Writes ``values`` (1D, any float dtype) into ``out`` (uint8, ``packed_numel``)."""
+        """Writes ``values`` (1D fp32, a multiple of ``block_size`` long: callers pad with zeros)
+        into ``out`` (uint8, ``packed_numel``)."""
         num_blocks = self.num_blocks(values.numel())
-        padded = num_blocks * self.block_size
-        if values.numel() < padded:  # a short last block, padded with zeros
-            values = torch.cat([values, values.new_zeros(padded - values.numel())])
+        if values.dtype != torch.float32 or values.numel() != num_blocks * self.block_size:
+            raise AssertionError(f"encode expects fp32 values in whole blocks, got {values.dtype} x {values.numel()}")
         blocks = values.view(num_blocks, self.block_size)
         code_max = CODE_MAX[self.code_dtype]
-        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).float()
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
         scales = absmax.div_(code_max).masked_fill_(absmax == 0, 1.0)  # a zero block decodes to zeros anyway
-        scaled = torch.mul(blocks, scales.reciprocal().unsqueeze(1))  # fp32, within +-code_max (to rounding)
+        scaled = torch.mul(blocks, scales.reciprocal().unsqueeze(1))  # within +-code_max, to rounding
         if self.code_dtype == torch.int8:
             scaled.round_()
         else:
             scaled.clamp_(-code_max, code_max)  # float8_e4m3fn has no infinity: past 448 is NaN
+        padded = values.numel()
         out[:padded].view(self.code_dtype).view(num_blocks, self.block_size).copy_(scaled)
         out[padded:].view(torch.float32).copy_(scales)
 
     @torch.no_grad()
-    def decode(self, chunks: torch.Tensor, numel: int, out: torch.Tensor) -> None:
-        """Decodes gathered chunks (``chunks``: uint8, one row per rank, codes first;
-        rows may be strided) of ``numel`` values each into ``out`` (rows of ``numel``,
-        any float dtype)."""
+    def decode(self, chunks: torch.Tensor, numel: int) -> torch.Tensor:
+        """The values of gathered chunks (``chunks``: uint8, one row per rank, codes first;
+        rows may be strided), ``numel`` each: fp32, one row per chunk."""
         num_chunks, num_blocks = chunks.size(0), self.num_blocks(numel)
         padded = num_blocks * self.block_size
         codes = chunks[:, :padded].view(self.code_dtype).view(num_chunks, num_blocks, self.block_size)
         scales = chunks[:, padded : padded + num_blocks * _SCALE_BYTES].view(torch.float32).unsqueeze(2)
-        if self.code_dtype == torch.int8 and numel == padded and _casts_in_kernel(out):
-            torch.mul(codes, scales, out=out.view(num_chunks, num_blocks, self.block_size))  # one pass, no temporary
-            return
         if self.code_dtype == torch.int8:
-            values = torch.mul(codes, scales)  # int8 read as fp32
+            values = torch.mul(codes, scales)  # one pass, int8 read as fp32
         else:
             values = codes.to(torch.float32).mul_(scales)  # no mixed float8 arithmetic on every device
-        out.copy_(values.view(num_chunks, padded)[:, :numel])
-
-
-def _casts_in_kernel(out: torch.Tensor) -> bool:
-    """Whether a product written into ``out`` costs one pass: fp32 anywhere, any dtype on an
-    accelerator (the CPU's kernels convert a low-precision output element by element, slower
-    than an fp32 temporary and a copy)."""
-    return out.dtype == torch.float32 or out.device.type != "cpu"
+        return values.view(num_chunks, padded)[:, :numel]
