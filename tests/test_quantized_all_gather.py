@@ -23,6 +23,7 @@ from fullshard._core import comm
 from fullshard._core.quantize import BlockQuantizer
 from fullshard._core.state import get_state
 from fullshard.models import ModelArgs, Transformer
+from fullshard.plan import PlanConfig, estimate
 from fullshard.testing import distributed
 from fullshard.wrap import ModuleWrapPolicy
 from test_tensor_subclass_params import Bf16Gathered  # a tensor subclass with torch's FSDP2 gather hooks
@@ -227,3 +228,15 @@ def test_bad_input():
     fully_shard(with_subclass)
     with pytest.raises(NotImplementedError, match=r"with tensor-subclass parameters, .* \(Sequential holds 1.weight\)"):
         set_all_gather_quantization(with_subclass, AllGatherQuantization())
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_plan_counts_the_bytes_gathered(code: torch.dtype, bf16: bool):
+    """``fullshard plan``'s all-gather bytes of a quantized gather are what the comm spy counts."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    model = _sharded(AllGatherQuantization(dtype=code), mp_policy=mp, reshard_after_forward=True)  # as the plan
+    measured, _ = _gathered_bytes(model)
+    config = PlanConfig(ARGS, 2, "full", param_dtype=torch.bfloat16 if bf16 else None, all_gather_dtype=code)
+    assert estimate(config).comm["all_gather"] == measured

@@ -29,6 +29,7 @@ from ..plan import STRATEGIES, Plan, PlanConfig, estimate
 HELP = "predict per-rank memory and bytes per step for a model, world sizes and strategies"
 
 _MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GATHER_CODES = {"none": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
 _PLOT_WORLD_SIZES = "1-16384"
 
 
@@ -79,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute (and all-gather) dtype; gradients are reduced in fp32",
     )
     setup.add_argument("--cpu-offload", action="store_true", help="shards, gradients and optimizer states on the host")
+    setup.add_argument(
+        "--all-gather-dtype",
+        choices=list(_GATHER_CODES),
+        default="none",
+        help="weights gathered as block-wise codes (set_all_gather_quantization; norms and embeddings exact)",
+    )
     setup.add_argument(
         "--device",
         choices=["cuda", "cpu"],
@@ -146,6 +153,7 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
                     param_dtype=compute,
                     reduce_dtype=torch.float32 if compute else None,
                     cpu_offload=args.cpu_offload,
+                    all_gather_dtype=_GATHER_CODES[args.all_gather_dtype],
                     device=args.device,
                 )
             except ValueError as exc:
@@ -157,6 +165,8 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
 def describe_setup(args: argparse.Namespace, config: PlanConfig) -> str:
     precision = "fp32 compute" if config.param_dtype is None else f"{args.mixed_precision} compute, fp32 reduce"
     offload = ", CPU offload" if config.cpu_offload else ""
+    if config.all_gather_dtype is not None:
+        offload += f", weights gathered as {args.all_gather_dtype}"
     return (
         f"{args.model}: {describe_model(config.model)}\n"
         f"{config.batch_size} x {config.tokens_per_sequence} tokens per rank; fp32 parameters and AdamW "

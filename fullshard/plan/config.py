@@ -30,6 +30,10 @@ class PlanConfig:
         reduce_dtype: the dtype of gradient reduction (None: the compute dtype).
         optimizer_states: states per parameter (AdamW: 2).
         cpu_offload: sharded parameters, gradients and optimizer states live in host memory.
+        all_gather_dtype: ``torch.int8`` or ``torch.float8_e4m3fn``: weights gathered as block-wise
+            codes (``set_all_gather_quantization`` with its default rule: 2-D weights coded,
+            norms, biases and embeddings exact); None: gathered in the compute dtype.
+        all_gather_block_size: values per scale of those codes.
         device: ``cuda`` or ``cpu``, where the step runs. Decides what some
             kernels allocate: AdamW (foreach on accelerators, one tensor at a
             time on CPU) and ``torch._chunk_cat`` (pads copies on CPU).
@@ -46,6 +50,8 @@ class PlanConfig:
     reduce_dtype: torch.dtype | None = None
     optimizer_states: int = 2
     cpu_offload: bool = False
+    all_gather_dtype: torch.dtype | None = None
+    all_gather_block_size: int = 128
     device: str = "cuda"
 
     def __post_init__(self) -> None:

@@ -45,8 +45,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .._core.quantize import BlockQuantizer
 from .config import PlanConfig
-from .units import Unit
+from .units import Unit, gather_codes
 
 # What is alive, by category (the keys of Plan.peak_breakdown).
 PARAMS, GRADS, OPTIM = "sharded params", "sharded grads", "optimizer states"
@@ -108,6 +109,7 @@ class StepReplay:
         self.logits32 = tokens * args.vocab_size * 4  # the loss works in fp32
         self.embedding_grad = args.vocab_size * args.dim * self.c
         self.in_flight: dict[str, int] = {}  # unit -> bytes of its all-gather buffers
+        self.codes = gather_codes(config)  # a quantized all-gather's, or None
         self.unsharded: set[str] = set()
         self.reductions: list[Reduction] = []
         self.activations = 0
@@ -138,9 +140,18 @@ class StepReplay:
             staged = unit.shard_numel * self.c
         elif self.config.cpu_offload and self.config.device == "cuda":  # the shards, copied from the host
             staged = unit.shard_numel * self.orig
-        output = unit.gathered_numel * self.c if self.config.shard_size > 1 else 0
+        self.tape.alloc(GATHER, staged)
+        output = 0
+        if self.config.shard_size > 1:
+            chunk = unit.shard_numel * self.c
+            if self.codes is not None:  # the codes of this rank's chunk, kept until the collective is done
+                chunk = unit.packed_chunk_bytes(self.codes, self.c)
+                self.tape.alloc(GATHER, chunk)
+                self._transient(self._encode_temporaries(unit))
+                staged += chunk
+            output = self.config.shard_size * chunk
         self.in_flight[unit.name] = staged + output
-        self.tape.alloc(GATHER, staged + output)
+        self.tape.alloc(GATHER, output)
 
     def wait(self, unit: Unit) -> None:
         """``wait_for_unshard()``: copy-out into the unsharded parameters, then drop the buffers."""
@@ -148,8 +159,31 @@ class StepReplay:
         if nbytes is None:
             return
         self.tape.alloc(UNSHARDED, unit.gathered_numel * self.c)
+        if self.codes is not None and self.config.shard_size > 1:
+            self._transient(self._decode_temporaries(unit, self.codes))
         self.tape.free(GATHER, nbytes)
         self.unsharded.add(unit.name)
+
+    def _transient(self, nbytes: int) -> None:
+        self.tape.alloc(GATHER, nbytes)
+        self.tape.free(GATHER, nbytes)
+
+    def _encode_temporaries(self, unit: Unit) -> int:
+        """Quantizing one chunk (``QuantizedGather.encode``): the coded values side by side
+        (when exact ones sit between them), their fp32 scaled copy, the exact values side by side."""
+        coded = unit.coded_shard_numel()
+        exact = unit.shard_numel - coded
+        return (coded * self.c if exact else 0) + coded * 4 + exact * self.c
+
+    def _decode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
+        """Decoding every chunk (``QuantizedGather.decode``): the plain layout, the coded values
+        side by side (when exact ones sit between them), and an fp32 product where the multiply
+        cannot write the compute dtype in one pass (a CPU computing in low precision)."""
+        world, coded = self.config.shard_size, unit.coded_shard_numel()
+        padded = codes.num_blocks(coded) * codes.block_size
+        side_by_side = world * coded * self.c if coded < unit.shard_numel else 0
+        direct = padded == coded and (self.c == 4 or self.config.device != "cpu")
+        return unit.gathered_numel * self.c + side_by_side + (0 if direct else world * padded * 4)
 
     def reshard(self, unit: Unit) -> None:
         if unit.name in self.unsharded:

@@ -13,17 +13,34 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .._core.quantize import BlockQuantizer
 from ..models.transformer import ModelArgs
 from .config import PlanConfig
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit: its parameters as (rows, elements per row), sharded on dim 0 over ``shard_size`` ranks."""
+    """One unit: its parameters as (rows, elements per row), sharded on dim 0 over ``shard_size`` ranks;
+    ``exact[i]``: parameter i is gathered as it is under a quantized all-gather (norms, biases, embeddings)."""
 
     name: str
     shapes: tuple[tuple[int, int], ...]
     shard_size: int
+    exact: tuple[bool, ...]
+
+    def _chunk_numel(self, index: int) -> int:
+        rows, row = self.shapes[index]
+        return -(-rows // self.shard_size) * row
+
+    def coded_shard_numel(self) -> int:
+        """This rank's values of the parameters a quantized all-gather codes."""
+        return sum(self._chunk_numel(i) for i, keep in enumerate(self.exact) if not keep)
+
+    def packed_chunk_bytes(self, code: BlockQuantizer, compute_bytes: int) -> int:
+        """One rank's chunk of a quantized all-gather: codes and scales, then the exact values."""
+        coded = self.coded_shard_numel()
+        exact = (self.shard_numel - coded) * compute_bytes
+        return (code.packed_numel(coded) if coded else 0) + exact
 
     @property
     def shard_numel(self) -> int:
@@ -49,13 +66,23 @@ def model_units(args: ModelArgs, shard_size: int) -> list[Unit]:
     """The root unit, then one unit per block, with ``Transformer``'s parameter shapes."""
     dim, hidden = args.dim, 4 * args.dim
     root = [(args.vocab_size, dim), (args.max_seq_len, dim), (dim, 1), (dim, 1)]
+    root_exact = [True] * 4  # embeddings and the final norm
     if not args.weight_tying:
         root.append((args.vocab_size, dim))
+        root_exact.append(False)
     norm = [(dim, 1), (dim, 1)]
     block = norm + [(dim, dim)] * 4 + norm + [(hidden, dim), (hidden, 1), (dim, hidden), (dim, 1)]
-    return [Unit("root", tuple(root), shard_size)] + [
-        Unit(f"layers.{i}", tuple(block), shard_size) for i in range(args.n_layers)
+    block_exact = tuple(row == 1 for _, row in block)  # norms and biases
+    return [Unit("root", tuple(root), shard_size, tuple(root_exact))] + [
+        Unit(f"layers.{i}", tuple(block), shard_size, block_exact) for i in range(args.n_layers)
     ]
+
+
+def gather_codes(config: PlanConfig) -> BlockQuantizer | None:
+    """The codes of a quantized all-gather, or None."""
+    if config.all_gather_dtype is None:
+        return None
+    return BlockQuantizer(config.all_gather_dtype, config.all_gather_block_size)
 
 
 def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int], dict[str, int]]:
@@ -69,9 +96,11 @@ def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int]
     compute = config.compute_dtype.itemsize
     reduce = config.gradient_reduce_dtype.itemsize
     gathers = 2 if config.reshard_after_forward else 1  # again in backward when resharded after forward
+    codes = gather_codes(config)
     for unit in units:
         if config.shard_size > 1:
-            nbytes["all_gather"] += gathers * unit.gathered_numel * compute
+            chunk = unit.shard_numel * compute if codes is None else unit.packed_chunk_bytes(codes, compute)
+            nbytes["all_gather"] += gathers * config.shard_size * chunk
             calls["all_gather"] += gathers
             nbytes["reduce_scatter"] += unit.gathered_numel * reduce
             calls["reduce_scatter"] += 1

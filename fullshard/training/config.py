@@ -12,6 +12,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import torch
+
 from ..models import PRESETS, ModelArgs, get_preset
 from .corpus import VOCAB_SIZE
 
@@ -19,7 +21,9 @@ __all__ = ["ALL_GATHER_DTYPES", "MIXED_PRECISION", "STRATEGIES", "TrainConfig", 
 
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
 MIXED_PRECISION = ("none", "bf16", "fp16")
-ALL_GATHER_DTYPES = ("none", "int8", "float8")  # none: weights gathered in the compute dtype
+# none: weights gathered in the compute dtype; else as block-wise codes of this dtype
+_GATHER_CODES = {"none": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
+ALL_GATHER_DTYPES = tuple(_GATHER_CODES)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,11 @@ class TrainConfig:
             max_seq_len=self.seq,
             vocab_size=VOCAB_SIZE,
         )
+
+    @property
+    def all_gather_code(self) -> torch.dtype | None:
+        """The code dtype of ``--all-gather-dtype`` (None: no quantized all-gather)."""
+        return _GATHER_CODES[self.all_gather_dtype]
 
     @property
     def checkpoint_folder(self) -> str:

@@ -27,7 +27,6 @@ __all__ = ["build_sharded_model", "initialize"]
 
 _INIT_STD = 0.02  # GPT-2's
 _DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_CODES = {"int8": torch.int8, "float8": torch.float8_e4m3fn}
 _STRATEGIES = {
     "full": ShardingStrategy.FULL_SHARD,
     "grad-op": ShardingStrategy.SHARD_GRAD_OP,
@@ -76,8 +75,8 @@ def build_sharded_model(config: TrainConfig, device: torch.device) -> Transforme
         mp_policy=mixed_precision_policy(config),
         offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
     )
-    if config.all_gather_dtype != "none":
-        set_all_gather_quantization(model, AllGatherQuantization(dtype=_CODES[config.all_gather_dtype]))
+    if config.all_gather_code is not None:
+        set_all_gather_quantization(model, AllGatherQuantization(dtype=config.all_gather_code))
     model.to_empty(device="cpu" if config.cpu_offload else device)
     initialize(model, config.seed)
     return model

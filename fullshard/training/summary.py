@@ -111,6 +111,7 @@ def _predicted_peaks(result: RunResult) -> tuple[int, int]:
             param_dtype=compute,
             reduce_dtype=torch.float32 if compute else None,
             cpu_offload=config.cpu_offload,
+            all_gather_dtype=config.all_gather_code,
             device="cuda" if result.device == "cuda" else "cpu",
         )
 
