@@ -147,7 +147,7 @@ class StepReplay:
             if self.codes is not None:  # the codes of this rank's chunk, kept until the collective is done
                 chunk = unit.packed_chunk_bytes(self.codes, self.c)
                 self.tape.alloc(GATHER, chunk)
-                self._transient(self._encode_temporaries(unit))
+                self._transient(self._encode_temporaries(unit, self.codes))
                 staged += chunk
             output = self.config.shard_size * chunk
         self.in_flight[unit.name] = staged + output
@@ -168,22 +168,17 @@ class StepReplay:
         self.tape.alloc(GATHER, nbytes)
         self.tape.free(GATHER, nbytes)
 
-    def _encode_temporaries(self, unit: Unit) -> int:
-        """Quantizing one chunk (``QuantizedGather.encode``): the coded values side by side
-        (when exact ones sit between them), their fp32 scaled copy, the exact values side by side."""
-        coded = unit.coded_shard_numel()
-        exact = unit.shard_numel - coded
-        return (coded * self.c if exact else 0) + coded * 4 + exact * self.c
+    def _encode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
+        """Quantizing one chunk (``QuantizedGather.encode``): the coded values side by side in
+        fp32, whole blocks, and their scaled copy."""
+        return 2 * codes.num_blocks(unit.coded_shard_numel()) * codes.block_size * 4
 
     def _decode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
-        """Decoding every chunk (``QuantizedGather.decode``): the plain layout, the coded values
-        side by side (when exact ones sit between them), and an fp32 product where the multiply
-        cannot write the compute dtype in one pass (a CPU computing in low precision)."""
+        """Decoding every chunk (``QuantizedGather.decode``): the fp32 values of the coded
+        parameters, and their cast to the compute dtype for the split-copy."""
         world, coded = self.config.shard_size, unit.coded_shard_numel()
         padded = codes.num_blocks(coded) * codes.block_size
-        side_by_side = world * coded * self.c if coded < unit.shard_numel else 0
-        direct = padded == coded and (self.c == 4 or self.config.device != "cpu")
-        return unit.gathered_numel * self.c + side_by_side + (0 if direct else world * padded * 4)
+        return world * padded * 4 + (world * coded * self.c if self.c != 4 else 0)
 
     def reshard(self, unit: Unit) -> None:
         if unit.name in self.unsharded:
