@@ -243,6 +243,10 @@ class ShardParam:
 
     def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter around an (unpadded) local tensor."""
+        sharded = getattr(self, "sharded_param", None)  # None while __init__ builds it
+        if isinstance(sharded, DTensor) and sharded.dtype == local.dtype and sharded.shape == self.global_size:
+            # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
+            return DTensor(local, sharded._spec, requires_grad=False)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_of(self, value: torch.Tensor) -> DTensor:
