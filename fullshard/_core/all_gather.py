@@ -114,12 +114,11 @@ class AllGather:
             in_flight.work.wait()
         offload.join_stream(self.device, offload.ALL_GATHER)
         # Saved activations of an earlier forward alias this storage: the refill
-        # must not look like an in-place change to autograd.
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            for tensor in padded:
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
-            stack.enter_context(trace.span(labels.copy_out))
+        # must not look like an in-place change to autograd (the versions are put back).
+        versions = tuple(tensor._version for tensor in padded)
+        with torch.no_grad(), trace.span(labels.copy_out):
             in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, split_views(self.params, padded))
+        torch._C._autograd._unsafe_set_version_counter(tuple(padded), versions)
 
     def keep_post_forward(self, shard_size: int, group: GroupInfo) -> PostForwardShard:
         """This rank's 1/k of the gathered parameters, for a re-gather within ``group``."""

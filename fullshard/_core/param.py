@@ -83,6 +83,7 @@ class ShardParam:
         first_row = shard.rank * self.shard_rows
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
+        self._local_size: torch.Size | None = None  # this rank's unpadded rows' size (cached: every gradient)
         # This rank's rows of the unsharded value until the unit packs them into
         # its buffer (``bind_shard``); they keep the original storage alive until then.
         self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
@@ -215,7 +216,11 @@ class ShardParam:
         return self.sharded_dtensor_of(self._unpadded(padded_shard))
 
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
-        return padded_shard[: self.num_valid_rows * self.row_numel].view(self.chunk_size(self.num_valid_rows))
+        size = self._local_size
+        if size is None:
+            size = self._local_size = self.chunk_size(self.num_valid_rows)
+        numel = self.num_valid_rows * self.row_numel
+        return (padded_shard if padded_shard.numel() == numel else padded_shard.narrow(0, 0, numel)).view(size)
 
     def chunk_size(self, num_rows: int) -> torch.Size:
         """The size of ``num_rows`` rows along the shard dim."""

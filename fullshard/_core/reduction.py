@@ -82,6 +82,9 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
         compat.chunk_cat(tensors, out.size(0), out)
         return
     world, offset = out.size(0), 0
+    if not any(dims) and all(t.size(0) % world == 0 for t in tensors):  # no padding: one cat (and cast)
+        torch.cat([t.view(world, -1) for t in tensors if t.numel()], dim=1, out=out)
+        return
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
     padding: list[torch.Tensor] = []
@@ -126,8 +129,8 @@ def split_reduced(
     move of the whole output (one cast or one device-to-host copy, the shards
     then views of it) when the dtypes agree, else one per shard."""
     if len(set(dtypes)) == 1:
-        return list(move(output, dtypes[0]).split(numels))
-    return [move(piece, dtype) for piece, dtype in zip(output.split(numels), dtypes)]
+        return list(move(output, dtypes[0]).split_with_sizes(numels))
+    return [move(piece, dtype) for piece, dtype in zip(output.split_with_sizes(numels), dtypes)]
 
 
 @dataclass

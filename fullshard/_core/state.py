@@ -248,7 +248,7 @@ class ModuleState:
         for target in targets:
             self.ctx.prefetch(target)
         if torch.is_grad_enabled():
-            args, kwargs = self._hook_input_grads(args, kwargs)
+            args, kwargs = self._hook_input_grads(group, args, kwargs)
         return args, kwargs
 
     def _abandon_cut_short_step(self) -> None:
@@ -291,19 +291,19 @@ class ModuleState:
     def _cast_output(self, output: Any) -> Any:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
-    def _hook_input_grads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _hook_input_grads(self, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: no tree to walk
             inputs = [a for a in args if a.requires_grad]
             if not inputs:
                 return args, kwargs
             self._use = UnitUse()
-            hooked = iter(_hook_inputs(self.group, self._use, inputs))
+            hooked = iter(_hook_inputs(group, self._use, inputs))
             return tuple(next(hooked) if a.requires_grad else a for a in args), kwargs
         inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs
         self._use = UnitUse()
-        hooked_by_id = dict(zip(map(id, inputs), _hook_inputs(self.group, self._use, inputs)))
+        hooked_by_id = dict(zip(map(id, inputs), _hook_inputs(group, self._use, inputs)))
         return map_tensors(lambda t: hooked_by_id.get(id(t), t), (args, kwargs))
 
     def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
