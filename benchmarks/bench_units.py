@@ -273,7 +273,11 @@ def main(argv: list[str]) -> None:
         result = measure(args)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            result = common.run_ranks(__file__, args.nproc, argv, os.path.join(tmp, "out.json"),
+            # the ranks' own arguments, without --nproc (torchrun would take it for --nproc-per-node)
+            ranks_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps")]
+            ranks_argv.append("--frameworks=" + ",".join(args.frameworks))
+            result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),
                                       env={"OMP_NUM_THREADS": "1"})
     report(result, args)
     if args.json:
