@@ -2,7 +2,7 @@
 
 The measured comparison runs the real engine (one unit per block plus the
 root, as in test_fully_shard_comm.py) at world sizes 1, 2 and 4 and checks the
-predicted peak memory per rank within 10% and the bytes per step exactly.
+predicted peak memory per rank within 5% and the bytes per step exactly.
 """
 
 import itertools
@@ -211,19 +211,24 @@ def test_cli_plot_without_matplotlib(tmp_path, monkeypatch):
 
 # -- against the real engine (see [Note: Measured step memory on CPU]) --------------------------
 @pytest.mark.parametrize(
-    "strategy, world_size, bf16",
+    "strategy, world_size, bf16, front_end, offload",
     [
-        ("full", 1, False),
-        ("full", 2, False),
-        ("full", 4, False),
-        ("grad-op", 2, False),
-        ("no-shard", 2, False),
-        ("hybrid", 4, False),
-        ("full", 4, True),
+        ("full", 1, False, "fully_shard", False),
+        ("full", 2, False, "fully_shard", False),
+        ("full", 4, False, "fully_shard", False),
+        ("grad-op", 2, False, "fully_shard", False),
+        ("no-shard", 2, False, "fully_shard", False),
+        ("hybrid", 4, False, "fully_shard", False),
+        ("full", 4, True, "fully_shard", False),
+        ("full", 2, False, "wrapper", False),
+        ("full", 2, False, "fully_shard", True),
+        ("full", 2, False, "wrapper", True),
     ],
 )
-def test_prediction_matches_measured_step(strategy, world_size, bf16):
-    measured = run_distributed(measure_step, world_size, ARGS, BATCH, strategy, bf16, RANKS_PER_NODE)
+def test_prediction_matches_measured_step(strategy, world_size, bf16, front_end, offload):
+    measured = run_distributed(
+        measure_step, world_size, ARGS, BATCH, strategy, bf16, RANKS_PER_NODE, front_end=front_end, offload=offload
+    )
     config = PlanConfig(
         ARGS,
         world_size,
@@ -232,16 +237,33 @@ def test_prediction_matches_measured_step(strategy, world_size, bf16):
         batch_size=BATCH,
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
+        cpu_offload=offload,
         device="cpu",
     )
     plan = estimate(config)
     peak = max(rank["peak"] for rank in measured)  # rank 0: with padding it holds the most rows
     late = max(rank["late_release"] for rank in measured)
     print(
-        f"{strategy} world {world_size}{' bf16' if bf16 else ''}: measured {peak} B (up to {late} B more when "
-        f"gloo releases late), predicted {plan.peak} B ({plan.peak / peak - 1:+.4%}); bytes/step measured "
-        f"{sum(measured[0]['comm'].values())}, predicted {plan.comm_bytes}"
+        f"{front_end} {strategy} world {world_size}{' bf16' if bf16 else ''}{' offload' if offload else ''}: measured "
+        f"{peak} B (up to {late} B more when gloo releases late), predicted {plan.peak} B "
+        f"({plan.peak / peak - 1:+.4%}); bytes/step measured {sum(measured[0]['comm'].values())}, "
+        f"predicted {plan.comm_bytes}"
     )
     assert measured[0]["shard_numels"] == [u.shard_numel for u in model_units(ARGS, config.shard_size)]
-    assert measured[0]["comm"] == plan.comm
-    assert plan.peak == pytest.approx(peak, rel=0.10)
+    if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
+        assert measured[0]["comm"] == plan.comm
+    assert plan.peak == pytest.approx(peak, rel=0.05)
+
+
+def test_prediction_matches_the_demo_step():
+    """``fullshard train``'s defaults (``make demo``) on 2 ranks: the tensors a step holds at its
+    peak, as the profiler's allocation events count them (see [Note: Measured step memory on CPU])."""
+    from fullshard.training import TrainConfig
+
+    demo = TrainConfig()
+    args, batch = demo.model_args(), demo.batch // 2
+    measured = run_distributed(measure_step, 2, args, batch, "full", False, 2)
+    plan = estimate(PlanConfig(args, 2, "full", batch_size=batch, device="cpu"))
+    peak = max(rank["peak"] for rank in measured)
+    print(f"demo: measured {peak} B, predicted {plan.peak} B ({plan.peak / peak - 1:+.4%})")
+    assert plan.peak == pytest.approx(peak, rel=0.05)

@@ -169,12 +169,11 @@ class AllGather:
             padded += outputs
             views = views + [None] * len(outputs) if views is not None else None
         # Saved activations of an earlier forward alias this storage: the refill
-        # must not look like an in-place change to autograd.
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            refreshed = [p.unsharded_param for p in in_flight.extended if p.unsharded_param is not None]
-            for tensor in padded + refreshed:
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
-            stack.enter_context(trace.span(labels.copy_out))
+        # must not look like an in-place change to autograd (the versions are put back).
+        refreshed = [p.unsharded_param for p in in_flight.extended if p.unsharded_param is not None]
+        restored = (*padded, *refreshed)
+        versions = tuple(tensor._version for tensor in restored)
+        with torch.no_grad(), trace.span(labels.copy_out):
             if in_flight.codec is not None:
                 with trace.span(labels.all_gather_dequantize):
                     in_flight.codec.decode(in_flight.output, in_flight.num_chunks, in_flight.layout, padded)
@@ -182,6 +181,7 @@ class AllGather:
                 in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, views)
             for param in in_flight.extended:
                 param.rebuild_unsharded()
+        torch._C._autograd._unsafe_set_version_counter(restored, versions)
 
     def _no_region(self) -> torch.Tensor:
         """An extended parameter's (empty) region among the plain ones."""

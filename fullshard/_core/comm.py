@@ -19,7 +19,10 @@ reduce-scatter clones the whole input and all-reduces the clone. On a gloo
 group we therefore all-gather with one broadcast per rank straight into the
 output (the same bytes on the wire, no temporaries, about twice as fast on
 loopback), and reduce-scatter with an in-place all-reduce of the input followed
-by a copy of this rank's chunk (what gloo does, minus the clone). The input of
+by a copy of this rank's chunk (what gloo does, minus the clone). Small units on
+more than two ranks are the exception: there the per-rank broadcasts' latency
+adds up and gloo's single all-gather call wins, temporaries and all (at most
+``GLOO_NATIVE_ALL_GATHER_BYTES`` gathered). The input of
 a reduce-scatter is scratch: callers must not read it afterwards. Other
 backends (NCCL) get the native collectives.
 
@@ -115,6 +118,17 @@ def _is_gloo(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+# See [Note: Gloo collectives]: below this many gathered bytes, on more than two ranks, one
+# all-gather call beats one broadcast per rank (measured in benchmarks/RESULTS.md, issue 24).
+GLOO_NATIVE_ALL_GATHER_BYTES = 32 * 1024
+
+
+def _latency_bound(output: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether a gloo all-gather into ``output`` is small enough that its latency, not its
+    bytes, decides: then gloo's own call (one round) serves better than a broadcast per rank."""
+    return group.size() > 2 and output.numel() * output.element_size() <= GLOO_NATIVE_ALL_GATHER_BYTES
+
+
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | _Pending | None:
@@ -122,7 +136,7 @@ def all_gather(
     _check_alive(group)
     if _listeners:
         _notify("all_gather", group, output, [output, input])
-    if not _is_gloo(group):
+    if not _is_gloo(group) or _latency_bound(output, group):
         return compat.all_gather_into(output, input, group, async_op)
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))

@@ -57,6 +57,8 @@ def _outside_transforms(method: _Method) -> _Method:
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._are_functorch_transforms_active():
+            return method(*args, **kwargs)
         with torch._C._DisableFuncTorch():
             return method(*args, **kwargs)
 

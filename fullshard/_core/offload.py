@@ -75,16 +75,21 @@ def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.empty(numel, dtype=dtype, pin_memory=device.type != "cpu")
 
 
-@contextlib.contextmanager
-def on_stream(device: torch.device, name: str) -> Iterator[None]:
+_ON_CPU: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def on_stream(device: torch.device, name: str) -> contextlib.AbstractContextManager[None]:
     """Runs the block on ``device``'s side stream ``name``, after the work the
-    current stream has enqueued so far (memory it freed may be reused); CPU: as is.
+    current stream has enqueued so far (memory it freed may be reused); CPU: as is
+    (no generator to build: units enter this several times a step).
 
     Tensors allocated inside belong to the side stream: allocate outside.
     """
-    if device.type == "cpu":
-        yield
-        return
+    return _ON_CPU if device.type == "cpu" else _on_side_stream(device, name)
+
+
+@contextlib.contextmanager
+def _on_side_stream(device: torch.device, name: str) -> Iterator[None]:
     module = _device_module(device)
     stream = _side_stream(device, name)
     stream.wait_stream(module.current_stream(device))

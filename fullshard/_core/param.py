@@ -93,6 +93,7 @@ class ShardParam:
         first_row = shard.rank * self.shard_rows
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
+        self._local_size: torch.Size | None = None  # this rank's unpadded rows' size (cached: every gradient)
         if is_tensor_subclass(local):
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
@@ -249,7 +250,11 @@ class ShardParam:
         return self.sharded_dtensor_of(self._unpadded(padded_shard))
 
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
-        return padded_shard[: self.num_valid_rows * self.row_numel].view(self.chunk_size(self.num_valid_rows))
+        size = self._local_size
+        if size is None:
+            size = self._local_size = self.chunk_size(self.num_valid_rows)
+        numel = self.num_valid_rows * self.row_numel
+        return (padded_shard if padded_shard.numel() == numel else padded_shard.narrow(0, 0, numel)).view(size)
 
     def chunk_size(self, num_rows: int) -> torch.Size:
         """The size of ``num_rows`` rows along the shard dim."""
@@ -277,6 +282,10 @@ class ShardParam:
 
     def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter around an (unpadded) local tensor."""
+        sharded = getattr(self, "sharded_param", None)  # None while __init__ builds it
+        if isinstance(sharded, DTensor) and sharded.dtype == local.dtype and sharded.shape == self.global_size:
+            # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
+            return DTensor(local, sharded._spec, requires_grad=False)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_of(self, value: torch.Tensor) -> DTensor:

@@ -78,6 +78,18 @@ class _InputGradHook(torch.autograd.Function):
         return tangents
 
 
+# ``Function.apply`` binds its arguments through ``inspect.signature`` on every call
+# when ``setup_context`` is defined (about 20 us, once per unit and forward); outside
+# functorch transforms autograd's C entry point does the same work without it.
+_apply_input_grad_hook = super(torch.autograd.Function, _InputGradHook).apply
+
+
+def _hook_inputs(group: ParamGroup, use: UnitUse, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if torch._C._are_functorch_transforms_active():
+        return _InputGradHook.apply(group, use, *inputs)
+    return _apply_input_grad_hook(group, use, *inputs)
+
+
 class ModuleState:
     """The engine state of one ``fully_shard`` (or ``replicate``) call."""
 
@@ -241,7 +253,7 @@ class ModuleState:
         for target in targets:
             self.ctx.prefetch(target)
         if torch.is_grad_enabled():
-            args, kwargs = self._hook_input_grads(args, kwargs)
+            args, kwargs = self._hook_input_grads(group, args, kwargs)
         return args, kwargs
 
     def _abandon_cut_short_step(self) -> None:
@@ -284,19 +296,27 @@ class ModuleState:
     def _cast_output(self, output: Any) -> Any:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
-    def _hook_input_grads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _hook_input_grads(self, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: no tree to walk
+            inputs = [a for a in args if a.requires_grad]
+            if not inputs:
+                return args, kwargs
+            self._use = UnitUse()
+            hooked = iter(_hook_inputs(group, self._use, inputs))
+            return tuple(next(hooked) if a.requires_grad else a for a in args), kwargs
         inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs
         self._use = UnitUse()
-        hooked = dict(zip(map(id, inputs), _InputGradHook.apply(self.group, self._use, *inputs)))
-        return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
+        hooked_by_id = dict(zip(map(id, inputs), _hook_inputs(group, self._use, inputs)))
+        return map_tensors(lambda t: hooked_by_id.get(id(t), t), (args, kwargs))
 
     def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
         """Every output's gradient starts ``use``'s backward (the modules of a
         grouped unit share the pass's one use)."""
         hook = functools.partial(self._pre_backward, use=use)
-        for tensor in flatten_tensors(output):
+        outputs = [output] if type(output) is torch.Tensor else flatten_tensors(output)
+        for tensor in outputs:
             if tensor.requires_grad:
                 tensor.register_hook(hook)
 

@@ -27,14 +27,15 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import ProfilerActivity, profile
 
 from .._core import comm
 from .._core.mesh import default_mesh, hybrid_mesh
 from .._core.state import get_state
-from ..api import MixedPrecisionPolicy
+from ..api import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from ..fully_shard import fully_shard
-from ..models import ModelArgs, Transformer
+from ..models import ModelArgs, Transformer, TransformerBlock
 from ..replicate import replicate
 
 __all__ = ["measure_step", "storage_bytes", "profiled_step_peak"]
@@ -81,26 +82,50 @@ def profiled_step_peak(step: Callable[[], None]) -> tuple[int, list[comm.CommRec
     return max(total for _, _, total in events) - start_total, records
 
 
-def measure_step(args: ModelArgs, batch: int, strategy: str, bf16: bool, ranks_per_node: int) -> dict:
+_WRAPPER_STRATEGIES = {
+    "full": "FULL_SHARD",
+    "grad-op": "SHARD_GRAD_OP",
+    "no-shard": "NO_SHARD",
+    "hybrid": "HYBRID_SHARD",
+}
+
+
+def measure_step(
+    args: ModelArgs,
+    batch: int,
+    strategy: str,
+    bf16: bool,
+    ranks_per_node: int,
+    front_end: str = "fully_shard",
+    offload: bool = False,
+) -> dict:
     """This rank's peak bytes in a training step of the reference Transformer (one
     unit per block plus the root, as ``fullshard plan`` models it) and what the
-    step communicated. See [Note: Measured step memory on CPU]."""
+    step communicated, through ``front_end`` (``fully_shard`` or the FSDP1
+    ``wrapper``), with the shards offloaded to the host or not. See [Note:
+    Measured step memory on CPU]."""
     torch.manual_seed(0)
-    model = Transformer(args)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    base = Transformer(args)
     # CPU explicitly: the default mesh would be CUDA's on a machine with a GPU.
     mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu")
-    for module in [*model.layers, model]:
-        if strategy == "no-shard":
-            replicate(module, mesh=mesh, mp_policy=mp)
-        else:
-            fully_shard(module, mesh=mesh, reshard_after_forward=strategy != "grad-op", mp_policy=mp)
+    if front_end == "wrapper":
+        model: nn.Module = _wrap(base, mesh, strategy, bf16, offload)
+    else:
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+        policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+        for module in [*base.layers, base]:
+            if strategy == "no-shard":
+                replicate(module, mesh=mesh, mp_policy=mp, offload_policy=policy)
+            else:
+                reshard = strategy != "grad-op"
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
+        model = base
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(args.vocab_size, (batch, args.max_seq_len), generator=generator)
 
-    def step() -> None:
-        model.loss(tokens, tokens).backward()
+    def step() -> None:  # model(...), as Transformer.loss does: the wrapper's forward is its __call__
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten()).backward()
         optim.step()
         optim.zero_grad()
 
@@ -117,8 +142,25 @@ def measure_step(args: ModelArgs, batch: int, strategy: str, bf16: bool, ranks_p
         "peak": before + min(peaks),
         "late_release": max(peaks) - min(peaks),
         "comm": comm_bytes,
-        "shard_numels": [_shard_numel(m) for m in [model, *model.layers]],
+        "shard_numels": [_shard_numel(m) for m in [model, *base.layers]],
     }
+
+
+def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool) -> nn.Module:
+    """``model`` under the FSDP1 wrapper, one unit per block plus the root."""
+    from ..wrap import ModuleWrapPolicy
+    from ..wrapper import FullyShardedDataParallel
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    return FullyShardedDataParallel(
+        model,
+        sharding_strategy=ShardingStrategy[_WRAPPER_STRATEGIES[strategy]],
+        device_mesh=mesh,
+        auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+        mixed_precision=mp,
+        cpu_offload=CPUOffload(offload_params=True) if offload else None,
+        device_id=torch.device("cpu"),
+    )
 
 
 def _shard_numel(module: nn.Module) -> int:
