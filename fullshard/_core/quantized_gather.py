@@ -18,6 +18,8 @@ import torch
 from .layout import Layout
 from .quantize import BlockQuantizer
 
+_SCALE_ALIGN = 4  # bytes of an fp32 scale
+
 
 class _Plan(NamedTuple):
     coded: list[int]  # parameters sent as codes, in layout order
@@ -25,6 +27,7 @@ class _Plan(NamedTuple):
     coded_numel: int  # values of the coded parameters, back to back
     coded_padded: int  # the same in whole blocks
     coded_bytes: int  # their codes and scales on the wire
+    exact_numel: int  # values of the exact parameters, back to back
     packed_numel: int  # one rank's chunk on the wire, in bytes
 
 
@@ -47,7 +50,10 @@ class QuantizedGather:
             coded_padded = self.quantizer.num_blocks(coded_numel) * self.quantizer.block_size
             coded_bytes = self.quantizer.packed_numel(coded_numel) if coded else 0
             exact_bytes = sum(layout.sizes[i] for i in exact) * layout.dtype.itemsize
-            plan = _Plan(coded, exact, coded_numel, coded_padded, coded_bytes, coded_bytes + exact_bytes)
+            # Every rank's chunk starts 4-aligned, where the next rank's scales are read as fp32.
+            packed_numel = -(-(coded_bytes + exact_bytes) // _SCALE_ALIGN) * _SCALE_ALIGN
+            exact_numel = sum(layout.sizes[i] for i in exact)
+            plan = _Plan(coded, exact, coded_numel, coded_padded, coded_bytes, exact_numel, packed_numel)
             self._plans[layout] = plan
         return plan
 
@@ -67,7 +73,7 @@ class QuantizedGather:
             coded[plan.coded_numel :].zero_()
             self.quantizer.encode(coded, packed[: plan.coded_bytes])
         if plan.exact:
-            exact = packed[plan.coded_bytes :].view(layout.dtype)
+            exact = packed[plan.coded_bytes :].view(layout.dtype)[: plan.exact_numel]
             torch.cat([layout.region(source, i, layout.dtype) for i in plan.exact], out=exact)
         return packed
 
@@ -81,7 +87,8 @@ class QuantizedGather:
             values = self.quantizer.decode(chunks[:, : plan.coded_bytes], plan.coded_numel)
             self._split(values.to(layout.dtype), layout, plan.coded, outputs, num_chunks)  # a split copies one dtype
         if plan.exact:
-            self._split(chunks[:, plan.coded_bytes :].view(layout.dtype), layout, plan.exact, outputs, num_chunks)
+            exact = chunks[:, plan.coded_bytes :].view(layout.dtype)[:, : plan.exact_numel]
+            self._split(exact, layout, plan.exact, outputs, num_chunks)
 
     @staticmethod
     def _split(

@@ -40,7 +40,7 @@ class Unit:
         """One rank's chunk of a quantized all-gather: codes and scales, then the exact values."""
         coded = self.coded_shard_numel()
         exact = (self.shard_numel - coded) * compute_bytes
-        return (code.packed_numel(coded) if coded else 0) + exact
+        return -(-((code.packed_numel(coded) if coded else 0) + exact) // 4) * 4  # chunks start 4-aligned
 
     @property
     def shard_numel(self) -> int:

@@ -33,7 +33,16 @@ from torch.profiler import ProfilerActivity, profile
 from .._core import comm
 from .._core.mesh import default_mesh, hybrid_mesh
 from .._core.state import get_state
-from ..api import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from ..all_gather_quantization import set_all_gather_quantization
+from ..api import (
+    AllGatherQuantization,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
 from ..fully_shard import fully_shard
 from ..models import ModelArgs, Transformer, TransformerBlock
 from ..replicate import replicate
@@ -98,11 +107,13 @@ def measure_step(
     ranks_per_node: int,
     front_end: str = "fully_shard",
     offload: bool = False,
+    all_gather_dtype: torch.dtype | None = None,
 ) -> dict:
     """This rank's peak bytes in a training step of the reference Transformer (one
     unit per block plus the root, as ``fullshard plan`` models it) and what the
     step communicated, through ``front_end`` (``fully_shard`` or the FSDP1
-    ``wrapper``), with the shards offloaded to the host or not. See [Note:
+    ``wrapper``), with the shards offloaded to the host or not, and weights
+    gathered as ``all_gather_dtype`` codes when it is set. See [Note:
     Measured step memory on CPU]."""
     torch.manual_seed(0)
     base = Transformer(args)
@@ -120,6 +131,8 @@ def measure_step(
                 reshard = strategy != "grad-op"
                 fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
         model = base
+    if all_gather_dtype is not None:
+        set_all_gather_quantization(model, AllGatherQuantization(dtype=all_gather_dtype))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(args.vocab_size, (batch, args.max_seq_len), generator=generator)
