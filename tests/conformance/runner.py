@@ -1,0 +1,61 @@
+"""Runs scenarios on this rank under torch's FSDP and under fullshard, and compares the two records.
+
+Called on every rank of a pool (``run_distributed(run_chunk, world, names)``); returns, per scenario, the
+differences this rank saw and whether torch itself failed (see ``known.TORCH_FAILURES``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .frontends import api, forget_meshes, make
+from .known import torch_failure
+from .probes import Run, run_probe
+from .record import Difference, Record, compare
+from .scenarios import Scenario
+
+IGNORED_WARNINGS = (FutureWarning, DeprecationWarning)
+
+
+def record(s: Scenario, lib: str) -> Record:
+    """Everything a user could observe of scenario ``s`` under framework ``lib``."""
+    rec = Record()
+    a = api(lib)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model = make(s, a)
+            optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+            run_probe(Run(s, a, model, optim, rec))
+        except Exception as exc:  # noqa: BLE001 - an exception is an observable like any other
+            rec.items["raised"] = type(exc).__name__
+            rec.items["message"] = str(exc)
+    rec.items["warnings"] = tuple(
+        sorted({w.category.__name__ for w in caught if not issubclass(w.category, IGNORED_WARNINGS)})
+    )
+    dist.barrier()
+    return rec
+
+
+def run_scenario(s: Scenario) -> tuple[str, str | None, list[Difference]]:
+    """(name, why torch failed or None, differences)."""
+    print("scenario", s.name, flush=True)  # the rank's log names the scenario a crash came from
+    theirs = record(s, "torch")
+    ours = record(s, "ours")
+    if "raised" in theirs.items and "raised" not in ours.items:
+        reason = torch_failure(s, theirs.items["message"])
+        if reason is not None:
+            return s.name, reason, []
+    tol = (2e-2, 2e-2) if s.mixed else (1e-4, 1e-5)
+    return s.name, None, compare(theirs, ours, *tol)
+
+
+def run_chunk(scenarios: list[Scenario]) -> list[tuple[str, str | None, list[Difference]]]:
+    torch.set_num_threads(1)
+    try:
+        return [run_scenario(s) for s in scenarios]
+    finally:
+        forget_meshes()
