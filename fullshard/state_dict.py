@@ -287,9 +287,10 @@ def _save_params(
             continue
         value: torch.Tensor
         if kind is StateDictType.SHARDED_STATE_DICT:
-            value = param.sharded_value()
-            if offload:
-                value = param.sharded_dtensor_of(param.sharded_value()._local_tensor.cpu())
+            # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
+            # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
+            local = param.sharded_value()._local_tensor
+            value = param.sharded_dtensor_of(local.cpu() if offload and local.device.type != "cpu" else local.clone())
         else:
             if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
                 raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
@@ -548,6 +549,9 @@ def optim_state_dict_to_load(
 ) -> dict[str, Any]:
     """Turns an FQN-keyed optimizer state dict (full or sharded, any layout) into one
     that ``optim.load_state_dict`` accepts for ``model``'s current parameters."""
+    if "param_groups" not in optim_state_dict:  # only states saved: the optimizer's own hyperparameters
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
+        optim_state_dict = {**optim_state_dict, "param_groups": groups}
     return optim_state_dict_for_params(model, [group["params"] for group in optim.param_groups], optim_state_dict)
 
 

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import state_dict as state_dicts
 from ._core import comm
 from ._core.common import UnitConfig, map_tensors, module_class_name
-from ._core.full_params import full_params
+from ._core.full_params import adopt_user_params, full_params
 from ._core.init import get_managed_modules
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
@@ -178,6 +178,8 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(param.sharded_param, UNIT_ATTR, state.group)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
+        if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
+            self.register_forward_pre_hook(_adopt_user_params, prepend=True)
         if config.flat_param and state.group is not None:
             FlatParamView(state.group, module)
             install_flat_param_hooks(state)
@@ -890,3 +892,14 @@ def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]
         seen.update(children)
         frontier = list(dict.fromkeys(children))
     return order
+
+
+def _adopt_user_params(wrapper: nn.Module, _args: Any) -> None:
+    """Parameters the user replaced or re-pointed since the last step become the shards, for every unit
+    this forward may gather (the root's forward prefetches its children). See ``adopt_user_params``."""
+    state = get_state(wrapper)
+    if state is None or state.is_root is False:
+        return
+    for below in states_below(wrapper):
+        if below.group is not None:
+            adopt_user_params(below.group)

@@ -1,8 +1,13 @@
-"""What the matrix knows: where torch's FSDP itself fails on CPU, and our deliberate differences.
+"""What the matrix knows: where torch's FSDP itself fails or is wrong on CPU, our deliberate differences,
+and the differences still open (issue 23). Each row names the scenarios and differences it covers, and why.
 
-Each row names the scenarios it covers and why. A torch failure makes a scenario compare nothing (ours must
-still not raise); a deliberate difference excuses one difference of a kind other than ``value`` (wrong
-values are never deliberate: they are fixed).
+- ``TORCH_FAILURES``: torch's FSDP cannot run the scenario here; it runs under fullshard alone (it must
+  not crash or hang).
+- ``TORCH_WRONG``: torch's value is wrong; ours is what its documentation says (a value difference allowed
+  only here, each with its proof).
+- ``DELIBERATE``: a difference of a kind other than ``value`` that we keep, listed in docs/api.md under
+  "Deliberate differences from torch".
+- ``OPEN``: found by the matrix and not fixed yet: each is a TODO of issue 23.
 """
 
 from __future__ import annotations
@@ -17,31 +22,123 @@ from .scenarios import Scenario
 
 class TorchFailure(NamedTuple):
     applies: Callable[[Scenario], bool]
-    message: str  # a regex on torch's exception message
     reason: str
 
 
-class Deliberate(NamedTuple):
-    applies: Callable[[Scenario, Difference], bool]
+class Row(NamedTuple):
+    """Covers difference ``d`` of scenario ``s`` when ``applies(s)``, ``d.kind`` is in ``kinds`` and
+    ``d.key`` matches ``key`` (a regex, searched)."""
+
+    applies: Callable[[Scenario], bool]
+    kinds: tuple[str, ...]
+    key: str
     reason: str
 
-
-TORCH_FAILURES: tuple[TorchFailure, ...] = ()
-
-DELIBERATE: tuple[Deliberate, ...] = ()
+    def covers(self, s: Scenario, d: Difference) -> bool:
+        return self.applies(s) and d.kind in self.kinds and re.search(self.key, d.key) is not None
 
 
-def torch_failure(s: Scenario, message: str) -> str | None:
+def _wrapper(s: Scenario) -> bool:
+    return s.front == "wrapper"
+
+
+TORCH_FAILURES: tuple[TorchFailure, ...] = (
+    TorchFailure(
+        lambda s: _wrapper(s) and s.offload,
+        "FSDP1's CPUOffload(offload_params=True) pins its shards at lazy init, which raises on a machine with no "
+        "accelerator (RuntimeError: Cannot access accelerator device when none is available): fullshard "
+        "offloads without pinning there",
+    ),
+    TorchFailure(
+        lambda s: _wrapper(s) and ("offload_to_cpu" in s.probe or s.probe == "sd_full_rank0_cpu"),
+        "FSDP1's offload_to_cpu on a CPU device frees the storage it then reads (RuntimeError: setStorage ... out "
+        "of bounds for storage of size 0), on some ranks only with rank0_only (the others then hang): "
+        "fullshard hands out CPU copies",
+    ),
+    TorchFailure(
+        lambda s: _wrapper(s) and s.use_orig_params and s.probe == "sd_local",
+        "FSDP1's LOCAL_STATE_DICT with use_orig_params=True saves the flat parameter next to the original "
+        "parameters' local slices and then refuses to load its own dict (RuntimeError: Unexpected key(s) "
+        "... _flat_param); fullshard raises NotImplementedError at save (docs/api.md)",
+    ),
+    TorchFailure(
+        lambda s: _wrapper(s) and s.use_orig_params and s.probe == "osd_optim_input",
+        "FSDP1's full_optim_state_dict(optim_input=...) with use_orig_params=True fails its own padding check "
+        "(AssertionError: Manually calculated _sharded_numel_padded is incorrect)",
+    ),
+)
+
+
+def single_state_optimizer(s: Scenario) -> bool:
+    """FSDP1's full optimizer state dict with use_orig_params=True returns ``exp_avg_sq`` under ``exp_avg``
+    too (Adam, gloo, torch 2.13: a gathered state overwritten by the next): those probes use SGD with
+    momentum, one state per parameter, where torch's values are right and can be compared."""
+    return _wrapper(s) and s.use_orig_params and s.probe in ("osd_full", "osd_full_legacy", "osd_rekey", "osd_sharded")
+
+
+_LAYOUT = (
+    "fullshard shards each parameter by rows (FSDP2's layout, for both front ends); FSDP1 cuts the unit's "
+    "concatenated parameters into equal parts: which elements of a parameter a rank holds, and so each "
+    "rank's local view, differ (full values, state dicts by name and optimizer states are equal)"
+)
+
+TORCH_WRONG: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.use_orig_params and s.probe.startswith("summon:")
+        and "writeback" not in s.probe,
+        ("value",),
+        r"^param:",
+        "FSDP1 with NO_SHARD and use_orig_params=True hands out the parameters themselves in "
+        "summon_full_params(writeback=False), so changes persist; its documentation says they are discarded, "
+        "and fullshard discards them under every strategy",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.model == "frozen" and s.probe == "grads_after_backward",
+        ("value", "keys", "type"),
+        r"^param\.grad:",
+        "frozen parameters have no gradient: FSDP1 hands out zeros cut from its flat gradient for some of "
+        "them under summon_full_params(with_grads=True); fullshard leaves .grad None, as a plain model does",
+    ),
+)
+
+DELIBERATE: tuple[Row, ...] = (
+    Row(lambda s: True, ("layout",), r"^local:", _LAYOUT),
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and "with_grads" in s.probe,
+        ("exception", "keys", "type", "message"),
+        r"",
+        "summon_full_params(with_grads=True) works with use_orig_params=False too (FSDP1 raises "
+        "NotImplementedError): the gradients are gathered like the parameters",
+    ),
+)
+
+_TODO = "TODO(conformance): open difference of issue 23, "
+OPEN: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and s.probe in ("sd_sharded", "osd_sharded") and "HYBRID" not in s.strategy,
+        ("type",),
+        r"^(sd|osd):",
+        _TODO + "FSDP1's SHARDED_STATE_DICT without a device mesh holds ShardedTensors (model and optimizer "
+        "states), fullshard DTensors: same values, other type",
+    ),
+)
+
+
+def torch_failure(s: Scenario) -> str | None:
+    """Why torch's FSDP cannot run ``s`` here (it is then run under fullshard alone), or None."""
     for row in TORCH_FAILURES:
-        if row.applies(s) and re.search(row.message, message):
+        if row.applies(s):
             return row.reason
     return None
 
 
-def deliberate(s: Scenario, d: Difference) -> str | None:
-    if d.kind == "value":
-        return None
-    for row in DELIBERATE:
-        if row.applies(s, d):
+def explain(s: Scenario, d: Difference) -> str | None:
+    """The reason difference ``d`` of scenario ``s`` is known, or None (a failure of the matrix)."""
+    for row in TORCH_WRONG + OPEN:
+        if row.covers(s, d):
             return row.reason
+    if d.kind != "value":
+        for row in DELIBERATE:
+            if row.covers(s, d):
+                return row.reason
     return None

@@ -6,6 +6,7 @@ state dicts, ``.grad``), so the record of torch's FSDP and of fullshard can be c
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .models import batch
+from .models import batch, build
 from .record import Record, plain
 from .scenarios import SUMMON_FLAGS, Scenario
 
@@ -63,6 +64,14 @@ class Run:
                 if grads:
                     self.rec.put(f"{key}.grad:{name}", param.grad.full_tensor() if param.grad is not None else "None")
 
+    def put_after_forward(self, name: str, param: torch.Tensor) -> None:
+        """A parameter read between forward and backward: a value where it has its full shape, else
+        this rank's shard (a layout)."""
+        clean = name.replace("_fsdp_wrapped_module.", "")
+        full = dict(build(self.s.model).named_parameters()).get(clean)
+        full_shape = full is not None and tuple(full.shape) == tuple(param.shape)
+        self.rec.put(f"{'' if full_shape else 'local:'}after_forward:{clean}", param)
+
     def local_params(self) -> None:
         """What ``named_parameters`` shows outside forward: names, types, shapes (flat numel, FSDP1)."""
         for name, param in self.model.named_parameters():
@@ -98,7 +107,7 @@ def grads_after_backward(r: Run) -> None:
         r.full_params(grads=True)
     else:  # FSDP1 flat parameters: the flat gradient is this rank's public view
         for name, param in r.model.named_parameters():
-            r.rec.put(f"grad:{name}", param.grad if param.grad is not None else "None")
+            r.rec.put(f"local:grad:{name}", param.grad if param.grad is not None else "None")
 
 
 @probe("several_forwards")
@@ -128,7 +137,7 @@ def no_sync(r: Run) -> None:
 def read_after_forward(r: Run) -> None:
     loss = r.loss()
     for name, param in r.model.named_parameters():
-        r.rec.put(f"after_forward:{name}", param)
+        r.put_after_forward(name, param)
     loss.backward()
     r.optim.step()
     r.full_params()
@@ -158,7 +167,7 @@ def state_dict_round_trip(r: Run) -> None:
         r.rec.put(f"sd:{key}", value)
     if config is not None:
         return
-    saved = {k: v.clone() if isinstance(v, torch.Tensor) and type(v) is torch.Tensor else v for k, v in sd.items()}
+    saved = copy.deepcopy(sd)  # values may alias the shards (torch's local ShardedTensors do)
     r.step("loss1")
     _load(r, kind, saved)
     r.full_params("reloaded")
@@ -196,7 +205,7 @@ def optim_state_dict(r: Run) -> None:
             r.rec.put(f"osd:{fqn}:{name}", value)
     with r.a.FSDP.state_dict_type(r.model, getattr(r.a.StateDictType, kind)):
         to_load = r.a.FSDP.optim_state_dict_to_load(r.model, r.optim, osd)
-    r.rec.put("to_load_keys", tuple(sorted(to_load["state"])))
+    r.rec.put("local:to_load_keys", tuple(sorted(to_load["state"])))
     r.optim.load_state_dict(to_load)
     r.step("loss1")
     r.full_params()
@@ -293,8 +302,9 @@ def change_parameters(r: Run) -> None:
             param.mul_(0.5)
         elif r.s.probe == "data_assign":
             param.data = param.data * 0.5
-        elif r.s.probe == "shape_change":
-            param.data = torch.zeros(param.numel() + 1, dtype=param.dtype)
+        elif r.s.probe == "shape_change":  # every parameter: each rank holds part of some (FSDP1 raises there)
+            for _, each in _original(r):
+                each.data = torch.zeros(each.numel() + 1, dtype=each.dtype)
     if r.s.probe == "replace_param":
         owner = r.model.get_submodule(name.rpartition(".")[0])
         setattr(owner, name.rpartition(".")[2], nn.Parameter(param.detach() * 0.5))
@@ -324,7 +334,7 @@ def two_optimizers(r: Run) -> None:
     r.step("loss0", optims)
     loss = r.loss()
     for name, param in r.model.named_parameters():
-        r.rec.put(f"after_forward:{name}", param)
+        r.put_after_forward(name, param)
     loss.backward()
     for optim in optims:
         optim.step()
@@ -412,8 +422,9 @@ def summon(r: Run) -> None:
             r.rec.put(f"summoned:{name}", param)
             if flags["with_grads"]:
                 r.rec.put(f"summoned.grad:{name}", param.grad if param.grad is not None else "None")
-            with torch.no_grad():
-                param.add_(1.0)
+            if not flags["rank0_only"] or dist.get_rank() == 0:  # elsewhere: this rank's shard, laid out our way
+                with torch.no_grad():
+                    param.add_(1.0)
     r.full_params()
 
 

@@ -3,7 +3,8 @@
 Values are plain data: a tensor (compared with a tolerance), or a str / int / tuple (compared exactly). The
 kind of a difference says how bad it is: ``value`` (numbers differ: never acceptable), ``type`` (value type,
 shape or dtype), ``keys`` (a key only one side has), ``exception`` (one side raised, or another type),
-``message`` (an API name of torch's message missing from ours), ``warning``.
+``message`` (an API name of torch's message missing from ours), ``warning``, ``layout`` (what this rank's
+shard holds: keys starting ``local:``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
             out.append(Difference(kind, key, f"only {side} has it: {(theirs.items | ours.items)[key]!r}"[:300]))
             continue
         a, b = theirs.items[key], ours.items[key]
-        if key == "message":
+        if key.startswith("local:"):  # how this rank's shard is laid out, not a value
+            if not _same(a, b):
+                out.append(Difference("layout", key, f"torch {_brief(a)} / ours {_brief(b)}"))
+        elif key == "message":
             missing = api_words(a) - set(_API_WORD.findall(b))
             if missing:
                 out.append(Difference("message", key, f"ours lacks {sorted(missing)}: torch {a!r} / ours {b!r}"[:400]))
@@ -98,3 +102,13 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
             kind = "type" if key.endswith((":type", ":shape", ":dtype")) else "value"
             out.append(Difference(kind, key, f"torch {a!r} / ours {b!r}"[:300]))
     return sorted(out, key=lambda d: d.key)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _brief(value: Any) -> str:
+    return f"{value.dtype}{tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:120]
