@@ -129,10 +129,15 @@ def set_state_dict_type(
     expected_config, expected_optim = _DEFAULT_CONFIGS[state_dict_type]
     config = state_dict_config or expected_config()
     optim_config = optim_state_dict_config or expected_optim()
-    if not isinstance(config, expected_config) or not isinstance(optim_config, expected_optim):
+    if not isinstance(config, expected_config):
         raise RuntimeError(
-            f"set_state_dict_type expects a {expected_config.__name__} and a {expected_optim.__name__} "
-            f"for {state_dict_type.name} but got {type(config).__name__} and {type(optim_config).__name__}"
+            f"set_state_dict_type expects state_dict_config of type {expected_config.__name__} for "
+            f"{state_dict_type.name} but got {type(config).__name__}"
+        )
+    if not isinstance(optim_config, expected_optim):
+        raise RuntimeError(
+            f"set_state_dict_type expects optim_state_dict_config of type {expected_optim.__name__} for "
+            f"{state_dict_type.name} but got {type(optim_config).__name__}"
         )
     if state_dict_type is StateDictType.LOCAL_STATE_DICT:
         for state in states:

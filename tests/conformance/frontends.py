@@ -24,9 +24,19 @@ def api(lib: str) -> SimpleNamespace:
         import fullshard as root
         from fullshard import wrap
     names = (
-        "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "StateDictType",
-        "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig", "FullOptimStateDictConfig",
-        "ShardedOptimStateDictConfig", "OptimStateKeyType", "fully_shard", "MixedPrecisionPolicy",
+        "FullyShardedDataParallel",
+        "ShardingStrategy",
+        "CPUOffload",
+        "MixedPrecision",
+        "StateDictType",
+        "FullStateDictConfig",
+        "ShardedStateDictConfig",
+        "LocalStateDictConfig",
+        "FullOptimStateDictConfig",
+        "ShardedOptimStateDictConfig",
+        "OptimStateKeyType",
+        "fully_shard",
+        "MixedPrecisionPolicy",
         "CPUOffloadPolicy",
     )
     ns = SimpleNamespace(**{n: getattr(root, n) for n in names}, lib=lib)
@@ -69,8 +79,12 @@ def wrap_wrapper(s: Scenario, a: SimpleNamespace, net: nn.Module) -> nn.Module:
             param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
         )
     return a.FSDP(
-        net, auto_wrap_policy=a.ModuleWrapPolicy({Block}), device_id=CPU, use_orig_params=s.use_orig_params,
-        sharding_strategy=getattr(a.ShardingStrategy, s.strategy), **kwargs,
+        net,
+        auto_wrap_policy=a.ModuleWrapPolicy({Block}),
+        device_id=CPU,
+        use_orig_params=s.use_orig_params,
+        sharding_strategy=getattr(a.ShardingStrategy, s.strategy),
+        **kwargs,
     )
 
 

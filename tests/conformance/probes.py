@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .models import batch, build
-from .record import Record, plain
+from .record import Record
 from .scenarios import SUMMON_FLAGS, Scenario
 
 
@@ -162,7 +162,7 @@ def state_dict_round_trip(r: Run) -> None:
         config = r.a.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     kind = sd_type.get(r.s.probe, "FULL_STATE_DICT")
     sd = _state_dict(r, kind, config)
-    r.rec.put("keys", tuple(sd))
+    r.rec.put("keys", tuple(sorted(sd)))  # FSDP1's order puts a tied parameter's name where it was first seen
     for key, value in sd.items():
         r.rec.put(f"sd:{key}", value)
     if config is not None:
@@ -330,7 +330,10 @@ def change_between_forward_backward(r: Run) -> None:
 @probe("two_optimizers")
 def two_optimizers(r: Run) -> None:
     params = [p for p in r.model.parameters() if p.requires_grad]
-    optims = (torch.optim.SGD(params[: len(params) // 2], lr=0.1), torch.optim.Adam(params[len(params) // 2 :], lr=0.01))
+    optims = (
+        torch.optim.SGD(params[: len(params) // 2], lr=0.1),
+        torch.optim.Adam(params[len(params) // 2 :], lr=0.01),
+    )
     r.step("loss0", optims)
     loss = r.loss()
     for name, param in r.model.named_parameters():
@@ -417,11 +420,13 @@ def summon(r: Run) -> None:
     flags = {f: f in r.s.probe.partition(":")[2].split(",") for f in SUMMON_FLAGS}
     r.step("loss0")
     r.backward("loss1")
+    # With rank0_only, the other ranks keep their shards: a layout, not values.
+    where = "local:" if flags["rank0_only"] and dist.get_rank() != 0 else ""
     with r.a.FSDP.summon_full_params(r.model, **flags):
         for name, param in r.model.named_parameters():
-            r.rec.put(f"summoned:{name}", param)
+            r.rec.put(f"{where}summoned:{name}", param)
             if flags["with_grads"]:
-                r.rec.put(f"summoned.grad:{name}", param.grad if param.grad is not None else "None")
+                r.rec.put(f"{where}summoned.grad:{name}", param.grad if param.grad is not None else "None")
             if not flags["rank0_only"] or dist.get_rank() == 0:  # elsewhere: this rank's shard, laid out our way
                 with torch.no_grad():
                     param.add_(1.0)
@@ -431,4 +436,3 @@ def summon(r: Run) -> None:
 def run_probe(r: Run) -> None:
     fn = summon if r.s.probe.startswith("summon:") else PROBES[r.s.probe]
     fn(r)
-

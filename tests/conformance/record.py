@@ -51,7 +51,9 @@ class Record:
     def put(self, key: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor):
             self.items[key + ":type"] = type_name(value)
-            self.items[key + ":shape"] = tuple(value.shape) if not isinstance(value, ShardedTensor) else tuple(value.size())
+            self.items[key + ":shape"] = (
+                tuple(value.shape) if not isinstance(value, ShardedTensor) else tuple(value.size())
+            )
         self.items[key] = plain(value)
 
 
@@ -59,8 +61,11 @@ _API_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def api_words(message: str) -> set[str]:
-    """The API names in a message (snake_case with an underscore, or CamelCase): its key words."""
-    return {w for w in _API_WORD.findall(message) if "_" in w.strip("_") or re.search(r"[a-z][A-Z]", w)}
+    """The API names in a message (snake_case with an underscore, or CamelCase): its key words. A tensor's
+    repr in it (a message that is only the offending value) names nothing."""
+    message = re.sub(r"tensor\(.*?\)", "", message, flags=re.S)
+    words = {w.rpartition(".")[2] for w in _API_WORD.findall(message)}  # a class path: its name
+    return {w for w in words if "_" in w.strip("_") or re.search(r"[a-z][A-Z]", w)}
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,11 @@ class Difference:
 def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Difference]:
     out: list[Difference] = []
     for key in theirs.items.keys() | ours.items.keys():
+        if key.startswith("~"):
+            continue
         if key not in ours.items or key not in theirs.items:
             side = "torch" if key in theirs.items else "fullshard"
-            kind = "exception" if key in ("raised", "message") else "keys"
+            kind = "exception" if key in ("raised", "message") else "layout" if key.startswith("local:") else "keys"
             out.append(Difference(kind, key, f"only {side} has it: {(theirs.items | ours.items)[key]!r}"[:300]))
             continue
         a, b = theirs.items[key], ours.items[key]
@@ -83,7 +90,7 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
             if not _same(a, b):
                 out.append(Difference("layout", key, f"torch {_brief(a)} / ours {_brief(b)}"))
         elif key == "message":
-            missing = api_words(a) - set(_API_WORD.findall(b))
+            missing = api_words(a) - {w.rpartition(".")[2] for w in _API_WORD.findall(b)}
             if missing:
                 out.append(Difference("message", key, f"ours lacks {sorted(missing)}: torch {a!r} / ours {b!r}"[:400]))
         elif key == "raised":
@@ -91,7 +98,8 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
                 out.append(Difference("exception", key, f"torch {a} / ours {b}"))
         elif key == "warnings":
             if a != b:
-                out.append(Difference("warning", key, f"torch {a} / ours {b}"))
+                texts = theirs.items.get("~warning_text"), ours.items.get("~warning_text")
+                out.append(Difference("warning", key, f"torch {a} {texts[0]} / ours {b} {texts[1]}"[:400]))
         elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if a.shape != b.shape or a.dtype != b.dtype:
                 out.append(Difference("type", key, f"torch {a.dtype}{tuple(a.shape)} / ours {b.dtype}{tuple(b.shape)}"))

@@ -41,15 +41,13 @@ def record(s: Scenario, lib: str) -> Record:
         except Exception as exc:  # noqa: BLE001 - an exception is an observable like any other
             rec.items["raised"] = type(exc).__name__
             rec.items["message"] = str(exc)
-    rec.items["warnings"] = tuple(
-        sorted(
-            {
-                w.category.__name__
-                for w in caught
-                if not issubclass(w.category, IGNORED_WARNINGS) and not IGNORED_MESSAGES.search(str(w.message))
-            }
-        )
-    )
+    kept = [
+        w
+        for w in caught
+        if not issubclass(w.category, IGNORED_WARNINGS) and not IGNORED_MESSAGES.search(str(w.message))
+    ]
+    rec.items["warnings"] = tuple(sorted({w.category.__name__ for w in kept}))
+    rec.items["~warning_text"] = tuple(sorted({str(w.message)[:160] for w in kept}))  # shown, not compared
     dist.barrier()
     return rec
 

@@ -17,21 +17,52 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRI
 SUMMON_FLAGS = ("writeback", "rank0_only", "offload_to_cpu", "with_grads")
 
 WRAPPER_PROBES = (
-    "train", "grads_after_backward", "several_forwards", "no_sync", "read_after_forward",
-    "sd_full", "sd_full_rank0_cpu", "sd_sharded", "sd_local", "load_after_forward",
-    "osd_full", "osd_sharded", "osd_full_legacy", "osd_optim_input", "osd_no_param_groups",
-    "osd_unmanaged_param", "osd_rekey",
-    "clip_root", "clip_nonroot",
-    "inplace_change", "data_assign", "replace_param", "shape_change", "grad_data_assign",
-    "change_between_forward_backward", "two_optimizers",
-    "apply", "apply_in_summon", "summon_in_forward", "summon_in_backward", "wrong_sd_config",
-    "eval_full_precision", "autocast_loss",
+    "train",
+    "grads_after_backward",
+    "several_forwards",
+    "no_sync",
+    "read_after_forward",
+    "sd_full",
+    "sd_full_rank0_cpu",
+    "sd_sharded",
+    "sd_local",
+    "load_after_forward",
+    "osd_full",
+    "osd_sharded",
+    "osd_full_legacy",
+    "osd_optim_input",
+    "osd_no_param_groups",
+    "osd_unmanaged_param",
+    "osd_rekey",
+    "clip_root",
+    "clip_nonroot",
+    "inplace_change",
+    "data_assign",
+    "replace_param",
+    "shape_change",
+    "grad_data_assign",
+    "change_between_forward_backward",
+    "two_optimizers",
+    "apply",
+    "apply_in_summon",
+    "summon_in_forward",
+    "summon_in_backward",
+    "wrong_sd_config",
+    "eval_full_precision",
+    "autocast_loss",
 ) + tuple(
     "summon:" + ",".join(f for f, on in zip(SUMMON_FLAGS, bits) if on) for bits in itertools.product((0, 1), repeat=4)
 )
 COMPOSABLE_PROBES = (
-    "train", "several_forwards", "no_sync", "read_after_forward", "sd_composable", "clip_composable",
-    "shared_across_units", "load_after_forward", "two_optimizers",
+    "train",
+    "several_forwards",
+    "no_sync",
+    "read_after_forward",
+    "sd_composable",
+    "clip_composable",
+    "shared_across_units",
+    "load_after_forward",
+    "two_optimizers",
 )
 
 
@@ -65,7 +96,10 @@ def _composable_settings() -> list[tuple[str, bool, bool, bool]]:
 def generate(world: int) -> list[Scenario]:
     """Every probe x every setting of its front end, at ``world`` ranks."""
     out: list[Scenario] = []
-    fronts = (("wrapper", WRAPPER_PROBES, _wrapper_settings()), ("composable", COMPOSABLE_PROBES, _composable_settings()))
+    fronts = (
+        ("wrapper", WRAPPER_PROBES, _wrapper_settings()),
+        ("composable", COMPOSABLE_PROBES, _composable_settings()),
+    )
     for front, probes, settings in fronts:
         for p_index, probe in enumerate(probes):
             for s_index, (strategy, uop, offload, mixed) in enumerate(settings):
@@ -87,7 +121,5 @@ def matrix() -> list[Scenario]:
     chosen: list[Scenario] = []
     for world, stride in STRIDE.items():
         picked = generate(world)[::stride]
-        chosen += [
-            Scenario(**{**s.__dict__, "fast": world == 2 and i % FAST_EVERY == 0}) for i, s in enumerate(picked)
-        ]
+        chosen += [Scenario(**{**s.__dict__, "fast": world == 2 and i % FAST_EVERY == 0}) for i, s in enumerate(picked)]
     return chosen
