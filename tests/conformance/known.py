@@ -85,15 +85,11 @@ _LAYOUT = (
 TORCH_WRONG: tuple[Row, ...] = (
     Row(
         lambda s: (
-            _wrapper(s)
-            and s.strategy == "NO_SHARD"
-            and s.use_orig_params
-            and s.probe.startswith("summon:")
-            and "writeback" not in s.probe
+            _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith("summon:") and "writeback" not in s.probe
         ),
         ("value",),
         r"^param:",
-        "FSDP1 with NO_SHARD and use_orig_params=True hands out the parameters themselves in "
+        "FSDP1 with NO_SHARD hands out the parameters themselves in "
         "summon_full_params(writeback=False), so changes persist; its documentation says they are discarded, "
         "and fullshard discards them under every strategy",
     ),
@@ -107,6 +103,13 @@ TORCH_WRONG: tuple[Row, ...] = (
 )
 
 DELIBERATE: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and s.probe == "apply_in_summon",
+        ("message",),
+        r"^message$",
+        "apply inside summon_full_params: FSDP1's message names its internal TrainingState values; ours names "
+        "the call and the fix (same exception type)",
+    ),
     Row(lambda s: True, ("layout",), r"^local:", _LAYOUT),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and "with_grads" in s.probe,
@@ -119,6 +122,29 @@ DELIBERATE: tuple[Row, ...] = (
 
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("data_assign", "shape_change"),
+        ("value", "keys", "exception", "message"),
+        r"",
+        _TODO + "`flat_param.data = t` (use_orig_params=False): FSDP1 gathers t in the next forward, then "
+        "steps its old shard (NO_SHARD: t itself); a t of another size it ignores; fullshard keeps the shard",
+    ),
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local",
+        ("keys", "type", "value"),
+        r"^(keys$|sd:)",
+        _TODO + "FSDP1's LOCAL_STATE_DICT holds each flat parameter as a ShardedTensor of the unpadded total "
+        "(fullshard: a plain tensor of the padded shard), low-precision buffers in their compute dtype, and "
+        "the full state dict under NO_SHARD",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
+        ("type",),
+        r"after_forward:",
+        _TODO + "between forward and backward FSDP1 registers the unsharded parameters as plain tensors "
+        "(in full precision under NO_SHARD with mixed precision); fullshard as Parameters in the compute "
+        "dtype: same values",
+    ),
     Row(
         lambda s: s.probe == "shared_across_units",
         ("message",),
