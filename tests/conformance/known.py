@@ -104,6 +104,13 @@ TORCH_WRONG: tuple[Row, ...] = (
 
 DELIBERATE: tuple[Row, ...] = (
     Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and "HYBRID" in s.strategy and s.probe == "sd_local",
+        ("exception", "keys"),
+        r"",
+        "LOCAL_STATE_DICT works for a wrapper given a device mesh (each rank's flat shard, as without one); "
+        "FSDP1 raises RuntimeError and asks for SHARDED_STATE_DICT",
+    ),
+    Row(
         lambda s: _wrapper(s) and s.probe == "apply_in_summon",
         ("message",),
         r"^message$",
@@ -153,7 +160,7 @@ OPEN: tuple[Row, ...] = (
         "fully_shard([module_a, module_b]) as torch's does (fully_shard.py: the surface helper's file)",
     ),
     Row(
-        lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_")),
+        lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_", "load_")),
         ("warning",),
         r"^warnings$",
         _TODO + "FSDP1 warns that NO_SHARD returns a full state dict for the sharded and local types",
