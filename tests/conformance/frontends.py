@@ -6,6 +6,7 @@ import warnings
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -56,15 +57,27 @@ def mesh(shape: tuple[int, ...]) -> DeviceMesh:
     return _meshes[shape]
 
 
+_one_rank_groups: list[dist.ProcessGroup] = []
+
+
+def one_rank_group() -> dist.ProcessGroup:
+    """This rank's own one-rank group (made once per task, on every rank)."""
+    if not _one_rank_groups:
+        _one_rank_groups.append(dist.new_subgroups(group_size=1)[0])
+    return _one_rank_groups[0]
+
+
 def forget_meshes() -> None:
     _meshes.clear()
+    _one_rank_groups.clear()
 
 
 def make(s: Scenario, a: SimpleNamespace) -> nn.Module:
     """The scenario's model, wrapped or sharded by framework ``a``."""
     net = build(s.model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        if s.probe != "world_one":  # that probe's subject is a warning at construction
+            warnings.simplefilter("ignore")
         return wrap_wrapper(s, a, net) if s.front == "wrapper" else shard_composable(s, a, net)
 
 
@@ -72,6 +85,8 @@ def wrap_wrapper(s: Scenario, a: SimpleNamespace, net: nn.Module) -> nn.Module:
     kwargs: dict = {}
     if "HYBRID" in s.strategy:
         kwargs["device_mesh"] = mesh((s.world // 2, 2))
+    elif s.probe == "world_one":  # each rank alone in its process group
+        kwargs["process_group"] = one_rank_group()
     if s.offload:
         kwargs["cpu_offload"] = a.CPUOffload(offload_params=True)
     if s.mixed:

@@ -91,7 +91,7 @@ def probe(*names: str) -> Callable:
     return register
 
 
-@probe("train")
+@probe("train", "world_one")
 def train(r: Run) -> None:
     for i in range(2):
         r.step(f"loss{i}")

@@ -50,6 +50,7 @@ WRAPPER_PROBES = (
     "wrong_sd_config",
     "eval_full_precision",
     "autocast_loss",
+    "world_one",
 ) + tuple(
     "summon:" + ",".join(f for f, on in zip(SUMMON_FLAGS, bits) if on) for bits in itertools.product((0, 1), repeat=4)
 )
