@@ -176,6 +176,7 @@ class FullyShardedDataParallel(nn.Module):
         if use_orig_params and state.group is not None:
             for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
                 setattr(param.sharded_param, UNIT_ATTR, state.group)
+            _warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
@@ -618,6 +619,18 @@ def _no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tu
         stacklevel=3,
     )
     return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
+
+
+def _warn_if_mixed_requires_grad(params: list, owner: str) -> None:
+    """Frozen and trainable parameters in one unit: the unit reduces a gradient buffer covering the
+    frozen ones too (FSDP1 warns the same)."""
+    if len({p.sharded_param.requires_grad for p in params}) > 1:
+        warnings.warn(
+            f"{owner} has both parameters with requires_grad=True and False: the unit's gradient memory and "
+            "communication cover the frozen parameters too; wrap the frozen modules in their own unit to avoid it",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _check_one_use_orig_params(module: nn.Module, use_orig_params: bool) -> None:
