@@ -153,13 +153,6 @@ OPEN: tuple[Row, ...] = (
         "dtype: same values",
     ),
     Row(
-        lambda s: s.probe == "shared_across_units",
-        ("message",),
-        r"^message$",
-        _TODO + "fully_shard's error for a parameter shared across units does not suggest "
-        "fully_shard([module_a, module_b]) as torch's does (fully_shard.py: the surface helper's file)",
-    ),
-    Row(
         lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_", "load_")),
         ("warning",),
         r"^warnings$",
