@@ -625,8 +625,8 @@ def rekey_optim_state_dict(
             raise ValueError(
                 f"rekey_optim_state_dict: an optimizer parameter is not a parameter of {type(model).__name__}"
             )
-        if len(owned) != 1:
-            raise ValueError(
+        if len(owned) != 1:  # RuntimeError: FSDP1's type
+            raise RuntimeError(
                 f"rekey_optim_state_dict expects one name per optimizer parameter but a flat parameter holds "
                 f"{[fqn for fqn, _, _ in owned]}: use optim_state_dict / full_optim_state_dict for flat parameters"
             )

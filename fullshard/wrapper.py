@@ -539,9 +539,9 @@ class FullyShardedDataParallel(nn.Module):
         groups list their keys sorted.
 
         Raises:
-            ValueError: a flat parameter in the optimizer (``use_orig_params=False``:
-                its state is no single parameter's), a key ``model`` lacks, or an
-                unknown ``optim_state_key_type``.
+            RuntimeError: a flat parameter in the optimizer (``use_orig_params=False``:
+                its state is no single parameter's), as FSDP1.
+            ValueError: a key ``model`` lacks, or an unknown ``optim_state_key_type``.
         """
         # By name: torch's own OptimStateKeyType members work too.
         name = getattr(optim_state_key_type, "name", None)

@@ -159,12 +159,6 @@ OPEN: tuple[Row, ...] = (
         _TODO + "FSDP1 warns that NO_SHARD returns a full state dict for the sharded and local types",
     ),
     Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "osd_rekey",
-        ("exception",),
-        r"^raised$",
-        _TODO + "rekey_optim_state_dict on a flat-parameter model raises ValueError, FSDP1 RuntimeError",
-    ),
-    Row(
         lambda s: _wrapper(s) and s.probe == "change_between_forward_backward",
         ("exception", "keys", "type"),
         r"",
