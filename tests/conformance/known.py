@@ -130,6 +130,14 @@ DELIBERATE: tuple[Row, ...] = (
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
     Row(
+        lambda s: _wrapper(s) and s.use_orig_params and s.strategy == "NO_SHARD" and s.probe == "summon_in_backward",
+        ("exception",),
+        r"",
+        _TODO + "summon_full_params from a hook on the loss (before any unit's backward) under NO_SHARD with "
+        "use_orig_params=True: its write-back changes in place a tensor autograd saved (RuntimeError); FSDP1 "
+        "runs it",
+    ),
+    Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("data_assign", "shape_change"),
         ("value", "keys", "exception", "message"),
         r"",
@@ -146,11 +154,11 @@ OPEN: tuple[Row, ...] = (
     ),
     Row(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
-        ("type",),
+        ("type", "keys"),
         r"after_forward:",
         _TODO + "between forward and backward FSDP1 registers the unsharded parameters as plain tensors "
-        "(in full precision under NO_SHARD with mixed precision); fullshard as Parameters in the compute "
-        "dtype: same values",
+        "(in full precision under NO_SHARD with mixed precision; the root's shards under mixed precision), "
+        "fullshard the unsharded Parameters in the compute dtype: same values where both are full",
     ),
     Row(
         lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_", "load_")),

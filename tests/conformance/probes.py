@@ -69,7 +69,8 @@ class Run:
         this rank's shard (a layout)."""
         clean = name.replace("_fsdp_wrapped_module.", "")
         full = dict(build(self.s.model).named_parameters()).get(clean)
-        full_shape = full is not None and tuple(full.shape) == tuple(param.shape)
+        # A 1D shard can have the full 1D shape by chance (FSDP1's cut): only 2D values count as full.
+        full_shape = full is not None and full.dim() > 1 and tuple(full.shape) == tuple(param.shape)
         self.rec.put(f"{'' if full_shape else 'local:'}after_forward:{clean}", param)
 
     def local_params(self) -> None:
