@@ -129,10 +129,15 @@ def set_state_dict_type(
     expected_config, expected_optim = _DEFAULT_CONFIGS[state_dict_type]
     config = state_dict_config or expected_config()
     optim_config = optim_state_dict_config or expected_optim()
-    if not isinstance(config, expected_config) or not isinstance(optim_config, expected_optim):
+    if not isinstance(config, expected_config):
         raise RuntimeError(
-            f"set_state_dict_type expects a {expected_config.__name__} and a {expected_optim.__name__} "
-            f"for {state_dict_type.name} but got {type(config).__name__} and {type(optim_config).__name__}"
+            f"set_state_dict_type expects state_dict_config of type {expected_config.__name__} for "
+            f"{state_dict_type.name} but got {type(config).__name__}"
+        )
+    if not isinstance(optim_config, expected_optim):
+        raise RuntimeError(
+            f"set_state_dict_type expects optim_state_dict_config of type {expected_optim.__name__} for "
+            f"{state_dict_type.name} but got {type(optim_config).__name__}"
         )
     if state_dict_type is StateDictType.LOCAL_STATE_DICT:
         for state in states:
@@ -287,9 +292,10 @@ def _save_params(
             continue
         value: torch.Tensor
         if kind is StateDictType.SHARDED_STATE_DICT:
-            value = param.sharded_value()
-            if offload:
-                value = param.sharded_dtensor_of(param.sharded_value()._local_tensor.cpu())
+            # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
+            # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
+            local = param.sharded_value()._local_tensor
+            value = param.sharded_dtensor_of(local.cpu() if offload and local.device.type != "cpu" else local.clone())
         else:
             if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
                 raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
@@ -548,6 +554,9 @@ def optim_state_dict_to_load(
 ) -> dict[str, Any]:
     """Turns an FQN-keyed optimizer state dict (full or sharded, any layout) into one
     that ``optim.load_state_dict`` accepts for ``model``'s current parameters."""
+    if "param_groups" not in optim_state_dict:  # only states saved: the optimizer's own hyperparameters
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
+        optim_state_dict = {**optim_state_dict, "param_groups": groups}
     return optim_state_dict_for_params(model, [group["params"] for group in optim.param_groups], optim_state_dict)
 
 
@@ -616,8 +625,8 @@ def rekey_optim_state_dict(
             raise ValueError(
                 f"rekey_optim_state_dict: an optimizer parameter is not a parameter of {type(model).__name__}"
             )
-        if len(owned) != 1:
-            raise ValueError(
+        if len(owned) != 1:  # RuntimeError: FSDP1's type
+            raise RuntimeError(
                 f"rekey_optim_state_dict expects one name per optimizer parameter but a flat parameter holds "
                 f"{[fqn for fqn, _, _ in owned]}: use optim_state_dict / full_optim_state_dict for flat parameters"
             )

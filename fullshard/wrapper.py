@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import state_dict as state_dicts
 from ._core import comm
 from ._core.common import UnitConfig, map_tensors, module_class_name
-from ._core.full_params import full_params
+from ._core.full_params import adopt_user_params, full_params
 from ._core.init import get_managed_modules
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
@@ -176,8 +176,11 @@ class FullyShardedDataParallel(nn.Module):
         if use_orig_params and state.group is not None:
             for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
                 setattr(param.sharded_param, UNIT_ATTR, state.group)
+            _warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
+        if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
+            self.register_forward_pre_hook(_adopt_user_params, prepend=True)
         if config.flat_param and state.group is not None:
             FlatParamView(state.group, module)
             install_flat_param_hooks(state)
@@ -536,9 +539,9 @@ class FullyShardedDataParallel(nn.Module):
         groups list their keys sorted.
 
         Raises:
-            ValueError: a flat parameter in the optimizer (``use_orig_params=False``:
-                its state is no single parameter's), a key ``model`` lacks, or an
-                unknown ``optim_state_key_type``.
+            RuntimeError: a flat parameter in the optimizer (``use_orig_params=False``:
+                its state is no single parameter's), as FSDP1.
+            ValueError: a key ``model`` lacks, or an unknown ``optim_state_key_type``.
         """
         # By name: torch's own OptimStateKeyType members work too.
         name = getattr(optim_state_key_type, "name", None)
@@ -616,6 +619,18 @@ def _no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tu
         stacklevel=3,
     )
     return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
+
+
+def _warn_if_mixed_requires_grad(params: list, owner: str) -> None:
+    """Frozen and trainable parameters in one unit: the unit reduces a gradient buffer covering the
+    frozen ones too (FSDP1 warns the same)."""
+    if len({p.sharded_param.requires_grad for p in params}) > 1:
+        warnings.warn(
+            f"{owner} has both parameters with requires_grad=True and False: the unit's gradient memory and "
+            "communication cover the frozen parameters too; wrap the frozen modules in their own unit to avoid it",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _check_one_use_orig_params(module: nn.Module, use_orig_params: bool) -> None:
@@ -890,3 +905,14 @@ def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]
         seen.update(children)
         frontier = list(dict.fromkeys(children))
     return order
+
+
+def _adopt_user_params(wrapper: nn.Module, _args: Any) -> None:
+    """Parameters the user replaced or re-pointed since the last step become the shards, for every unit
+    this forward may gather (the root's forward prefetches its children). See ``adopt_user_params``."""
+    state = get_state(wrapper)
+    if state is None or state.is_root is False:
+        return
+    for below in states_below(wrapper):
+        if below.group is not None:
+            adopt_user_params(below.group)

@@ -206,8 +206,8 @@ def test_rekey_optim_state_dict_matches_torch():
     # Already keyed so: returned as is.
     assert FSDP.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_NAME, net) is full
     assert FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_ID, net) is by_id
-    # A flat parameter's state is no single parameter's.
-    with pytest.raises(ValueError, match="flat parameter"):
+    # A flat parameter's state is no single parameter's (RuntimeError: torch's type).
+    with pytest.raises(RuntimeError, match="flat parameter"):
         FSDP.rekey_optim_state_dict(optim.state_dict(), OptimStateKeyType.PARAM_NAME, model)
 
 

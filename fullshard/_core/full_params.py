@@ -50,6 +50,8 @@ def full_params(
                 f"summon_full_params expects no forward or backward in progress, but unit "
                 f"{group.owner_name} is in {group.training_state.name}"
             )
+    for group in groups:
+        adopt_user_params(group)
     keep = not rank0_only or dist.get_rank() == 0
     summoned: list[ParamGroup] = []
     try:
@@ -150,3 +152,43 @@ def write_shard(unit: ParamGroup, index: int, local: torch.Tensor, into: torch.T
     param = unit.params[index]
     region = unit.storage_layout.region(target, index, param.orig_dtype if into is None else target.dtype)
     region[: local.numel()].copy_(local.reshape(-1))
+
+
+@torch.no_grad()
+def adopt_user_params(unit: ParamGroup) -> None:
+    """The wrapper's ``use_orig_params=True`` contract, checked before the unit is gathered: a Parameter
+    the user registered in place of ours, or one whose ``.data`` was assigned a new tensor, becomes the
+    shard (its values copied in, its object kept), as PyTorch's FSDP1 does.
+
+    Raises:
+        RuntimeError: the new value's shape is not the shard's (what FSDP1 raises).
+    """
+    if unit.is_unsharded:  # registered now: the unsharded parameters (forward, or kept after it)
+        return
+    for param in unit.params:
+        if not param.presentation.keeps_user_param:
+            return
+        registered = param.module_registration()
+        shard = param.present(param.bound_rows)
+        if registered is None or registered is param.unsharded_param:
+            continue
+        if registered is param.sharded_param and _views(registered, shard):
+            continue
+        if registered.shape != shard.shape:
+            raise RuntimeError(
+                f"Cannot writeback when the parameter shape changes\nExpects {shard.shape} but got "
+                f"{registered.shape} for {param.fqn}: with use_orig_params=True a parameter outside forward is "
+                "this rank's 1D shard; change values in place or assign a tensor of the shard's shape"
+            )
+        shard.copy_(registered.detach())
+        grad = registered.grad
+        registered.data = shard
+        if grad is not None and grad.shape != shard.shape:
+            registered.grad = None
+        param.sharded_param = registered
+        param.to_sharded()
+
+
+def _views(tensor: torch.Tensor, region: torch.Tensor) -> bool:
+    """``tensor`` is ``region`` itself (same memory, same shape)."""
+    return tensor.shape == region.shape and (region.numel() == 0 or tensor.data_ptr() == region.data_ptr())

@@ -1,0 +1,218 @@
+"""What the matrix knows: where torch's FSDP itself fails or is wrong on CPU, our deliberate differences,
+and the differences still open (issue 23). Each row names the scenarios and differences it covers, and why.
+
+- ``TORCH_FAILURES``: torch's FSDP cannot run the scenario here; it runs under fullshard alone (it must
+  not crash or hang).
+- ``TORCH_WRONG``: torch's value is wrong; ours is what its documentation says (a value difference allowed
+  only here, each with its proof).
+- ``DELIBERATE``: a difference of a kind other than ``value`` that we keep, listed in docs/api.md under
+  "Deliberate differences from torch".
+- ``OPEN``: found by the matrix and not fixed yet: each is a TODO of issue 23.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+from .record import Difference
+from .scenarios import Scenario
+
+
+class TorchFailure(NamedTuple):
+    applies: Callable[[Scenario], bool]
+    reason: str
+
+
+class Row(NamedTuple):
+    """Covers difference ``d`` of scenario ``s`` when ``applies(s)``, ``d.kind`` is in ``kinds`` and
+    ``d.key`` matches ``key`` (a regex, searched)."""
+
+    applies: Callable[[Scenario], bool]
+    kinds: tuple[str, ...]
+    key: str
+    reason: str
+
+    def covers(self, s: Scenario, d: Difference) -> bool:
+        return self.applies(s) and d.kind in self.kinds and re.search(self.key, d.key) is not None
+
+
+def _wrapper(s: Scenario) -> bool:
+    return s.front == "wrapper"
+
+
+TORCH_FAILURES: tuple[TorchFailure, ...] = (
+    TorchFailure(
+        lambda s: _wrapper(s) and s.offload,
+        "FSDP1's CPUOffload(offload_params=True) pins its shards at lazy init, which raises on a machine with no "
+        "accelerator (RuntimeError: Cannot access accelerator device when none is available): fullshard "
+        "offloads without pinning there",
+    ),
+    TorchFailure(
+        lambda s: _wrapper(s) and ("offload_to_cpu" in s.probe or s.probe == "sd_full_rank0_cpu"),
+        "FSDP1's offload_to_cpu on a CPU device frees the storage it then reads (RuntimeError: setStorage ... out "
+        "of bounds for storage of size 0), on some ranks only with rank0_only (the others then hang): "
+        "fullshard hands out CPU copies",
+    ),
+    TorchFailure(
+        lambda s: _wrapper(s) and s.use_orig_params and s.probe == "sd_local",
+        "FSDP1's LOCAL_STATE_DICT with use_orig_params=True saves the flat parameter next to the original "
+        "parameters' local slices and then refuses to load its own dict (RuntimeError: Unexpected key(s) "
+        "... _flat_param); fullshard raises NotImplementedError at save (docs/api.md)",
+    ),
+    TorchFailure(
+        lambda s: _wrapper(s) and s.use_orig_params and s.probe == "osd_optim_input",
+        "FSDP1's full_optim_state_dict(optim_input=...) with use_orig_params=True fails its own padding check "
+        "(AssertionError: Manually calculated _sharded_numel_padded is incorrect)",
+    ),
+)
+
+
+def single_state_optimizer(s: Scenario) -> bool:
+    """FSDP1's full optimizer state dict with use_orig_params=True returns ``exp_avg_sq`` under ``exp_avg``
+    too (Adam, gloo, torch 2.13: a gathered state overwritten by the next): those probes use SGD with
+    momentum, one state per parameter, where torch's values are right and can be compared."""
+    return _wrapper(s) and s.use_orig_params and s.probe in ("osd_full", "osd_full_legacy", "osd_rekey", "osd_sharded")
+
+
+_LAYOUT = (
+    "fullshard shards each parameter by rows (FSDP2's layout, for both front ends); FSDP1 cuts the unit's "
+    "concatenated parameters into equal parts: which elements of a parameter a rank holds, and so each "
+    "rank's local view, differ (full values, state dicts by name and optimizer states are equal)"
+)
+
+TORCH_WRONG: tuple[Row, ...] = (
+    Row(
+        lambda s: (
+            _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith("summon:") and "writeback" not in s.probe
+        ),
+        ("value",),
+        r"^param:",
+        "FSDP1 with NO_SHARD hands out the parameters themselves in "
+        "summon_full_params(writeback=False), so changes persist; its documentation says they are discarded, "
+        "and fullshard discards them under every strategy",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.model == "frozen",
+        ("value", "keys", "type"),
+        r"^(param|summoned)\.grad:",
+        "frozen parameters have no gradient: FSDP1 hands out zeros cut from its flat gradient for some of "
+        "them under summon_full_params(with_grads=True); fullshard leaves .grad None, as a plain model does",
+    ),
+)
+
+DELIBERATE: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and "HYBRID" in s.strategy and s.probe == "sd_local",
+        ("exception", "keys"),
+        r"",
+        "LOCAL_STATE_DICT works for a wrapper given a device mesh (each rank's flat shard, as without one); "
+        "FSDP1 raises RuntimeError and asks for SHARDED_STATE_DICT",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.probe == "apply_in_summon",
+        ("message",),
+        r"^message$",
+        "apply inside summon_full_params: FSDP1's message names its internal TrainingState values; ours names "
+        "the call and the fix (same exception type)",
+    ),
+    Row(lambda s: True, ("layout",), r"^local:", _LAYOUT),
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and "with_grads" in s.probe,
+        ("exception", "keys", "type", "message"),
+        r"",
+        "summon_full_params(with_grads=True) works with use_orig_params=False too (FSDP1 raises "
+        "NotImplementedError): the gradients are gathered like the parameters",
+    ),
+)
+
+_TODO = "TODO(conformance): open difference of issue 23, "
+OPEN: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.model == "frozen" and s.probe == "world_one",
+        ("warning",),
+        r"^warnings$",
+        _TODO + "a unit mixing frozen and trainable parameters with use_orig_params=False raises in both; "
+        "fullshard warns about the one-rank NO_SHARD switch first, FSDP1 raises before warning",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.use_orig_params and s.strategy == "NO_SHARD" and s.probe == "summon_in_backward",
+        ("exception",),
+        r"",
+        _TODO + "summon_full_params from a hook on the loss (before any unit's backward) under NO_SHARD with "
+        "use_orig_params=True: its write-back changes in place a tensor autograd saved (RuntimeError); FSDP1 "
+        "runs it",
+    ),
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("data_assign", "shape_change"),
+        ("value", "keys", "exception", "message"),
+        r"",
+        _TODO + "`flat_param.data = t` (use_orig_params=False): FSDP1 gathers t in the next forward, then "
+        "steps its old shard (NO_SHARD: t itself); a t of another size it ignores; fullshard keeps the shard",
+    ),
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local",
+        ("keys", "type", "value"),
+        r"^(keys$|sd:)",
+        _TODO + "FSDP1's LOCAL_STATE_DICT holds each flat parameter as a ShardedTensor of the unpadded total "
+        "(fullshard: a plain tensor of the padded shard), low-precision buffers in their compute dtype, and "
+        "the full state dict under NO_SHARD",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
+        ("type", "keys"),
+        r"after_forward:",
+        _TODO + "between forward and backward FSDP1 registers the unsharded parameters as plain tensors "
+        "(in full precision under NO_SHARD with mixed precision; the root's shards under mixed precision), "
+        "fullshard the unsharded Parameters in the compute dtype: same values where both are full",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_", "load_")),
+        ("warning",),
+        r"^warnings$",
+        _TODO + "FSDP1 warns that NO_SHARD returns a full state dict for the sharded and local types",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.probe == "change_between_forward_backward",
+        ("exception", "keys", "type"),
+        r"",
+        _TODO + "FSDP1 raises when parameters change between forward and backward (AssertionError under "
+        "SHARD_GRAD_OP / NO_SHARD, autograd's in-place error under FULL_SHARD); fullshard's backward "
+        "uses the values gathered in forward and does not check",
+    ),
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
+        ("keys", "type"),
+        r"after_forward:",
+        _TODO + "between forward and backward, FSDP1's named_parameters() lists only the flat parameters "
+        "(use_orig_params=False); fullshard lists the unsharded original parameters of units kept gathered",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.probe in ("sd_sharded", "osd_sharded") and "HYBRID" not in s.strategy,
+        ("type",),
+        r"^(sd|osd):",
+        _TODO + "FSDP1's SHARDED_STATE_DICT without a device mesh holds ShardedTensors (model and optimizer "
+        "states), fullshard DTensors: same values, other type",
+    ),
+)
+
+
+def torch_failure(s: Scenario) -> str | None:
+    """Why torch's FSDP cannot run ``s`` here (it is then run under fullshard alone), or None."""
+    for row in TORCH_FAILURES:
+        if row.applies(s):
+            return row.reason
+    return None
+
+
+def explain(s: Scenario, d: Difference) -> str | None:
+    """The reason difference ``d`` of scenario ``s`` is known, or None (a failure of the matrix)."""
+    for row in TORCH_WRONG + OPEN:
+        if row.covers(s, d):
+            return row.reason
+    if d.kind != "value":
+        for row in DELIBERATE:
+            if row.covers(s, d):
+                return row.reason
+    return None
