@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from fullshard import full_state_dict, fully_shard
 from fullshard._core import comm
-from fullshard.testing import distributed
+from fullshard.testing import distributed, train_steps
 
 peft = pytest.importorskip("peft", reason="peft is an optional test dependency")
 
@@ -58,14 +58,7 @@ def _batches() -> list[torch.Tensor]:
 
 def _train(model: nn.Module) -> list[float]:
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    losses = []
-    for batch in _batches():
-        loss = model(batch).pow(2).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, optim, _batches(), lambda m, batch: m(batch).pow(2).mean())
 
 
 @distributed(world_size=2)

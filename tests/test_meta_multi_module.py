@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import fully_shard
-from fullshard.testing import distributed
+from fullshard.testing import distributed, train_steps
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
@@ -49,15 +49,8 @@ def _build_on_meta_and_materialize(shard) -> nn.Module:
 
 def _train(model: nn.Module) -> list[float]:
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(3):
-        tokens = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
-        loss = model(tokens).logsumexp(-1).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = [torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    return train_steps(model, optim, batches, lambda m, tokens: m(tokens).logsumexp(-1).mean())
 
 
 @distributed(world_size=2)

@@ -24,7 +24,7 @@ from fullshard._core.quantize import BlockQuantizer
 from fullshard._core.state import get_state
 from fullshard.models import ModelArgs, Transformer
 from fullshard.plan import PlanConfig, estimate
-from fullshard.testing import distributed
+from fullshard.testing import distributed, train_steps
 from fullshard.wrap import ModuleWrapPolicy
 from test_tensor_subclass_params import Bf16Gathered  # a tensor subclass with torch's FSDP2 gather hooks
 
@@ -141,15 +141,7 @@ def test_gradients_exact_with_respect_to_the_quantized_weights():
 
 def _train(model: nn.Module, steps: int = 4) -> list[float]:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        batch = _batch(10 * step + dist.get_rank())
-        loss = _loss(model, batch)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, optim, [_batch(10 * step + dist.get_rank()) for step in range(steps)], _loss)
 
 
 @distributed(world_size=2)

@@ -16,6 +16,7 @@ from .parity import (
     mean_over,
     split_batch,
     train_in_parity,
+    train_steps,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "run_distributed",
     "split_batch",
     "train_in_parity",
+    "train_steps",
 ]

@@ -80,6 +80,23 @@ def split_batch(batch: Sequence[torch.Tensor], dp_rank: int, dp_size: int) -> tu
     return tuple(t.chunk(dp_size)[dp_rank] for t in batch)
 
 
+def train_steps(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+) -> list[float]:
+    """One optimizer step per batch (``loss_fn(model, batch)``, backward, step, zero_grad); the losses."""
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train_in_parity(
     model: nn.Module,
     ref: nn.Module,
