@@ -1,9 +1,9 @@
 """torch 2.14's communication settings of ``FSDPModule``.
 
 Each has torch's signature. What fullshard's engine can honour it does
-(``set_post_optim_event``, ``set_separate_reduce_scatter_group``); the knobs
-that tune something this engine does not do warn once that they have no
-effect; the custom collectives, which would replace the engine's own, raise.
+(``set_post_optim_event``, ``set_separate_reduce_scatter_group``, the custom
+all-gather and reduce-scatter); the knobs that tune something this engine does
+not do warn once that they have no effect.
 """
 
 from __future__ import annotations
@@ -50,19 +50,19 @@ class CommSettings:
         self._fsdp_state().ctx.post_optim_event = event
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported: the all-gather is fullshard's own (one flat buffer per unit)."""
-        raise NotImplementedError(
-            f"set_custom_all_gather is not yet supported with fullshard ({type(self).__name__}): "
-            "its all-gather gathers the unit's flat shard buffer itself"
-        )
+        """This unit's all-gathers allocate their output with ``comm.allocate(size, dtype=,
+        device=)`` and run as ``comm(output_tensor=, input_tensor=, group=, async_op=)``
+        (torch's ``AllGather``), in place of fullshard's own; the comm spy still counts them."""
+        for group in self._groups(recurse=False):
+            group.gather.custom = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported: the reduce-scatter is fullshard's own; use ``set_all_reduce_hook``
-        for an extra reduction of one's own."""
-        raise NotImplementedError(
-            f"set_custom_reduce_scatter is not yet supported with fullshard ({type(self).__name__}): "
-            "its reduce-scatter is the engine's own; set_all_reduce_hook adds a reduction after it"
-        )
+        """This unit's gradient reduce-scatters allocate their input and output with
+        ``comm.allocate`` and run as ``comm(output_tensor=, input_tensor=, group=, op=)``
+        (torch's ``ReduceScatter``, called without ``async_op`` as torch calls it), in place of
+        fullshard's own; averaging, HSDP's all-reduce and the hooks stay as they are."""
+        for group in self._groups(recurse=False):
+            group.reduce_settings.custom_reduce_scatter = comm
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Validated as torch does; no effect: fullshard allocates each reduce-scatter

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
@@ -17,7 +18,7 @@ from fullshard import DataParallelMeshDims, fully_shard, share_comm_ctx
 from fullshard._core import comm, offload
 from fullshard.comm_settings import _warned
 from fullshard.models import MLP
-from fullshard.testing import distributed, train_in_parity
+from fullshard.testing import distributed, train_in_parity, train_steps
 
 
 def _model() -> nn.Module:
@@ -93,10 +94,6 @@ def test_knobs_without_effect_warn_once_and_validate_like_torch():
         model.set_reduce_scatter_max_input_buffers(True)
     with pytest.raises(ValueError, match="expects an int >= 1 but got 0"):
         model.set_reduce_scatter_max_input_buffers(0)
-    with pytest.raises(NotImplementedError, match="set_custom_all_gather is not yet supported"):
-        model.set_custom_all_gather(object())
-    with pytest.raises(NotImplementedError, match="set_custom_reduce_scatter is not yet supported"):
-        model.set_custom_reduce_scatter(object())
     share_comm_ctx([model, model[0]])  # streams are shared already: accepted
     with pytest.raises(ValueError, match="share_comm_ctx expects modules that fully_shard was applied to"):
         share_comm_ctx([model, nn.Linear(2, 2)])
@@ -134,3 +131,63 @@ def test_dp_mesh_dims_errors():
         model[0].in_proj.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()])))
     with pytest.raises(NotImplementedError, match=r"DTensors on the whole mesh is not yet supported \(0.in_proj"):
         fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+
+
+class _CountingAllGather:
+    """A custom all-gather as torch 2.14 describes it: allocates, then gathers with gloo's own call."""
+
+    def __init__(self) -> None:
+        self.allocated: list[int] = []
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(size[0])
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountingReduceScatter(_CountingAllGather):
+    """A custom reduce-scatter: a SUM over the group into ``output_tensor``, averaged by the caller's op."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _custom_comms_run(shard_fn) -> tuple[list[float], int, int, list[int], int]:
+    """Losses and the custom objects' use with ``shard_fn``'s FSDP2 (ours or torch's)."""
+    model = nn.Sequential(*_model())
+    for block in model:
+        shard_fn(block)
+    shard_fn(model)
+    gather, scatter = _CountingAllGather(), _CountingReduceScatter()
+    for block in model:
+        block.set_custom_all_gather(gather)
+        block.set_custom_reduce_scatter(scatter)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank_batch = [(b[0].chunk(dist.get_world_size())[dist.get_rank()],) for b in _batches()]
+    losses = train_steps(model, optim, rank_batch, lambda m, b: m(b[0]).pow(2).mean())
+    return losses, gather.calls, scatter.calls, gather.allocated, len(scatter.allocated)
+
+
+@distributed(world_size=2)
+def test_custom_all_gather_and_reduce_scatter_replace_ours_as_torchs_do():
+    with comm.record_comms() as records:
+        losses, gathers, scatters, gathered, scatter_allocs = _custom_comms_run(fully_shard)
+    # The blocks' gathers (forward, backward) and reduce-scatters go through the objects, 3 steps
+    # of 2 blocks; the root's own parameters (none here beyond the blocks') use the engine's.
+    assert (gathers, scatters) == (3 * 2 * 2, 3 * 2)
+    assert scatter_allocs == 2 * scatters  # the reduce-scatter's input and output
+    assert [r.op for r in records].count("all_gather") >= gathers  # still seen by the comm spy
+    assert all(numel % dist.get_world_size() == 0 for numel in gathered)
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    if not hasattr(TorchFSDPModule, "set_custom_all_gather"):
+        return  # torch before 2.13 has no custom collectives to compare with
+    theirs = _custom_comms_run(torch_fully_shard)
+    assert losses == pytest.approx(theirs[0], rel=1e-6)
+    assert (gathers, scatters, scatter_allocs) == (theirs[1], theirs[2], theirs[4])

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from . import comm, offload, trace
 from .buffers import UnitBuffers
@@ -28,13 +26,9 @@ def _extension(param: ShardParam) -> GatherExtension:
     return param.extension
 
 
-class _Waitable(Protocol):
-    def wait(self) -> Any: ...
-
-
 @dataclass
 class AllGatherInFlight:
-    work: _Waitable | None  # None: nothing to wait for (a group of one)
+    work: comm.Waitable | None  # None: nothing to wait for (a group of one)
     input: torch.Tensor  # kept alive until the collective is done
     output: torch.Tensor
     layout: Layout
@@ -53,13 +47,6 @@ class PostForwardShard:
     group: GroupInfo
 
 
-def process_group(info: GroupInfo) -> dist.ProcessGroup:
-    """The process group of a collective over ``info`` (one of size > 1 always has one)."""
-    if info.group is None:
-        raise AssertionError(f"a group of size {info.size} has no process group (rank {info.rank})")
-    return info.group
-
-
 def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
     """Per-rank views for parameters sharded on a dim other than 0 (see layout.py)."""
     if all(p.shard_dim == 0 for p in params):
@@ -76,6 +63,7 @@ class AllGather:
         self.device = device  # where compute and communication happen
         self.offload = offload
         self.codec: QuantizedGather | None = None  # set_all_gather_quantization
+        self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
@@ -134,9 +122,14 @@ class AllGather:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
         with self._copy_stream():  # after the copy-in
             source = self._encode(source, layout, labels)
-            output = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
+            numel, custom = source.numel() * group.size, self.custom
             with trace.span(labels.all_gather):
-                work = comm.all_gather(output, source, process_group(group), async_op=async_op)
+                if custom is None:
+                    output = torch.empty(numel, dtype=source.dtype, device=self.device)
+                    work = comm.all_gather(output, source, group.process_group, async_op=async_op)
+                else:
+                    output = custom.allocate((numel,), dtype=source.dtype, device=self.device)
+                    work = comm.custom_all_gather(custom, output, source, group.process_group, async_op)
         return AllGatherInFlight(work, source, output, layout, group.size, extended, self.codec)
 
     def _encode(self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels) -> torch.Tensor:
@@ -153,7 +146,7 @@ class AllGather:
             with self._copy_stream():
                 source = self._encode(source, layout, labels)
                 scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
-                comm.all_gather(scratch, source, process_group(group), async_op=False)
+                comm.all_gather(scratch, source, group.process_group, async_op=False)
             offload.join_stream(self.device, offload.ALL_GATHER)
 
     def copy_out(self, in_flight: AllGatherInFlight, labels: trace.UnitLabels) -> None:

@@ -35,9 +35,9 @@ parameter bytes (all-gather in forward and in backward, one reduce-scatter).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,12 @@ def _check_alive(group: dist.ProcessGroup | None) -> None:
         )
 
 
+class Waitable(Protocol):
+    """What an asynchronous collective returns: ``dist.Work`` or several behind one."""
+
+    def wait(self) -> Any: ...
+
+
 class _Pending:
     """Several works (and a final copy) behind one ``wait()``."""
 
@@ -142,6 +148,58 @@ def all_gather(
     chunks[group.rank()].copy_(input.view(-1))
     works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
     return _finish(_Pending(works), async_op)
+
+
+class CustomAllGather(Protocol):
+    """torch 2.14's ``AllGather`` (``FSDPModule.set_custom_all_gather``): allocates and gathers."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None: ...
+
+
+class CustomReduceScatter(Protocol):
+    """torch 2.14's ``ReduceScatter`` (``FSDPModule.set_custom_reduce_scatter``)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+def custom_all_gather(
+    custom: CustomAllGather, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | _Pending | None:
+    """A user's all-gather object in place of ours: seen by the spy like ours."""
+    _check_alive(group)
+    if _listeners:
+        _notify("all_gather", group, output, [output, input])
+    work = custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op)
+    return work if async_op and work is not None else _Pending([]) if async_op else None
+
+
+def custom_reduce_scatter(
+    custom: CustomReduceScatter,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp.RedOpType,
+) -> _Pending:
+    """A user's reduce-scatter object in place of ours, called as torch calls it (no
+    ``async_op``: it returns when the result may be read); seen by the spy like ours."""
+    _check_alive(group)
+    if _listeners:
+        _notify("reduce_scatter", group, input, [output, input])
+    work = custom(output_tensor=output, input_tensor=input, group=group, op=op)
+    return _Pending([work] if work is not None else [])
 
 
 def reduce_scatter(

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .all_gather import process_group, split_views
+from .all_gather import split_views
 from .common import TrainingState
 from .group import ParamGroup
 from .state import ModuleState
@@ -108,7 +108,7 @@ def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch
     shard = unit.mesh_info.shard
     if shard.size > 1:
         output = torch.empty(source.numel() * shard.size, dtype=source.dtype, device=unit.device)
-        comm.all_gather(output, source, process_group(shard), async_op=False)
+        comm.all_gather(output, source, shard.process_group, async_op=False)
     else:
         output = source
     padded = [torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.device) for p in unit.params]

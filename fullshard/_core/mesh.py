@@ -36,6 +36,13 @@ class GroupInfo:
     def trivial() -> GroupInfo:
         return GroupInfo(None, 1, 0)
 
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group of a collective over these ranks (one of size > 1 always has one)."""
+        if self.group is None:
+            raise AssertionError(f"a group of size {self.size} has no process group (rank {self.rank})")
+        return self.group
+
     @staticmethod
     def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
         return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))

@@ -152,6 +152,9 @@ class ReduceSettings:
     # The shard ranks' own group for reduce-scatters (set_separate_reduce_scatter_group),
     # so they need not queue behind all-gathers on one communicator; None: the mesh's.
     scatter_group: GroupInfo | None = None
+    # The user's reduce-scatter (FSDPModule.set_custom_reduce_scatter): allocates the
+    # reduce-scatter's input and output and runs it; None: the engine's own.
+    custom_reduce_scatter: comm.CustomReduceScatter | None = None
 
     def partial_only(self, replicate: GroupInfo) -> bool:
         return not self.all_reduce and replicate.size > 1
@@ -179,7 +182,7 @@ class GradReduction:
         self._labels = labels or unit_labels("")
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
-        self._work: dist.Work | None = None
+        self._work: comm.Waitable | None = None
         # The collective in flight's tensors, alive until it is done (see the note above).
         self._in_flight: tuple[torch.Tensor, ...] = ()
         self._post_divide = 1.0
@@ -190,10 +193,12 @@ class GradReduction:
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
         total = sum(shard_numels)
-        self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
+        custom = settings.custom_reduce_scatter if shard.size > 1 else None
+        allocate = torch.empty if custom is None else custom.allocate
+        self._output = allocate((total,), dtype=reduce_dtype, device=device)  # 1D, shard layout
         reduced = self._output
         if shard.size > 1:
-            reduced = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+            reduced = allocate((shard.size * total,), dtype=reduce_dtype, device=device)
         with span(self._labels.reduce_copy_in):
             chunk_cat(grads, reduced.view(shard.size, -1), shard_dims)
         self._final_divide = 1.0
@@ -202,7 +207,7 @@ class GradReduction:
             self._stages = [lambda: self._run_hook(hook, state, reduced)]
             return
         if shard.size > 1:
-            self._stages.append(lambda: self._collective(comm.reduce_scatter, shard, self._output, reduced))
+            self._stages.append(lambda: self._reduce_scatter(shard, reduced, custom))
         if final and replicate.size > 1:
             self._stages.append(lambda: self._all_reduce(replicate, partial))
         if settings.divide_factor is not None:
@@ -223,25 +228,33 @@ class GradReduction:
         else:
             hook(state, reduced, self._output)
 
+    def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, custom: comm.CustomReduceScatter | None) -> None:
+        op = self._averaging_op(shard, reduced)
+        self._in_flight = (self._output, reduced)
+        with span(self._labels.reduce_scatter):
+            if custom is None:
+                self._work = comm.reduce_scatter(self._output, reduced, shard.process_group, op, async_op=True)
+            else:
+                self._work = comm.custom_reduce_scatter(custom, self._output, reduced, shard.process_group, op)
+
     def _all_reduce(self, replicate: GroupInfo, partial: torch.Tensor | None) -> None:
         if partial is not None:
             self._output.add_(partial)
-        self._collective(comm.all_reduce, replicate, self._output)
+        op = self._averaging_op(replicate, self._output)
+        self._in_flight = (self._output,)
+        with span(self._labels.all_reduce):
+            self._work = comm.all_reduce(self._output, replicate.process_group, op, async_op=True)
 
-    def _collective(self, fn: Callable, group: GroupInfo, *tensors: torch.Tensor) -> None:
+    def _averaging_op(self, group: GroupInfo, reduced: torch.Tensor) -> dist.ReduceOp.RedOpType:
+        """The collective's op over ``group``; divides ``reduced`` before it and records the
+        division after it (see ``_averaging``)."""
         op, pre, post = (
             (dist.ReduceOp.SUM, 1.0, 1.0) if self._sum else _averaging(self._output.dtype, group.size, self._sum_only)
         )
         if pre != 1.0:
-            tensors[-1].div_(pre)
-        self._in_flight = tensors
-        if fn is comm.reduce_scatter:
-            with span(self._labels.reduce_scatter):
-                self._work = fn(tensors[0], tensors[1], group.group, op, async_op=True)
-        else:
-            with span(self._labels.all_reduce):
-                self._work = fn(tensors[0], group.group, op, async_op=True)
+            reduced.div_(pre)
         self._post_divide = post
+        return op
 
     def wait_in_flight(self) -> bool:
         """Waits for the collective in flight, if any (True), without going on."""
