@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from fullshard import DataParallelMeshDims, fully_shard, share_comm_ctx
 from fullshard._core import comm, compat, offload
@@ -149,9 +149,13 @@ def _whole_mesh_mlp(ref: nn.Module, mesh: DeviceMesh) -> nn.Module:
     tp = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1), "2.bias": Replicate()}
     for name, placement in tp.items():
         module_name, param_name = name.split(".")
-        value = distribute_tensor(getattr(ref, module_name).get_parameter(param_name).data, mesh, [Replicate(), placement])
+        value = distribute_tensor(ref.get_parameter(name).data, mesh, _by_dim(mesh, dp=Replicate(), tp=placement))
         model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(value))
     return model
+
+
+def _by_dim(mesh: DeviceMesh, **placements: Placement) -> list[Placement]:
+    return [placements[name] for name in mesh.mesh_dim_names]
 
 
 def _whole_mesh_loss(mesh: DeviceMesh) -> Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor]:
@@ -160,8 +164,9 @@ def _whole_mesh_loss(mesh: DeviceMesh) -> Callable[[nn.Module, Sequence[torch.Te
     def loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         if not isinstance(model[0].weight, DTensor):
             return model(batch[0]).pow(2).mean()
-        out = model(DTensor.from_local(batch[0], mesh, [Shard(0), Replicate()]))
-        return out.redistribute(mesh, [Shard(0), Replicate()]).to_local().pow(2).mean()
+        batch_layout = _by_dim(mesh, dp=Shard(0), tp=Replicate())
+        out = model(DTensor.from_local(batch[0], mesh, batch_layout))
+        return out.redistribute(mesh, batch_layout).to_local().pow(2).mean()
 
     return loss
 
@@ -176,23 +181,25 @@ def _train_whole_mesh(model: nn.Module, ref: nn.Module, mesh: DeviceMesh) -> lis
     return losses
 
 
+@pytest.mark.parametrize("dim_names", [("dp", "tp"), ("tp", "dp")])
 @distributed(world_size=4)
-def test_dp_mesh_dims_with_whole_mesh_dtensor_parameters():
+def test_dp_mesh_dims_with_whole_mesh_dtensor_parameters(dim_names):
     """Tensor parallelism on the whole SPMD mesh, FSDP over its "dp" dim: the
     shards stay on that mesh, in its dims' order, as torch 2.14 lays them out."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dim_names)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     model = _whole_mesh_mlp(ref, mesh)
     dims = DataParallelMeshDims(shard="dp")
     fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
     fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
-    # 0.weight: "tp" cuts dim 0 first, so the "dp" chunks of dim 0 are strided.
+    # 0.*: "tp" cuts dim 0 first, so the "dp" chunks of dim 0 are strided when "dp" comes first.
+    dp_of_tp_rows = compat.StridedShard(0, split_factor=2) if dim_names[0] == "dp" else Shard(0)
     expected = {
-        "0.weight": [compat.StridedShard(0, split_factor=2), Shard(0)],
-        "0.bias": [compat.StridedShard(0, split_factor=2), Shard(0)],
-        "2.weight": [Shard(0), Shard(1)],
-        "2.bias": [Shard(0), Replicate()],
+        "0.weight": _by_dim(mesh, dp=dp_of_tp_rows, tp=Shard(0)),
+        "0.bias": _by_dim(mesh, dp=dp_of_tp_rows, tp=Shard(0)),
+        "2.weight": _by_dim(mesh, dp=Shard(0), tp=Shard(1)),
+        "2.bias": _by_dim(mesh, dp=Shard(0), tp=Replicate()),
     }
     for name, param in model.named_parameters():
         assert param.device_mesh == mesh and tuple(param.placements) == tuple(expected[name]), name
