@@ -147,8 +147,9 @@ class ShardParam:
     def _init_tensor_parallel(self, param: DTensor) -> torch.Tensor:
         spec = param._spec
         dp_mesh, tp_mesh = self.mesh_info.mesh, spec.mesh
-        if set(dp_mesh.mesh_dim_names or ()) <= set(tp_mesh.mesh_dim_names or ()):
-            return self._init_whole_mesh(param)
+        dp_names, names = dp_mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
+        if dp_names and all(n in names and spec.placements[names.index(n)].is_replicate() for n in dp_names):
+            return self._init_whole_mesh(param)  # else a 2D "TP" mesh is refused below
         if tp_mesh.ndim != 1:
             raise NotImplementedError(
                 f"fully_shard supports 1D tensor-parallel meshes, but "
@@ -179,7 +180,7 @@ class ShardParam:
 
     def _init_whole_mesh(self, param: DTensor) -> torch.Tensor:
         """A DTensor on the whole SPMD mesh (``dp_mesh_dims``), replicated on the
-        data-parallel dims (checked by spmd_mesh.py): the shard keeps that mesh
+        data-parallel dims (spmd_mesh.py raises for others): the shard keeps that mesh
         and its dims' order, and the data-parallel shard dim splits the local
         tensor's dim 0."""
         spec = param._spec
