@@ -11,7 +11,7 @@ TORCH_VENVS    ?= $(HOME)/.cache/fullshard/torch-venvs
 TORCH_VERSIONS ?= 2.8.0 2.14.1
 CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py tests/test_wrapper.py \
 	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py tests/test_compile.py \
-	tests/test_torch_surface.py
+	tests/test_torch_surface.py tests/test_fully_shard_comm_settings.py
 
 .PHONY: install demo test test-fast test-libraries test-system lint bench clean check-torch
 

@@ -6,19 +6,20 @@ one process); knobs without effect warn once; the rest raises clearly.
 
 import copy
 import warnings
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from fullshard import DataParallelMeshDims, fully_shard, share_comm_ctx
-from fullshard._core import comm, offload
+from fullshard._core import comm, compat, offload
 from fullshard.comm_settings import _warned
 from fullshard.models import MLP
-from fullshard.testing import distributed, train_in_parity, train_steps
+from fullshard.testing import assert_params_equal, distributed, train_in_parity, train_steps
 
 
 def _model() -> nn.Module:
@@ -128,8 +129,13 @@ def test_dp_mesh_dims_errors():
         fully_shard(_model(), mesh=mesh, reshard_after_forward=2, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     model = _model()
     for name, param in list(model[0].in_proj.named_parameters()):
-        model[0].in_proj.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()])))
-    with pytest.raises(NotImplementedError, match=r"DTensors on the whole mesh is not yet supported \(0.in_proj"):
+        model[0].in_proj.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)])))
+    with pytest.raises(ValueError, match=r"Replicate\(\) on the data-parallel dim 'dp', but 0.in_proj.weight has S"):
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+    model = _model()
+    model[0].in_proj.weight = nn.Parameter(distribute_tensor(model[0].in_proj.weight.data, other, [Replicate()]))
+    with pytest.raises(ValueError, match=r"on the mesh it is given \('dp',\), but 0.in_proj.weight is on"):
         fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
 
 
@@ -191,3 +197,81 @@ def test_custom_all_gather_and_reduce_scatter_replace_ours_as_torchs_do():
     theirs = _custom_comms_run(torch_fully_shard)
     assert losses == pytest.approx(theirs[0], rel=1e-6)
     assert (gathers, scatters, scatter_allocs) == (theirs[1], theirs[2], theirs[4])
+
+
+def _whole_mesh_mlp(ref: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``ref`` as DTensors on the whole ("dp", "tp") mesh: replicated on "dp",
+    column- then row-parallel on "tp" (what torch 2.14 asks of dp_mesh_dims)."""
+    model = copy.deepcopy(ref)
+    tp = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1), "2.bias": Replicate()}
+    for name, placement in tp.items():
+        module_name, param_name = name.split(".")
+        value = distribute_tensor(ref.get_parameter(name).data, mesh, _by_dim(mesh, dp=Replicate(), tp=placement))
+        model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(value))
+    return model
+
+
+def _by_dim(mesh: DeviceMesh, **placements: Placement) -> list[Placement]:
+    return [placements[name] for name in mesh.mesh_dim_names]
+
+
+def _whole_mesh_loss(mesh: DeviceMesh) -> Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor]:
+    """The mean square of this data-parallel rank's outputs (the whole batch's for the reference)."""
+
+    def loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not isinstance(model[0].weight, DTensor):
+            return model(batch[0]).pow(2).mean()
+        batch_layout = _by_dim(mesh, dp=Shard(0), tp=Replicate())
+        out = model(DTensor.from_local(batch[0], mesh, batch_layout))
+        return out.redistribute(mesh, batch_layout).to_local().pow(2).mean()
+
+    return loss
+
+
+def _train_whole_mesh(model: nn.Module, ref: nn.Module, mesh: DeviceMesh) -> list[float]:
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    batches = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(step)),) for step in range(4)]
+    loss = _whole_mesh_loss(mesh)
+    losses = train_in_parity(model, ref, optim, ref_optim, batches, loss, mesh.get_local_rank("dp"), 2, atol=1e-5)
+    assert_params_equal(model, ref, atol=1e-5)
+    return losses
+
+
+@pytest.mark.parametrize("dim_names", [("dp", "tp"), ("tp", "dp")])
+@distributed(world_size=4)
+def test_dp_mesh_dims_with_whole_mesh_dtensor_parameters(dim_names):
+    """Tensor parallelism on the whole SPMD mesh, FSDP over its "dp" dim: the
+    shards stay on that mesh, in its dims' order, as torch 2.14 lays them out."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dim_names)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = _whole_mesh_mlp(ref, mesh)
+    dims = DataParallelMeshDims(shard="dp")
+    fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    # 0.*: "tp" cuts dim 0 first, so the "dp" chunks of dim 0 are strided when "dp" comes first.
+    dp_of_tp_rows = compat.StridedShard(0, split_factor=2) if dim_names[0] == "dp" else Shard(0)
+    expected = {
+        "0.weight": _by_dim(mesh, dp=dp_of_tp_rows, tp=Shard(0)),
+        "0.bias": _by_dim(mesh, dp=dp_of_tp_rows, tp=Shard(0)),
+        "2.weight": _by_dim(mesh, dp=Shard(0), tp=Shard(1)),
+        "2.bias": _by_dim(mesh, dp=Shard(0), tp=Replicate()),
+    }
+    for name, param in model.named_parameters():
+        assert param.device_mesh == mesh and tuple(param.placements) == tuple(expected[name]), name
+        assert model.state_dict()[name].placements == param.placements
+    losses = _train_whole_mesh(model, copy.deepcopy(ref), mesh)
+    if not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
+        return  # this torch has no dp_mesh_dims to compare with (2.13 and 2.14 do): one process was the reference
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    theirs = _whole_mesh_mlp(ref, mesh)
+    torch_fully_shard(theirs[0], mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    for (name, ours), (_, their) in zip(model.named_parameters(), theirs.named_parameters()):
+        assert their.device_mesh == ours.device_mesh and their.placements == ours.placements, name
+    assert _train_whole_mesh(theirs, copy.deepcopy(ref), mesh) == pytest.approx(losses, rel=1e-5)
+    for (name, ours), (_, their) in zip(model.named_parameters(), theirs.named_parameters()):
+        torch.testing.assert_close(ours.to_local(), their.to_local(), atol=1e-5, rtol=1e-5, msg=name)

@@ -239,7 +239,8 @@ def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
 def _local_grad(param: ShardParam, grad: torch.Tensor) -> torch.Tensor:
     """An unsharded gradient without its tensor-parallel wrapper."""
     if isinstance(grad, DTensor):
-        if tuple(grad.placements) != param.tp_placements:
-            grad = grad.redistribute(placements=param.tp_placements)
+        target = tuple(grad.placements[i] if i in param.dp_dims else p for i, p in enumerate(param.tp_placements))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         grad = grad._local_tensor
     return grad

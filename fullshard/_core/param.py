@@ -65,6 +65,9 @@ class ShardParam:
         self.global_stride = _contiguous_stride(param.size())
         self._requested_param_dtype = param_dtype
         self.full_precision = False  # compute in orig_dtype despite param_dtype (ParamGroup.set_full_precision)
+        # The data-parallel dims of a whole-mesh DTensor parameter's mesh, whose gradient
+        # placements (Partial) the reduction handles (see _init_whole_mesh).
+        self.dp_dims: frozenset[int] = frozenset()
         if isinstance(param, DTensor):
             if is_tensor_subclass(param._local_tensor):
                 raise NotImplementedError(
@@ -144,6 +147,9 @@ class ShardParam:
     def _init_tensor_parallel(self, param: DTensor) -> torch.Tensor:
         spec = param._spec
         dp_mesh, tp_mesh = self.mesh_info.mesh, spec.mesh
+        dp_names, names = dp_mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
+        if dp_names and all(n in names and spec.placements[names.index(n)].is_replicate() for n in dp_names):
+            return self._init_whole_mesh(param)  # else a 2D "TP" mesh is refused below
         if tp_mesh.ndim != 1:
             raise NotImplementedError(
                 f"fully_shard supports 1D tensor-parallel meshes, but "
@@ -170,6 +176,26 @@ class ShardParam:
         else:
             dp_placements = (shard_placement,)
         self.placements = dp_placements + self.tp_placements
+        return param._local_tensor
+
+    def _init_whole_mesh(self, param: DTensor) -> torch.Tensor:
+        """A DTensor on the whole SPMD mesh (``dp_mesh_dims``), replicated on the
+        data-parallel dims (spmd_mesh.py raises for others): the shard keeps that mesh
+        and its dims' order, and the data-parallel shard dim splits the local
+        tensor's dim 0."""
+        spec = param._spec
+        mesh, names = spec.mesh, spec.mesh.mesh_dim_names or ()
+        dp_names = self.mesh_info.mesh.mesh_dim_names or ()
+        self.tp_mesh = self.spmd_mesh = mesh
+        self.tp_placements = tuple(spec.placements)
+        self.dp_dims = frozenset(names.index(name) for name in dp_names)
+        placements = list(self.tp_placements)
+        if self.mesh_info.shard_axis is not None:
+            index = names.index(dp_names[self.mesh_info.shard_axis])
+            # The dims after it that cut dim 0 first make our chunks strided (as in _init_tensor_parallel).
+            later = math.prod(mesh.size(j) for j in range(index + 1, mesh.ndim) if placements[j].is_shard(0))
+            placements[index] = compat.StridedShard(0, split_factor=later) if later > 1 else Shard(0)
+        self.placements = tuple(placements)
         return param._local_tensor
 
     # -- sharded form -------------------------------------------------------

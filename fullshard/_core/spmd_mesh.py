@@ -3,10 +3,10 @@
 ``DataParallelMeshDims`` names the mesh dims that shard and replicate; several
 names flatten into one dim. The engine then runs on that data-parallel mesh: 1D
 (shard, or replicate only) or 2D (replicate, shard), as if it had been passed
-as ``mesh``. Parameters that are DTensors on the whole mesh (replicated on its
-data-parallel dims, placed on the others) are not supported yet: the engine
-composes with tensor parallelism through parameters on the non-data-parallel
-mesh, which is what it asks for instead.
+as ``mesh``. Parameters may be DTensors on the whole mesh, replicated on its
+data-parallel dims and placed on the others (tensor parallelism): their shards
+stay on that mesh, the data-parallel shard dim becoming Shard(0) (see
+``ShardParam._init_whole_mesh``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..api import DataParallelMeshDims, ShardingStrategy
 from . import compat
@@ -51,10 +51,13 @@ def data_parallel_mesh(
     """(the data-parallel mesh, replicate only?) for ``mesh`` and ``dims``.
 
     Raises:
-        ValueError: the mesh has no dim names, a name is not among them, or a
+        ValueError: the mesh has no dim names, a name is not among them, a
             parameter is a plain tensor while a non-data-parallel dim has more
-            than one rank (it would need to be a DTensor on the whole mesh).
-        NotImplementedError: a parameter is a DTensor on the whole mesh.
+            than one rank (it would need to be a DTensor on the whole mesh), or
+            a DTensor parameter is on another mesh or not Replicate() on the
+            data-parallel dims.
+        NotImplementedError: DTensor parameters with several shard (or
+            replicate) dims, which would flatten into one.
     """
     names = mesh.mesh_dim_names
     if names is None:
@@ -66,12 +69,8 @@ def data_parallel_mesh(
     others = [name for name in names if name not in data_parallel and mesh[name].size() > 1]
     for name, param in params:
         if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"fully_shard(dp_mesh_dims=...) with parameters that are DTensors on the whole mesh is not yet "
-                f"supported ({name}); pass mesh=mesh[{tuple(sorted(data_parallel))}] with the parameters on the "
-                f"other dims' mesh (parallelize_module(model, mesh['tp'], ...))"
-            )
-        if others:
+            _check_whole_mesh_param(name, param, mesh, dims)
+        elif others:
             raise ValueError(
                 f"fully_shard(dp_mesh_dims=...) expects parameters that are DTensors on the whole mesh when its "
                 f"non-data-parallel dims {others} have more than one rank, but {name} is a plain tensor"
@@ -85,6 +84,27 @@ def data_parallel_mesh(
     if replicate is None:
         return shard, False
     return compat.concatenate_meshes([replicate, shard]), False
+
+
+def _check_whole_mesh_param(name: str, param: DTensor, mesh: DeviceMesh, dims: DataParallelMeshDims) -> None:
+    if param.device_mesh != mesh:
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=...) expects DTensor parameters on the mesh it is given "
+            f"{mesh.mesh_dim_names}, but {name} is on {param.device_mesh}; distribute it on the whole mesh"
+        )
+    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) does not support DTensor parameters ({name}) with several shard or "
+            f"replicate dims yet (got {dims}); name one dim each"
+        )
+    names = mesh.mesh_dim_names or ()
+    for dim in (*dims.shard_names, *dims.replicate_names):
+        placement = param.placements[names.index(dim)]
+        if not isinstance(placement, Replicate):
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...) expects parameters Replicate() on the data-parallel dim {dim!r}, "
+                f"but {name} has {placement}; distribute it with Replicate() there"
+            )
 
 
 def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
