@@ -79,8 +79,7 @@ class BlockQuantizer:
         padded = num_blocks * self.block_size
         codes = chunks[:, :padded].view(self.code_dtype).view(num_chunks, num_blocks, self.block_size)
         scales = chunks[:, padded : padded + num_blocks * _SCALE_BYTES].view(torch.float32).unsqueeze(2)
-        if self.code_dtype == torch.int8:
-            values = torch.mul(codes, scales)  # one pass, int8 read as fp32
-        else:
-            values = codes.to(torch.float32).mul_(scales)  # no mixed float8 arithmetic on every device
+        # One fp32 copy, scaled in place: a mixed multiply would cast the codes into a second
+        # temporary on the CPU (and float8 has no mixed arithmetic on every device).
+        values = codes.to(torch.float32).mul_(scales)
         return values.view(num_chunks, padded)[:, :numel]
