@@ -183,7 +183,9 @@ def custom_all_gather(
     if _listeners:
         _notify("all_gather", group, output, [output, input])
     work = custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op)
-    return work if async_op and work is not None else _Pending([]) if async_op else None
+    if not async_op:
+        return None
+    return work if work is not None else _Pending([])  # an object that finished before returning
 
 
 def custom_reduce_scatter(

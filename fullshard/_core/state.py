@@ -297,18 +297,17 @@ class ModuleState:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
     def _hook_input_grads(self, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: no tree to walk
-            inputs = [a for a in args if a.requires_grad]
-            if not inputs:
-                return args, kwargs
-            self._use = UnitUse()
-            hooked = iter(_hook_inputs(group, self._use, inputs))
-            return tuple(next(hooked) if a.requires_grad else a for a in args), kwargs
-        inputs = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
+        plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common call: no tree to walk
+        candidates = args if plain else flatten_tensors((args, kwargs))
+        inputs = [t for t in candidates if t.requires_grad]
         if not inputs:
             return args, kwargs
         self._use = UnitUse()
-        hooked_by_id = dict(zip(map(id, inputs), _hook_inputs(group, self._use, inputs)))
+        hooked = _hook_inputs(group, self._use, inputs)
+        if plain:
+            rest = iter(hooked)
+            return tuple(next(rest) if a.requires_grad else a for a in args), kwargs
+        hooked_by_id = dict(zip(map(id, inputs), hooked))
         return map_tensors(lambda t: hooked_by_id.get(id(t), t), (args, kwargs))
 
     def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
