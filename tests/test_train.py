@@ -25,7 +25,7 @@ from fullshard.cli.__main__ import main as cli_main
 from fullshard.cli.train import choose_device, torchrun_arguments
 from fullshard.models import Transformer
 from fullshard.testing import DataParallelReference, full_value, run_distributed
-from fullshard.training import TrainConfig, loop
+from fullshard.training import TrainConfig, loop, summary
 from fullshard.training.corpus import Corpus
 from fullshard.training.model import initialize
 
@@ -116,6 +116,16 @@ def test_training_equals_one_process(world_size, changes):
     assert result.losses[-1] < result.losses[0]
     assert len(result.peaks) == world_size and all(p > 0 for p in result.peaks)
     assert result.model_states and result.comm  # measured (one rank alone still clips: an all-reduce)
+
+
+def test_demo_peak_matches_the_plan():
+    """The demo's summary (default model and batch, 2 ranks) measures what ``fullshard plan`` predicts, live
+    tensors at the step's peak, and the two agree within 5%."""
+    config = dataclasses.replace(TrainConfig(), steps=3)
+    result = run_distributed(_train_capturing_model, 2, config)[0]["result"]
+    predicted, _ = summary._predicted_peaks(result)
+    for rank, peak in enumerate(result.peaks):
+        assert peak == pytest.approx(predicted, rel=0.05), f"rank {rank}: measured {peak} B, predicted {predicted} B"
 
 
 def test_fp16_with_loss_scaling_trains():

@@ -1,34 +1,17 @@
-"""Per-rank memory of one training step on CPU, for checking ``fullshard plan``'s prediction.
-
-[Note: Measured step memory on CPU]
-A rank's memory in a step is the bytes of live tensors: what was alive before
-the step (parameter shards and optimizer states, counted from their storages)
-plus the highest rise of the CPU allocator's running total of live bytes
-during the step, read from the profiler (``profile_memory=True``), which
-records every allocation and free with that total. Freed-but-cached memory and
-the Python heap do not count. The allocator's reporter only hears frees on
-threads the profiler follows, and gloo's worker threads sometimes drop the last
-reference to a collective's tensors: FLAGS_caffe2_report_cpu_memory_usage
-makes it track every thread. That late release is also why the least peak of
-three steps is kept: when gloo's thread lets go of a finished collective's
-buffer after the engine did, the step's peak can rise by up to one unit-sized
-buffer (timing, not the engine's allocation pattern). Two warm-up steps come
-first (optimizer states; the forward order that prefetch follows).
+"""Per-rank memory of one training step on CPU, for checking ``fullshard plan``'s prediction: see
+[Note: Measured step memory on CPU] (``training/tensor_peak.py``). Two warm-up steps come first
+(optimizer states; the forward order that prefetch follows), then the least peak of three steps.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import ProfilerActivity, profile
 
 from .._core import comm
 from .._core.mesh import default_mesh, hybrid_mesh
@@ -46,20 +29,9 @@ from ..api import (
 from ..fully_shard import fully_shard
 from ..models import ModelArgs, Transformer, TransformerBlock
 from ..replicate import replicate
+from ..training.tensor_peak import TensorPeak
 
 __all__ = ["measure_step", "storage_bytes", "profiled_step_peak"]
-
-
-@contextlib.contextmanager
-def _allocator_tracks_every_thread() -> Iterator[None]:
-    """Sets c10's FLAGS_caffe2_report_cpu_memory_usage for the block."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-    flag.value = True
-    try:
-        yield
-    finally:
-        flag.value = False
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -72,23 +44,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def profiled_step_peak(step: Callable[[], None]) -> tuple[int, list[comm.CommRecord]]:
-    """(peak bytes above the start, collective records) of one call of ``step``."""
-    with (
-        comm.record_comms() as records,
-        _allocator_tracks_every_thread(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
-    ):
+    """(peak bytes of live tensors above the start, collective records) of one call of ``step``."""
+    with comm.record_comms() as records, TensorPeak() as peak:
         step()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == torch._C._profiler._EventType.Allocation:
-            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
-    events.sort()
-    start_total = events[0][2] - events[0][1]
-    return max(total for _, _, total in events) - start_total, records
+    return peak.rise, records
 
 
 _WRAPPER_STRATEGIES = {

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,26 +12,24 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._core import comm
+from .tensor_peak import TensorPeak
 
 __all__ = ["CommTally", "MetricsFile", "PeakMemory", "model_state_bytes"]
 
 
 class PeakMemory:
-    """This rank's peak memory in a training step.
+    """This rank's peak memory in a training step, in live tensor bytes.
 
-    CUDA: the allocator's high-water mark. CPU: glibc keeps freed memory for
-    reuse, so the resident set alone says little about live tensors. One
-    step (``probe``) therefore runs with freed blocks handed back to the OS at
-    once; its peak is what the step started with in tensors (parameter
-    shards, optimizer states) plus how far the resident set rose. Afterwards
-    the allocator gets a fast setting back. Without glibc the peak is the
-    resident set's rise since construction, an upper bound.
+    CUDA: the allocator's high-water mark (``max_memory_allocated``). CPU: one
+    step (``probe``) is measured as the tensors it started with (parameter
+    shards, optimizer states) plus the highest rise of live tensor bytes the
+    profiler's allocation events show (see [Note: Measured step memory on
+    CPU]); freed memory that glibc keeps and the Python heap do not count, so
+    the figure is the one ``fullshard plan`` predicts.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._libc = _glibc() if device.type == "cpu" else None
-        self._baseline = _status_bytes("VmRSS")
         self._measured: int | None = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -41,55 +37,18 @@ class PeakMemory:
     @contextlib.contextmanager
     def probe(self, tensors_at_start: int) -> Iterator[None]:
         """Measures the step run inside (CPU); ``tensors_at_start``: bytes of live tensors."""
-        if self._libc is None:
+        if self.device.type == "cuda":
             yield
             return
-        self._libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-        self._libc.mallopt(_M_TRIM_THRESHOLD, 0)
-        self._libc.malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-        start = _status_bytes("VmRSS")
-        try:
+        with TensorPeak() as peak:
             yield
-        finally:
-            self._measured = tensors_at_start + _status_bytes("VmHWM") - start
-            self._libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-            self._libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
+        self._measured = tensors_at_start + peak.rise
 
     def peak(self) -> int | None:
         """Bytes, or None on CPU before the probe step."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        if self._libc is None:
-            return max(0, _status_bytes("VmHWM") - self._baseline)
         return self._measured
-
-
-# glibc's mallopt parameters (malloc.h), and the largest mmap threshold it picks by itself on 64-bit.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (present only in glibc)
-    except (OSError, AttributeError):
-        return None
-    return libc if os.path.exists("/proc/self/clear_refs") else None
-
-
-def _status_bytes(field: str) -> int:
-    """A field of /proc/self/status in bytes (0 where there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class CommTally:

@@ -185,6 +185,6 @@ def _memory_table(result: RunResult) -> str:
     )
     return align(rows) + (
         "\n(model states: parameters, gradients and AdamW states; peak: the most a step holds at once"
-        + (" on the GPU" if result.device == "cuda" else ", measured in step 2 on CPU")
+        + (" on the GPU" if result.device == "cuda" else " in live tensors, measured in step 2 on CPU")
         + "; predictions: fullshard plan)"
     )
