@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -36,16 +35,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import state_dict as state_dicts
 from . import wrapper_optim_state as optim_states
+from . import wrapper_summon
 from ._core.common import module_class_name
-from ._core.full_params import adopt_user_params, full_params
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo
+from ._core.param_units import register_param_unit
 from ._core.state import ModuleState, get_state
-from ._flat_param import UNIT_ATTR, FlatParamView
+from ._flat_param import FlatParamView
 from ._names import WRAPPED_MODULE, model_name
 from .api import HYBRID_STRATEGIES, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from .clip import clip_grad_norm_
-from .state_dict import default_settings, install_flat_param_hooks, install_prefix_hooks, install_state_dict_hooks
+from .state_dict.flat_param_hooks import install_flat_param_hooks
+from .state_dict.model_hooks import install_prefix_hooks, install_state_dict_hooks
+from .state_dict.settings import default_settings
 from .wrap import Policy, PolicyFn, select_modules
 from .wrapper_arguments import (
     WrapperSettings,
@@ -168,15 +170,15 @@ class FullyShardedDataParallel(nn.Module):
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
         if use_orig_params and state.group is not None:
             for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
-                setattr(param.sharded_param, UNIT_ATTR, state.group)
+                register_param_unit(param.sharded_param, state.group)
             warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
-            self.register_forward_pre_hook(_adopt_user_params, prepend=True)
-        if config.flat_param and state.group is not None:
-            FlatParamView(state.group, module)
-            install_flat_param_hooks(state)
+            self.register_forward_pre_hook(wrapper_summon.adopt_user_params_before_forward, prepend=True)
+        if not use_orig_params and state.group is not None:
+            view = FlatParamView(state.group, module)
+            install_flat_param_hooks(state, view.module, view.name, view.param)
 
     # -- FSDP1 members -----------------------------------------------------------------
     @property
@@ -219,7 +221,7 @@ class FullyShardedDataParallel(nn.Module):
     def training_state(self) -> TrainingState:
         """IDLE, FORWARD_BACKWARD or SUMMON_FULL_PARAMS."""
         state = self._state
-        if state in _summoned:
+        if wrapper_summon.is_summoned(state):
             return TrainingState.SUMMON_FULL_PARAMS
         busy = state.group.training_state if state.group is not None else state.training_state
         return TrainingState.IDLE if busy.name == "IDLE" else TrainingState.FORWARD_BACKWARD
@@ -257,7 +259,7 @@ class FullyShardedDataParallel(nn.Module):
     def _names_as_summoned(self, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The local model's names while full parameters are summoned, so that code
         written for the unwrapped model (matching names against a reference) works."""
-        clean = any(state in _summoned for state in states_below(self))
+        clean = any(wrapper_summon.is_summoned(state) for state in states_below(self))
         for name, value in named:
             yield (model_name(name) if clean else name), value
 
@@ -272,7 +274,7 @@ class FullyShardedDataParallel(nn.Module):
         global _applying
         if _applying:  # a nested wrapper, inside the enclosing wrapper's apply
             return super().apply(fn)
-        if self._state in _summoned:
+        if wrapper_summon.is_summoned(self._state):
             raise ValueError(
                 f"apply expects no summon_full_params in progress but {module_class_name(self.module)} is "
                 "summoned; call apply outside the summon_full_params block (apply summons the parameters itself)"
@@ -359,33 +361,7 @@ class FullyShardedDataParallel(nn.Module):
             for group, value in zip(groups, previous):
                 group.requires_gradient_sync = value
 
-    @staticmethod
-    @contextlib.contextmanager
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
-        """Makes the full parameters of ``module``'s units visible for the block.
-
-        Args:
-            module: a wrapper (or any module containing wrappers / fully_shard modules).
-            recurse: also every unit below ``module`` (else ``module``'s own only).
-            writeback: copy changes back into the shards on exit.
-            rank0_only: only rank 0 keeps the full parameters (needs writeback=False).
-            offload_to_cpu: hand out CPU copies.
-            with_grads: also gather gradients into ``.grad``.
-        """
-        states = states_below(module) if recurse else [s for s in [get_state(module)] if s is not None]
-        _summoned.update(states)
-        try:
-            with full_params(states, writeback, rank0_only, offload_to_cpu, with_grads):
-                yield
-        finally:
-            _summoned.difference_update(states)
+    summon_full_params = staticmethod(wrapper_summon.summon_full_params)
 
     # -- state dicts (see fullshard.state_dict) ------------------------------------------
     state_dict_type = staticmethod(state_dicts.state_dict_type)
@@ -415,7 +391,6 @@ class FullyShardedDataParallel(nn.Module):
 FSDP = FullyShardedDataParallel
 
 _applying = False  # inside a wrapper's apply: the wrappers below it run nn.Module.apply
-_summoned: weakref.WeakSet[ModuleState] = weakref.WeakSet()  # units inside summon_full_params
 
 
 def _check_not_wrapped_differently(module: nn.Module, strategy: ShardingStrategy) -> None:
@@ -431,8 +406,8 @@ def _check_one_use_orig_params(module: nn.Module, use_orig_params: bool) -> None
     """Wrappers under one root share use_orig_params: the optimizer and the
     state dicts see either flat or original parameters, not a mix."""
     for nested in module.modules():
-        state = get_state(nested) if isinstance(nested, FullyShardedDataParallel) else None
-        if state is not None and state.config.flat_param == use_orig_params:
+        made = isinstance(nested, FullyShardedDataParallel) and get_state(nested) is not None
+        if made and nested.use_orig_params != use_orig_params:
             raise ValueError(
                 f"FullyShardedDataParallel expects one use_orig_params for all wrappers, but "
                 f"{module_class_name(module)} gets use_orig_params={use_orig_params} and its nested wrapper "
@@ -482,14 +457,3 @@ def _wrap_selected(
         wrapper = FullyShardedDataParallel(child, **kwargs)
         for parent, name in parents.get(id(child), []):
             setattr(parent, name, wrapper)
-
-
-def _adopt_user_params(wrapper: nn.Module, _args: Any) -> None:
-    """Parameters the user replaced or re-pointed since the last step become the shards, for every unit
-    this forward may gather (the root's forward prefetches its children). See ``adopt_user_params``."""
-    state = get_state(wrapper)
-    if state is None or state.is_root is False:
-        return
-    for below in states_below(wrapper):
-        if below.group is not None:
-            adopt_user_params(below.group)

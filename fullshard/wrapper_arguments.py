@@ -227,7 +227,6 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
         # Read when wrapping, as PyTorch's FSDP1 does.
         full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
-        flat_param=not settings.use_orig_params,
         presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD)
         if settings.use_orig_params
         else None,

@@ -19,6 +19,7 @@ from . import state_dict as state_dicts
 from ._core import comm
 from ._core.common import map_tensors
 from .api import FullOptimStateDictConfig, OptimStateKeyType, StateDictType
+from .state_dict import optim as fqn_optim_state
 
 OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 
@@ -115,7 +116,7 @@ def shard_full_optim_state_dict(
             "with FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model) first"
         )
     groups = _param_groups(optim, optim_input, "FSDP.shard_full_optim_state_dict")
-    return state_dicts.optim_state_dict_for_params(model, groups, full_optim_state_dict)
+    return fqn_optim_state.optim_state_dict_for_params(model, groups, full_optim_state_dict)
 
 
 def scatter_full_optim_state_dict(
@@ -171,7 +172,7 @@ def rekey_optim_state_dict(
         raise ValueError(f"rekey_optim_state_dict expects an OptimStateKeyType but got {optim_state_key_type!r}")
     groups = _param_groups(optim, optim_input, "FSDP.rekey_optim_state_dict")
     by_name = name == OptimStateKeyType.PARAM_NAME.name
-    return state_dicts.rekey_optim_state_dict(optim_state_dict, by_name, model, groups)
+    return fqn_optim_state.rekey_optim_state_dict(optim_state_dict, by_name, model, groups)
 
 
 def _param_groups(
