@@ -63,11 +63,7 @@ def summon_full_params(
 
 @contextlib.contextmanager
 def _show_full_params(
-    states: list[ModuleState],
-    writeback: bool = True,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    with_grads: bool = False,
+    states: list[ModuleState], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Iterator[None]:
     """Registers every managed parameter of ``states`` unsharded for the block.
 
