@@ -353,7 +353,8 @@ def _dtensor_collective(source: Placement, target: Placement) -> str | None:
 
 def _before_dtensor_collectives(call: str, value: DTensor, target: Sequence[Placement]) -> None:
     mesh, source = value.device_mesh, value.placements
-    dims = [(dim, op) for dim, op in enumerate(map(_dtensor_collective, source, target)) if op is not None]
+    changes = enumerate(map(_dtensor_collective, source, target))
+    dims = [(dim, op) for dim, op in changes if op is not None and mesh.size(dim) > 1]  # one rank: nothing moves
     if not dims:
         return
     _check_alive(None)
