@@ -23,6 +23,7 @@ from ._core import full_params
 from ._core.common import TrainingState
 from ._core.group import ParamGroup
 from ._core.manage import states_below
+from ._core.param_units import register_param_unit
 from ._core.state import ModuleState, get_state
 
 _summoned: weakref.WeakSet[ModuleState] = weakref.WeakSet()  # units inside summon_full_params
@@ -157,6 +158,7 @@ def adopt_user_params(unit: ParamGroup) -> None:
         if grad is not None and grad.shape != shard.shape:
             registered.grad = None
         param.sharded_param = registered
+        register_param_unit(registered, unit)  # clip_grad_norm_ and the scaler find its shards' unit
         param.to_sharded()
 
 
