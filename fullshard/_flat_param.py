@@ -1,8 +1,9 @@
 """The FSDP1 wrapper's flat parameter (``use_orig_params=False``): a unit's shard
 buffer registered as one ``nn.Parameter`` that the optimizer steps in place.
 
-The engine sees it only as a ``BufferView`` (``_core/buffer_view.py``); what
-it means to state dicts, clipping and the scaler is answered here.
+The engine sees it only as a ``BufferView`` (``_core/buffer_view.py``); state
+dicts, clipping and the scaler find its unit through the engine
+(``_core/param_units.py``) and never import this module.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import torch.nn as nn
 
 from ._core import compat
 from ._core.group import ParamGroup
+from ._core.param_units import register_param_unit
 
 FLAT_PARAM = "_flat_param"
-# On a flat parameter or a plain shard view: its unit, for clip_grad_norm_ and the scaler.
-UNIT_ATTR = "_fullshard_unit"
 
 
 class FlatParamView:
@@ -47,8 +47,7 @@ class FlatParamView:
         self.module = module  # where the flat parameter is registered, as ``name``
         self.name = name
         self.param = nn.Parameter(unit.shard_buffer, requires_grad=requires_grad.pop())
-        # Lets clip_grad_norm_ and the scaler find its replicas (an attribute Parameter's type does not declare).
-        setattr(self.param, UNIT_ATTR, unit)
+        register_param_unit(self.param, unit)  # clip_grad_norm_ and the scaler find its replicas
         if unit.keep_low_precision_grads:
             compat.set_grad_dtype(self.param, unit.reduce_dtype, unit.owner_name)
         module.register_parameter(name, self.param)
@@ -70,23 +69,3 @@ class FlatParamView:
 
     def show(self) -> None:
         self.module._parameters[self.name] = self.param
-
-
-def flat_view(unit: ParamGroup | None) -> FlatParamView | None:
-    """The unit's flat parameter view, if the wrapper gave it one."""
-    view = unit.buffer_view if unit is not None else None
-    return view if isinstance(view, FlatParamView) else None
-
-
-def flat_param(unit: ParamGroup | None) -> nn.Parameter | None:
-    """The unit's flat parameter (None for per-parameter shards)."""
-    view = flat_view(unit)
-    return view.param if view is not None else None
-
-
-def param_view_of_flat(unit: ParamGroup, index: int, flat: torch.Tensor, full: bool) -> torch.Tensor:
-    """Parameter ``index``'s part of a tensor laid out like the shard buffer
-    (a flat optimizer state): its DTensor shard, or the full tensor."""
-    region = unit.storage_layout.region(flat, index, flat.dtype)
-    shard = unit.params[index].sharded_dtensor(region)
-    return shard.full_tensor() if full else shard

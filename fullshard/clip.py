@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._core import comm
-from ._flat_param import UNIT_ATTR
+from ._core.param_units import unit_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -50,7 +50,7 @@ def _owned_local_grad(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Te
             if isinstance(placement, Replicate) and coordinate[dim] != 0:
                 return None, 0.0
         return grad._local_tensor, mesh.size() / world
-    unit = getattr(param, UNIT_ATTR, None)  # the wrapper's flat parameter, or a plain shard view
+    unit = unit_of(param)  # the wrapper's flat parameter, or a plain shard view
     if unit is not None:
         owned = unit.mesh_info.replicate.rank == 0
         return (grad if owned else None), unit.mesh_info.mesh.size() / world

@@ -42,7 +42,8 @@ from .api import (
     StateDictType,
 )
 from .comm_settings import CommSettings
-from .state_dict import default_settings, install_state_dict_hooks
+from .state_dict.model_hooks import install_state_dict_hooks
+from .state_dict.settings import default_settings
 from .wrap import Policy, PolicyFn, select_modules
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]

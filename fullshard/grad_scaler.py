@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._core import comm
-from ._flat_param import UNIT_ATTR, flat_param
+from ._core.param_units import buffer_param, unit_of
 
 __all__ = ["ShardedGradScaler"]
 
@@ -278,14 +278,14 @@ def _mesh_of(param: torch.Tensor) -> DeviceMesh | None:
     """The mesh of ranks holding pieces of ``param`` (None for a plain tensor)."""
     if isinstance(param, DTensor):
         return param.device_mesh
-    unit = getattr(param, UNIT_ATTR, None)  # the wrapper's flat parameter, or a plain shard view
+    unit = unit_of(param)  # the wrapper's flat parameter, or a plain shard view
     return unit.mesh_info.mesh if unit is not None else None
 
 
 def _describe(param: torch.Tensor) -> str:
     """``param`` named for messages (it has a mesh: see ``_mesh_of``)."""
-    unit = getattr(param, UNIT_ATTR, None)
-    if unit is not None and param is flat_param(unit):
+    unit = unit_of(param)
+    if unit is not None and param is buffer_param(unit):
         return f"the flat parameter of {unit.owner_name}"
     if unit is not None:
         shape = next(tuple(p.global_size) for p in unit.params if p.sharded_param is param)

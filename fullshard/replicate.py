@@ -18,7 +18,8 @@ from ._core.manage import manage_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh
 from .api import MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from .fully_shard import FSDPModule, swap_class
-from .state_dict import default_settings, install_state_dict_hooks
+from .state_dict.model_hooks import install_state_dict_hooks
+from .state_dict.settings import default_settings
 
 __all__ = ["replicate", "ReplicateModule"]
 

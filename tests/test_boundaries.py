@@ -1,10 +1,16 @@
 """The package's internal boundaries, checked on the source (no ranks needed).
 
 - ``fullshard/_core/comm.py`` is the only module of the library that calls a
-  torch.distributed collective (so the comm spy sees every one). ``training/``
-  and ``testing/`` are programs built on the library, like a user's script:
-  ``fullshard train``'s statistics all-reduce is not the model's traffic and
-  must not be counted in its bytes per step.
+  torch.distributed collective (so the comm spy sees every one), DTensor ones
+  included: ``.full_tensor()`` and ``.redistribute(...)`` go through
+  ``comm.full_tensor`` / ``comm.redistribute`` (see [Note: DTensor collectives]).
+  ``training/`` and ``testing/`` are programs built on the library, like a
+  user's script: ``fullshard train``'s statistics all-reduce is not the model's
+  traffic and must not be counted in its bytes per step.
+- The shared services (state dicts, clipping, the scaler, the engine, ...) do not
+  import the wrapper's flat parameter (``_flat_param.py``): they find a
+  parameter's unit through the engine (``_core/param_units.py``). Only the
+  wrapper's own modules (``WRAPPER_SIDE``) import it.
 - ``training/`` (the ranks of ``fullshard train``) does not import ``cli/``
   (the launcher).
 - Clean room: nothing in ``fullshard/`` imports torch's FSDP
@@ -93,6 +99,75 @@ def test_only_comm_calls_collectives(path: Path) -> None:
         return
     calls = collective_calls(path.read_text())
     assert not calls, f"{path.relative_to(PACKAGE)} calls collectives {calls}; go through fullshard._core.comm"
+
+
+DTENSOR_COLLECTIVES = {"full_tensor", "redistribute"}
+
+
+def dtensor_collective_calls(source: str) -> list[str]:
+    """``name:line`` of each ``x.full_tensor()`` / ``x.redistribute(...)`` in ``source`` that is
+    not a call of fullshard's comm module (imported as ``from ... import comm``)."""
+    tree = ast.parse(source)
+    comm_aliases = {
+        a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names if a.name == "comm"
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DTENSOR_COLLECTIVES:
+            if not (isinstance(node.func.value, ast.Name) and node.func.value.id in comm_aliases):
+                found.append(f"{node.func.attr}:{node.lineno}")
+    return found
+
+
+def test_scanner_finds_dtensor_collectives() -> None:
+    source = (
+        "from ._core import comm\nx.full_tensor()\ncomm.full_tensor(x)\n"
+        "g.redistribute(placements=p)\ncomm.redistribute(g, p)\nDTensor.full_tensor(x)\n"
+    )
+    assert dtensor_collective_calls(source) == ["full_tensor:2", "redistribute:4", "full_tensor:6"]
+
+
+@pytest.mark.parametrize("path", _library_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_comm_runs_dtensor_collectives(path: Path) -> None:
+    if path == PACKAGE / "_core" / "comm.py":
+        assert dtensor_collective_calls(path.read_text()), "comm.py runs no DTensor collective: is the scanner broken?"
+        return
+    calls = dtensor_collective_calls(path.read_text())
+    assert not calls, f"{path.relative_to(PACKAGE)} runs DTensor collectives {calls}; use comm.full_tensor / redistribute"
+
+
+# The wrapper's own modules: the only ones that may import its flat parameter.
+WRAPPER_SIDE = {"wrapper.py", "wrapper_arguments.py", "wrapper_optim_state.py", "wrapper_summon.py", "_flat_param.py"}
+
+
+def imported_modules(path: Path) -> list[str]:
+    """The absolute ``fullshard`` modules ``path`` imports (names that may be modules included), anywhere in it."""
+    package = list(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
+            module = ".".join(part for part in (base, node.module or "") if part)
+            found += [module] + [f"{module}.{a.name}" for a in node.names]
+    return found
+
+
+def test_imported_modules_resolves_relative_imports() -> None:
+    assert "fullshard._flat_param" in imported_modules(PACKAGE / "wrapper.py")
+    assert "fullshard._core.comm" in imported_modules(PACKAGE / "state_dict" / "optim.py")
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_shared_services_do_not_import_the_flat_parameter(path: Path) -> None:
+    if path.parent == PACKAGE and path.name in WRAPPER_SIDE:
+        return
+    flat = [m for m in imported_modules(path) if m == "fullshard._flat_param" or m.startswith("fullshard._flat_param.")]
+    assert not flat, (
+        f"{path.relative_to(PACKAGE)} imports the wrapper's flat parameter; find a parameter's unit "
+        "through fullshard._core.param_units instead"
+    )
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "training").glob("*.py")), ids=lambda p: p.name)

@@ -116,3 +116,17 @@ def test_wrapper_clip_needs_root():
     model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
     with pytest.raises(RuntimeError, match="root FullyShardedDataParallel"):
         model.module.layers[0].clip_grad_norm_(1.0)
+
+
+@distributed(world_size=2)
+def test_wrapper_parameter_replaced_by_the_user():
+    """use_orig_params=True: a Parameter the user registers in place of a shard is adopted
+    as the shard (FSDP1's contract); its gradient still counts once per shard rank."""
+    ref = make_model()
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=CPU,
+                 use_orig_params=True)
+    for module in model.module.layers[0].module.modules():  # each its 1D shard, as a new object
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(param.detach().clone()))
+    check_clip(model, ref, model.clip_grad_norm_)
+    reference_grads_match(model, ref)

@@ -20,7 +20,7 @@ from fullshard import (
     full_state_dict,
     fully_shard,
 )
-from fullshard import state_dict as state_dicts
+from fullshard.state_dict.settings import unit_record
 from fullshard._core import full_params
 from fullshard.testing import distributed, full_value
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
@@ -180,7 +180,7 @@ def test_full_state_dict_rank0_only_offload_and_unit_by_unit():
     gather = full_params.gather_full_values
 
     def counting_gather(group, *args, **kwargs):
-        alive.append(sum(1 for m in FSDP.fsdp_modules(model) if state_dicts._UNITS[m._state].full_values is not None))
+        alive.append(sum(1 for m in FSDP.fsdp_modules(model) if unit_record(m._state).full_values is not None))
         return gather(group, *args, **kwargs)
 
     full_params.gather_full_values = counting_gather

@@ -30,24 +30,42 @@ Bytes are counted as the data a rank moves through the collective: the full
 (unsharded) buffer for an all-gather and a reduce-scatter, the tensor for an
 all-reduce or broadcast. The ideal FSDP step therefore costs three times the
 parameter bytes (all-gather in forward and in backward, one reduce-scatter).
+
+[Note: DTensor collectives]
+A DTensor's ``full_tensor()`` and ``redistribute()`` run collectives that
+DTensor picks, one per mesh dim whose placement changes (full state dicts of
+tensor-parallel parameters, loading a DTensor of another layout, a TP gradient
+made local). They go through ``full_tensor`` / ``redistribute`` here, so the
+spy sees them: one record per such mesh dim, on that dim's group, with the op
+the change needs (Shard to Replicate: all-gather; Partial to Replicate:
+all-reduce; Partial to Shard: reduce-scatter; Shard to another Shard:
+all-to-all) and, as bytes, the global tensor divided among the mesh dims that
+still shard it (exact for one sharded dim). At ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+the ranks of each of those groups first compare what they are about to run
+(call, shape, dtype, both layouts) and all raise naming two differing ranks,
+where a mismatch would otherwise pair the wrong tensors or hang (the same
+promise as [Note: Execution order] for the units' collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from . import compat
 
 
 @dataclass(frozen=True)
 class CommRecord:
-    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast" | "all_to_all" (DTensors only)
     group: dist.ProcessGroup
     nbytes: int
     dtype: torch.dtype
@@ -78,7 +96,11 @@ def record_comms() -> Iterator[list[CommRecord]]:
 
 
 def _notify(op: str, group: dist.ProcessGroup, counted: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    record = CommRecord(op, group, counted.numel() * counted.element_size(), counted.dtype, group.size())
+    nbytes = counted.numel() * counted.element_size()
+    _notify_record(CommRecord(op, group, nbytes, counted.dtype, group.size()), tensors)
+
+
+def _notify_record(record: CommRecord, tensors: list[torch.Tensor]) -> None:
     for listener in list(_listeners):
         listener(record, tensors)
 
@@ -305,3 +327,70 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Waits until every rank of ``group`` (default: all ranks) has arrived."""
     _check_alive(group)
     dist.barrier(group=group)
+
+
+# -- DTensor collectives: see [Note: DTensor collectives] --------------------------------------
+def full_tensor(value: DTensor) -> torch.Tensor:
+    """``value``'s global tensor, on every rank of its mesh."""
+    _before_dtensor_collectives("full_tensor", value, [Replicate()] * value.device_mesh.ndim)
+    return value.full_tensor()
+
+
+def redistribute(value: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """``value`` laid out by ``placements`` on its own mesh."""
+    _before_dtensor_collectives("redistribute", value, placements)
+    return value.redistribute(placements=placements)
+
+
+def _dtensor_collective(source: Placement, target: Placement) -> str | None:
+    """The collective that turns ``source`` into ``target`` on one mesh dim (None: a local step)."""
+    if source == target or source.is_replicate():
+        return None
+    if source.is_partial():
+        return "reduce_scatter" if target.is_shard() else "all_reduce"
+    return "all_to_all" if target.is_shard() else "all_gather"
+
+
+def _before_dtensor_collectives(call: str, value: DTensor, target: Sequence[Placement]) -> None:
+    mesh, source = value.device_mesh, value.placements
+    changes = enumerate(map(_dtensor_collective, source, target))
+    dims = [(dim, op) for dim, op in changes if op is not None and mesh.size(dim) > 1]  # one rank: nothing moves
+    if not dims:
+        return
+    _check_alive(None)
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        _check_same_dtensor_call(call, value, target, [dim for dim, _ in dims])
+    if not _listeners:
+        return
+    total = value.numel() * value.element_size()
+    for dim, op in dims:
+        sharding = [mesh.size(d) for d, p in enumerate(source) if d != dim and p.is_shard()]
+        group = mesh.get_group(dim)
+        record = CommRecord(op, group, total // math.prod(sharding), value.dtype, group.size())
+        _notify_record(record, [value._local_tensor])
+
+
+def _check_same_dtensor_call(call: str, value: DTensor, target: Sequence[Placement], dims: list[int]) -> None:
+    """At DETAIL debug level, before a DTensor collective: every rank of each group involved
+    is about to run the same one. See [Note: DTensor collectives].
+
+    Raises:
+        RuntimeError: two ranks differ, naming both and what each is about to run.
+    """
+    mine = (call, tuple(value.shape), str(value.dtype), tuple(map(repr, value.placements)), tuple(map(repr, target)))
+    for dim in dims:
+        group = value.device_mesh.get_group(dim)
+        every = all_gather_objects(mine, group)
+        for index, theirs in enumerate(every):
+            if theirs != every[0]:
+                first, other = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
+                raise RuntimeError(
+                    f"DTensor collectives differ across ranks: rank {first} is about to run {_describe(every[0])} "
+                    f"but rank {other} {_describe(theirs)}. Every rank must save, load and step the same "
+                    "parameters in the same order"
+                )
+
+
+def _describe(call: tuple) -> str:
+    name, shape, dtype, source, target = call
+    return f"{name} of a {list(shape)} {dtype} DTensor from ({', '.join(source)}) to ({', '.join(target)})"

@@ -44,7 +44,6 @@ class UnitConfig:
     keep_low_precision_grads: bool = False  # leave reduced gradients in the reduce dtype
     buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
     full_precision_in_eval: bool = False  # eval-mode forwards gather and compute in the parameters' dtype
-    flat_param: bool = False  # register the shard buffer as one flat Parameter (the wrapper's flat form)
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
     presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]

@@ -1,83 +1,18 @@
-"""Full parameters on demand, outside forward and backward (``summon_full_params``,
-full state dicts), and writing values back into a unit's shards.
+"""Full parameters on demand, outside forward and backward (the wrapper's
+``summon_full_params``, full state dicts), and writing values back into a unit's shards.
 
 Gathers in the parameters' own dtype (not the mixed-precision compute dtype)
-into fresh tensors, so nothing the training step relies on is touched; on exit
-changes are written back to the shards and the shards are registered again.
-A front end's buffer view (the wrapper's flat parameter) is hidden meanwhile:
-``named_parameters()`` then lists exactly the original model's parameters.
+into fresh tensors, so nothing the training step relies on is touched.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import comm
 from .all_gather import split_views
-from .common import TrainingState
 from .group import ParamGroup
-from .state import ModuleState
-
-
-@contextlib.contextmanager
-def full_params(
-    states: list[ModuleState],
-    writeback: bool = True,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    with_grads: bool = False,
-) -> Iterator[None]:
-    """Registers every managed parameter of ``states`` unsharded for the block.
-
-    Raises:
-        NotImplementedError: ``writeback`` with ``rank0_only`` (other ranks
-            would have nothing to write back); the type PyTorch's FSDP1 raises.
-        AssertionError: called during forward or backward (as PyTorch's FSDP1).
-    """
-    if writeback and rank0_only:
-        raise NotImplementedError(
-            "summon_full_params with rank0_only=True is not yet supported with writeback=True: only rank 0 "
-            "holds the full parameters, so the other ranks could not write changes back; pass writeback=False"
-        )
-    groups = [state.group for state in states if state.group is not None]
-    for group in groups:
-        if group.training_state is not TrainingState.IDLE:
-            raise AssertionError(
-                f"summon_full_params expects no forward or backward in progress, but unit "
-                f"{group.owner_name} is in {group.training_state.name}"
-            )
-    for group in groups:
-        adopt_user_params(group)
-    keep = not rank0_only or dist.get_rank() == 0
-    summoned: list[ParamGroup] = []
-    try:
-        for group in groups:
-            group.reshard()  # drop a low-precision unsharded copy kept after forward
-            values = gather_full_values(group)
-            grads = gather_full_grads(group) if with_grads else [None] * len(values)
-            if not keep:
-                continue
-            if offload_to_cpu:
-                values = [v.cpu() for v in values]
-                grads = [g.cpu() if g is not None else None for g in grads]
-            for param, value, grad in zip(group.params, values, grads):
-                param.show_full(value, grad, with_grads)
-            if group.buffer_view is not None:  # the full parameters stand in for it
-                group.buffer_view.hide()
-            summoned.append(group)
-        yield
-    finally:
-        for group in summoned:
-            if writeback:
-                write_back(group, [param.full_shown() for param in group.params])
-            for param in group.params:
-                param.end_show_full()
-            if group.buffer_view is not None:
-                group.buffer_view.show()
 
 
 @torch.no_grad()
@@ -154,41 +89,9 @@ def write_shard(unit: ParamGroup, index: int, local: torch.Tensor, into: torch.T
     region[: local.numel()].copy_(local.reshape(-1))
 
 
-@torch.no_grad()
-def adopt_user_params(unit: ParamGroup) -> None:
-    """The wrapper's ``use_orig_params=True`` contract, checked before the unit is gathered: a Parameter
-    the user registered in place of ours, or one whose ``.data`` was assigned a new tensor, becomes the
-    shard (its values copied in, its object kept), as PyTorch's FSDP1 does.
-
-    Raises:
-        RuntimeError: the new value's shape is not the shard's (what FSDP1 raises).
-    """
-    if unit.is_unsharded:  # registered now: the unsharded parameters (forward, or kept after it)
-        return
-    for param in unit.params:
-        if not param.presentation.keeps_user_param:
-            return
-        registered = param.module_registration()
-        shard = param.present(param.bound_rows)
-        if registered is None or registered is param.unsharded_param:
-            continue
-        if registered is param.sharded_param and _views(registered, shard):
-            continue
-        if registered.shape != shard.shape:
-            raise RuntimeError(
-                f"Cannot writeback when the parameter shape changes\nExpects {shard.shape} but got "
-                f"{registered.shape} for {param.fqn}: with use_orig_params=True a parameter outside forward is "
-                "this rank's 1D shard; change values in place or assign a tensor of the shard's shape"
-            )
-        shard.copy_(registered.detach())
-        grad = registered.grad
-        registered.data = shard
-        if grad is not None and grad.shape != shard.shape:
-            registered.grad = None
-        param.sharded_param = registered
-        param.to_sharded()
-
-
-def _views(tensor: torch.Tensor, region: torch.Tensor) -> bool:
-    """``tensor`` is ``region`` itself (same memory, same shape)."""
-    return tensor.shape == region.shape and (region.numel() == 0 or tensor.data_ptr() == region.data_ptr())
+def read_shard(unit: ParamGroup, index: int, source: torch.Tensor) -> DTensor:
+    """Parameter ``index``'s shard in ``source`` (a tensor laid out like the shard
+    buffer, e.g. a flat optimizer state), as a DTensor like the sharded parameter.
+    The inverse of ``write_shard``."""
+    region = unit.storage_layout.region(source, index, source.dtype)
+    return unit.params[index].sharded_dtensor(region)

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import offload, trace
+from . import comm, offload, trace
 from .buffer_view import BufferView
 from .layout import Layout
 from .mesh import MeshInfo
@@ -241,6 +241,6 @@ def _local_grad(param: ShardParam, grad: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor):
         target = tuple(grad.placements[i] if i in param.dp_dims else p for i, p in enumerate(param.tp_placements))
         if tuple(grad.placements) != target:
-            grad = grad.redistribute(placements=target)
+            grad = comm.redistribute(grad, target)
         grad = grad._local_tensor
     return grad

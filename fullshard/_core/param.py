@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import compat
+from . import comm, compat
 from .common import ParamModuleInfo, set_module_param, set_module_tensor
 from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
 from .mesh import MeshInfo
@@ -323,7 +323,7 @@ class ShardParam:
         if isinstance(value, DTensor):
             if value.device_mesh == self.spmd_mesh and tuple(value.placements) == tuple(self.placements):
                 return value
-            value = value.full_tensor()
+            value = comm.full_tensor(value)
         if tuple(value.shape) != tuple(self.global_size):
             raise ValueError(f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}")
         if self.tp_mesh is not None:  # the TP-local value first, as the unsharded parameter holds it

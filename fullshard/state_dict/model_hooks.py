@@ -1,0 +1,188 @@
+"""Model state dicts: the hooks that make each unit's modules save and load
+full, sharded or local values under the unsharded model's keys.
+
+[Note: State dict hooks]
+``module.state_dict()`` walks the module tree; hooks make each unit answer in
+the requested form without any special entry point:
+  - a pre-save hook on the unit's module reshards it and, for FULL, gathers the
+    unit's parameters once (one all-gather per unit, so a full state dict is
+    built unit by unit: rank 0 never holds more than the full model plus one
+    unit);
+  - a post-save hook on every module holding managed parameters writes each
+    of them under its own name (a DTensor for SHARDED, the full tensor for
+    FULL), so tied parameters appear under every name, like nn.Module's;
+  - the wrapper's flat parameter appears only in LOCAL state dicts, cast
+    buffers in their original dtype;
+  - load pre-hooks do the reverse: a parameter's value (full or DTensor, any
+    layout) becomes this rank's rows, written into the unit's shard buffer.
+The FSDP1 wrapper additionally removes (and on load re-inserts) its
+``_fsdp_wrapped_module.`` prefix: keys look like the unsharded model's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .._core import comm, full_params
+from .._core.group import ParamGroup
+from .._core.state import ModuleState
+from .._names import WRAPPER_PREFIX, model_name
+from ..api import StateDictSettings, StateDictType
+from .settings import UnitStateDict, rank0_only, register_unit
+
+
+def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) -> None:
+    """Registers the hooks of [Note: State dict hooks] for one unit."""
+    record = register_unit(state, settings)
+    group = state.group
+    if group is not None:
+        for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
+            unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, group, record))
+            # Before the parameters' load hooks below: they see the sharded registration.
+            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, group))
+        by_module: dict[nn.Module, list[tuple[str, int]]] = {}
+        for index, param in enumerate(group.params):
+            info = param.module_info
+            for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                by_module.setdefault(module, []).append((name, index))
+        for module, entries in by_module.items():
+            module.register_state_dict_post_hook(functools.partial(_save_params, group, record, entries))
+            module.register_load_state_dict_pre_hook(functools.partial(_load_params, group, record, entries))
+        # After the hooks above: the unit module's own parameters are written
+        # before its gathered values are dropped.
+        for unit_module in state.modules:
+            unit_module.register_state_dict_post_hook(functools.partial(_release_unit, record))
+    if state.buffer_dtypes:
+        for module in state.module.modules():
+            if any(id(b) in state.buffer_dtypes for b in module._buffers.values() if b is not None):
+                module.register_state_dict_post_hook(functools.partial(_save_buffers_in_original_dtype, state))
+
+
+def install_prefix_hooks(wrapper: nn.Module) -> None:
+    """Keys of the wrapper's subtree without (and, loading, with) ``_fsdp_wrapped_module.``;
+    the keys a load reports missing or unexpected without it too."""
+    wrapper.register_state_dict_post_hook(_strip_wrapper_prefix)
+    wrapper.register_load_state_dict_pre_hook(_add_wrapper_prefix)
+    wrapper.register_load_state_dict_post_hook(_strip_reported_prefix)
+
+
+def _reshard_unit(group: ParamGroup, *args: Any) -> None:
+    """Outside forward and backward, a unit may still be unsharded (the root after a
+    forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
+    write the shards."""
+    if group.training_state.name == "IDLE":
+        group.reshard()
+
+
+def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _reshard_unit(group)
+    if record.settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        record.full_values = full_params.gather_full_values(group)
+
+
+def _release_unit(record: UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    record.full_values = None
+    settings = record.settings
+    if (
+        settings.state_dict_type is StateDictType.FULL_STATE_DICT
+        and rank0_only(settings.state_dict_config)
+        and dist.get_rank() != 0
+    ):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
+
+
+def _save_params(
+    group: ParamGroup,
+    record: UnitStateDict,
+    entries: list[tuple[str, int]],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    metadata: Any,
+) -> None:
+    settings = record.settings
+    kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
+    for name, index in entries:
+        key = prefix + name
+        param = group.params[index]
+        if kind is StateDictType.LOCAL_STATE_DICT:
+            state_dict.pop(key, None)
+            continue
+        value: torch.Tensor
+        if kind is StateDictType.SHARDED_STATE_DICT:
+            # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
+            # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
+            local = param.sharded_value()._local_tensor
+            value = param.sharded_dtensor_of(local.cpu() if offload and local.device.type != "cpu" else local.clone())
+        else:
+            if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
+                raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
+            value = param.full_form(record.full_values[index])
+            if isinstance(value, DTensor):  # tensor parallel: the global tensor
+                value = comm.full_tensor(value)
+            if offload:
+                value = value.cpu()
+        state_dict[key] = value
+
+
+def _save_buffers_in_original_dtype(
+    state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
+) -> None:
+    for name, buffer in module._buffers.items():
+        key = prefix + name
+        if buffer is not None and id(buffer) in state.buffer_dtypes and key in state_dict:
+            state_dict[key] = buffer.detach().to(state.buffer_dtypes[id(buffer)])
+
+
+def _load_params(
+    group: ParamGroup,
+    record: UnitStateDict,
+    entries: list[tuple[str, int]],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    if record.settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return  # the flat parameter carries the values
+    for name, index in entries:
+        key = prefix + name
+        param = group.params[index]
+        if key not in state_dict:
+            if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
+                missing_keys.append(key)
+            continue
+        shard = param.shard_of(state_dict[key])
+        if param.register_sharded:
+            state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
+        else:
+            full_params.write_shard(group, index, shard._local_tensor)
+            del state_dict[key]
+
+
+def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    inner = prefix + WRAPPER_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _add_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    inner = prefix + WRAPPER_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _strip_reported_prefix(module: nn.Module, incompatible_keys: Any) -> None:
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [model_name(key) for key in keys]
