@@ -68,6 +68,9 @@ from .wrap import Policy, PolicyFn, select_modules
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
 
+# Strategies whose units stay unsharded between forward and backward, and (FSDP1) through no_sync.
+_KEEPING_STRATEGIES = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
 
 class TrainingState(enum.Enum):
     """What a wrapper is doing (``FullyShardedDataParallel.training_state``), as FSDP1 reports it."""
@@ -344,6 +347,11 @@ class FullyShardedDataParallel(nn.Module):
         self._state.lazy_init()
         if not self._state.is_root:
             raise RuntimeError("clip_grad_norm_ expects to be called on the root FullyShardedDataParallel instance")
+        if self.training_state is not TrainingState.IDLE:  # some gradients are not reduced yet
+            raise ValueError(
+                f"clip_grad_norm_ expects the root in TrainingState.IDLE but it is in TrainingState."
+                f"{self.training_state.name}: call it after backward has finished"
+            )
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     @contextlib.contextmanager
@@ -357,14 +365,22 @@ class FullyShardedDataParallel(nn.Module):
         if not self._state.is_root:
             raise RuntimeError("no_sync expects to be called on the root FullyShardedDataParallel instance")
         groups = [s.group for s in states_below(self) if s.group is not None]
-        previous = [g.requires_gradient_sync for g in groups]
+        previous = [(g.requires_gradient_sync, g.reshard_after_backward) for g in groups]
+        # As FSDP1: the strategies that keep parameters after forward keep them through the
+        # accumulation too (no all-gather per micro-batch); they are resharded after the synced backward.
+        keeping = {
+            id(unit._state.group)
+            for unit in self.modules()
+            if isinstance(unit, FullyShardedDataParallel) and unit.sharding_strategy in _KEEPING_STRATEGIES
+        }
         for group in groups:
             group.requires_gradient_sync = False
+            group.reshard_after_backward = group.reshard_after_backward and id(group) not in keeping
         try:
             yield
         finally:
-            for group, value in zip(groups, previous):
-                group.requires_gradient_sync = value
+            for group, (sync, reshard) in zip(groups, previous):
+                group.requires_gradient_sync, group.reshard_after_backward = sync, reshard
 
     @staticmethod
     @contextlib.contextmanager
@@ -676,8 +692,8 @@ def _resolve_ignored(
             )
         if isinstance(item, FullyShardedDataParallel):
             raise ValueError(
-                f"FullyShardedDataParallel expects ignored modules that are not wrapped, but "
-                f"{module_class_name(item)} is a FullyShardedDataParallel; ignore the module it wraps "
+                f"FullyShardedDataParallel expects ignored_modules / ignored_states without wrapped modules, "
+                f"but {module_class_name(item)} is a FullyShardedDataParallel; ignore the module it wraps "
                 "before wrapping it instead"
             )
     if any(item is module for item in items):

@@ -73,7 +73,11 @@ def single_state_optimizer(s: Scenario) -> bool:
     """FSDP1's full optimizer state dict with use_orig_params=True returns ``exp_avg_sq`` under ``exp_avg``
     too (Adam, gloo, torch 2.13: a gathered state overwritten by the next): those probes use SGD with
     momentum, one state per parameter, where torch's values are right and can be compared."""
-    return _wrapper(s) and s.use_orig_params and s.probe in ("osd_full", "osd_full_legacy", "osd_rekey", "osd_sharded")
+    return (
+        _wrapper(s)
+        and s.use_orig_params
+        and s.probe in ("osd_full", "osd_full_legacy", "osd_rekey", "osd_sharded", "osd_partly_wrapped", "osd_nonroot")
+    )
 
 
 _LAYOUT = (
@@ -102,7 +106,51 @@ TORCH_WRONG: tuple[Row, ...] = (
     ),
 )
 
+# Probes that build their model with other wrapping arguments and take a full state dict at the end.
+UNIT_PROBES = (
+    "ignored_modules",
+    "ignored_states",
+    "ignored_module_invalid",
+    "policy_size",
+    "policy_lambda",
+    "policy_transformer",
+    "policy_classes",
+    "policy_custom",
+)
+
 DELIBERATE: tuple[Row, ...] = (
+    Row(
+        lambda s: s.probe == "sd_in_forward",
+        ("exception", "keys", "type"),
+        r"",
+        "state_dict() called inside forward: FSDP1 raises AssertionError (an internal state check; under NO_SHARD "
+        "it returns the compute-dtype copies forward uses); torch's fully_shard reshards the root there, so the "
+        "rest of that forward fails (RuntimeError: mixed torch.Tensor and DTensor); fullshard returns the state "
+        "dict of the shards and the forward goes on",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.model == "tied" and s.probe in ("policy_lambda", "policy_classes"),
+        ("exception", "keys", "type", "warning"),
+        r"",
+        "a parameter shared by two units (auto-wrap policies that wrap each Linear of a tied pair): fullshard "
+        "raises ValueError at construction and names the fix (as torch's fully_shard raises); FSDP1 accepts it, "
+        "then fails in forward under mixed precision (RuntimeError: dtype mismatch) or trains without a word",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.model == "buffers" and s.mixed and s.probe in ("policy_lambda", "policy_classes"),
+        ("type",),
+        r"^sd:scale$",
+        "buffers of a root unit that holds no parameter of its own (every Linear wrapped): FSDP1's state dict "
+        "keeps them in MixedPrecision's buffer_dtype, while a unit with parameters saves its buffers in their "
+        "original dtype; fullshard saves every buffer in its original dtype",
+    ),
+    Row(
+        lambda s: s.world == 2 and ("HYBRID" in s.strategy or s.strategy == "hsdp"),
+        ("count",),
+        r"^count:.*:all_reduce$",
+        "hybrid sharding with one replica (2 ranks: a (1, 2) mesh): FSDP1 and fully_shard all-reduce each "
+        "gradient over the one-rank replica group; fullshard skips a collective of one rank (same values)",
+    ),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and "HYBRID" in s.strategy and s.probe == "sd_local",
         ("exception", "keys"),
@@ -168,7 +216,11 @@ OPEN: tuple[Row, ...] = (
         "fullshard the unsharded Parameters in the compute dtype: same values where both are full",
     ),
     Row(
-        lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_", "load_")),
+        lambda s: (
+            _wrapper(s)
+            and s.strategy == "NO_SHARD"
+            and (s.probe.startswith(("sd_", "osd_", "load_")) or s.probe in UNIT_PROBES)
+        ),
         ("warning",),
         r"^warnings$",
         _TODO + "FSDP1 warns that NO_SHARD returns a full state dict for the sharded and local types",

@@ -6,15 +6,20 @@ state dicts, ``.grad``), so the record of torch's FSDP and of fullshard can be c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fullshard._core import comm
 
 from .models import batch, build
 from .record import Record
@@ -60,9 +65,9 @@ class Run:
                         self.rec.put(f"{key}.grad:{name}", param.grad if param.grad is not None else "None")
         else:
             for name, param in self.model.named_parameters():
-                self.rec.put(f"{key}:{name}", param.full_tensor())
+                self.rec.put(f"{key}:{name}", _full(param))
                 if grads:
-                    self.rec.put(f"{key}.grad:{name}", param.grad.full_tensor() if param.grad is not None else "None")
+                    self.rec.put(f"{key}.grad:{name}", _full(param.grad) if param.grad is not None else "None")
 
     def put_after_forward(self, name: str, param: torch.Tensor) -> None:
         """A parameter read between forward and backward: a value where it has its full shape, else
@@ -78,6 +83,11 @@ class Run:
         for name, param in self.model.named_parameters():
             self.rec.put(f"local:{name}:type", type(param).__name__)
             self.rec.put(f"local:{name}:shape", tuple(param.shape))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``fully_shard`` parameter's full value (an ignored one is a plain tensor already)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 PROBES: dict[str, Callable[[Run], None]] = {}
@@ -98,6 +108,27 @@ def train(r: Run) -> None:
         r.step(f"loss{i}")
     r.local_params()
     r.full_params()
+
+
+@probe(
+    "ignored_modules",
+    "ignored_states",
+    "ignored_module_invalid",
+    "policy_size",
+    "policy_lambda",
+    "policy_transformer",
+    "policy_classes",
+    "policy_custom",
+)
+def units_and_training(r: Run) -> None:
+    """Which modules became units (auto-wrap policies, ignored states), then training and every view."""
+    units = [name for name, m in r.model.named_modules() if isinstance(m, r.a.FSDP)]
+    r.rec.put("units", tuple(name.replace("_fsdp_wrapped_module.", "") for name in units))
+    train(r)
+    sd = _state_dict(r, "FULL_STATE_DICT")
+    r.rec.put("keys", tuple(sorted(sd)))
+    for key, value in sd.items():
+        r.rec.put(f"sd:{key}", value)
 
 
 @probe("grads_after_backward")
@@ -192,10 +223,10 @@ def _osd(r: Run, sd_type: str) -> dict:
         return r.a.FSDP.optim_state_dict(r.model, r.optim)
 
 
-@probe("osd_full", "osd_sharded")
+@probe("osd_full", "osd_sharded", "osd_partly_wrapped")
 def optim_state_dict(r: Run) -> None:
     r.step("loss0")
-    kind = "FULL_STATE_DICT" if r.s.probe == "osd_full" else "SHARDED_STATE_DICT"
+    kind = "SHARDED_STATE_DICT" if r.s.probe == "osd_sharded" else "FULL_STATE_DICT"
     osd = _osd(r, kind)
     model_keys = set(_state_dict(r, kind))
     r.rec.put("state_keys", tuple(sorted(osd["state"])))
@@ -250,6 +281,36 @@ def osd_unmanaged_param(r: Run) -> None:
     r.rec.put("state_keys", tuple(sorted(osd["state"], key=str)))
 
 
+@probe("osd_nonroot")
+def osd_nonroot(r: Run) -> None:
+    """The optimizer state dict asked of a unit below the root (the optimizer holds every parameter)."""
+    r.step("loss0")
+    with r.a.FSDP.state_dict_type(r.model, r.a.StateDictType.FULL_STATE_DICT):
+        osd = r.a.FSDP.optim_state_dict(r.model.module.block1, r.optim)
+    r.rec.put("state_keys", tuple(sorted(osd["state"], key=str)))
+    for fqn, state in sorted(osd["state"].items()):
+        for name, value in sorted(state.items()):
+            r.rec.put(f"osd:{fqn}:{name}", value)
+
+
+@probe("two_optimizers_osd")
+def two_optimizers_osd(r: Run) -> None:
+    """Two optimizers over one model, each one's full optimizer state dict (keys equal the model's). They
+    split the model between units (FSDP1 needs every parameter of a unit in the optimizer it is asked of)."""
+    blocks = [p for name, p in r.model.named_parameters() if p.requires_grad and "block" in name]
+    rest = [p for name, p in r.model.named_parameters() if p.requires_grad and "block" not in name]
+    optims = (torch.optim.SGD(blocks, lr=0.1, momentum=0.9), torch.optim.SGD(rest, lr=0.05, momentum=0.5))
+    r.step("loss0", optims)
+    for index, optim in enumerate(optims):
+        osd = _osd_of(r, optim)
+        r.rec.put(f"state_keys{index}", tuple(sorted(osd["state"], key=str)))
+        for fqn, state in sorted(osd["state"].items()):
+            for name, value in sorted(state.items()):
+                r.rec.put(f"osd{index}:{fqn}:{name}", value)
+    r.step("loss1", optims)
+    r.full_params()
+
+
 def _osd_of(r: Run, optim: torch.optim.Optimizer) -> dict:
     with r.a.FSDP.state_dict_type(r.model, r.a.StateDictType.FULL_STATE_DICT):
         return r.a.FSDP.optim_state_dict(r.model, optim)
@@ -261,6 +322,96 @@ def clip(r: Run) -> None:
     r.backward("loss1")
     unit = r.model if r.s.probe == "clip_root" else r.model.module.block1
     r.rec.put("norm", unit.clip_grad_norm_(0.05))
+    r.optim.step()
+    r.full_params()
+
+
+@probe("clip_in_backward")
+def clip_in_backward(r: Run) -> None:
+    """``clip_grad_norm_`` on the root while backward is between units (from a hook on block1's output)."""
+    r.step("loss0")
+
+    def on_block1_output(_module: nn.Module, _args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: r.rec.put("norm_in_backward", r.model.clip_grad_norm_(0.05)))
+
+    r.model.module.block1.register_forward_hook(on_block1_output)
+    r.backward("loss1")
+
+
+@probe("sd_in_forward")
+def sd_in_forward(r: Run) -> None:
+    """The model's state dict taken from inside its forward (a pre-hook of block1)."""
+    block1 = r.model.module.block1 if r.wrapper else r.model.block1
+
+    def hook(*_: object) -> None:
+        sd = r.model.state_dict()
+        r.rec.put("keys", tuple(sorted(sd)))
+        for key, value in sd.items():
+            r.rec.put(f"sd:{key}", value)
+
+    r.step("loss0")
+    block1.register_forward_pre_hook(hook)
+    r.step("loss1")
+    r.full_params()
+
+
+@contextlib.contextmanager
+def _count_collectives(r: Run, counts: Counter, phase: str) -> Iterator[None]:
+    """Counts the collectives issued in the block by kind: torch's FSDP through ``torch.distributed``'s
+    functions (patched for the block), fullshard through its comm spy."""
+    if r.a.lib != "torch":
+        with comm.record_comms() as records:
+            yield
+        counts.update(f"count:{phase}:{record.op}" for record in records)
+        return
+    kinds = {  # FSDP1 calls the list and ``_single`` forms on CPU, FSDP2 the ``_tensor`` ones
+        "all_gather": "all_gather",
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter": "reduce_scatter",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+        "broadcast": "broadcast",
+    }
+    kinds = {name: kind for name, kind in kinds.items() if hasattr(dist, name)}
+    originals = {name: getattr(dist, name) for name in kinds}
+
+    def counting(name: str) -> Callable:
+        def call(*args: object, **kwargs: object) -> object:
+            counts[f"count:{phase}:{kinds[name]}"] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in kinds:
+        setattr(dist, name, counting(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+@probe("accumulate_counts")
+def accumulate_counts(r: Run) -> None:
+    """Gradient accumulation: two micro-batches without gradient sync, one with; collectives per phase."""
+    r.step("loss0")  # lazy initialisation out of the count
+    counts: Counter = Counter()
+    with _count_collectives(r, counts, "accumulate"):
+        if r.wrapper:
+            with r.model.no_sync():
+                r.backward("micro0")
+                r.backward("micro1")
+        else:
+            r.model.set_requires_gradient_sync(False)
+            r.backward("micro0")
+            r.backward("micro1")
+            r.model.set_requires_gradient_sync(True)
+    with _count_collectives(r, counts, "sync"):
+        r.backward("micro2")
+    for key, count in sorted(counts.items()):
+        r.rec.put(key, count)
     r.optim.step()
     r.full_params()
 
@@ -284,7 +435,7 @@ def sd_composable(r: Run) -> None:
     r.full_params()
 
 
-@probe("shared_across_units")
+@probe("shared_across_units", "ignored_params")
 def shared_across_units(r: Run) -> None:
     r.step("loss0")
     r.full_params()
@@ -407,12 +558,42 @@ def eval_full_precision(r: Run) -> None:
         del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
 
 
+@probe("eval_half_root")
+def eval_half_root(r: Run) -> None:
+    """FSDP_USE_FULL_PREC_IN_EVAL when the model itself is in bf16 (its compute dtype fp16)."""
+    r.step("loss0")
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        r.model.eval()
+        with torch.no_grad():
+            out = r.model(batch(7, dist.get_rank()).to(torch.bfloat16))
+        r.rec.put("eval_out", out)
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    r.model.train()
+    r.full_params()
+
+
+@probe("norm_full_precision")
+def norm_full_precision(r: Run) -> None:
+    """Norm modules in their own fp32 units inside a (maybe) bf16 model: output dtype, training values."""
+    out = r.model(batch(0, dist.get_rank()))
+    r.rec.put("out", out)
+    out.float().pow(2).mean().backward()
+    r.optim.step()
+    r.optim.zero_grad()
+    r.step("loss1")
+    r.full_params()
+
+
 @probe("autocast_loss")
 def autocast_loss(r: Run) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = r.model(batch(0, dist.get_rank()))
+        loss = out.pow(2).mean()
     r.rec.put("out:dtype", str(out.dtype))
-    out.float().pow(2).mean().backward()
+    r.rec.put("loss", loss)
+    loss.backward()
     r.optim.step()
     r.full_params()
 
