@@ -61,7 +61,8 @@ def run_scenario(s: Scenario) -> tuple[str, str | None, list[Difference]]:
         return s.name, reason, []
     theirs = record(s, "torch")
     ours = record(s, "ours")
-    tol = (2e-2, 2e-2) if s.mixed else (1e-4, 1e-5)
+    half = s.mixed or s.probe == "eval_half_root"  # that probe's model itself is in bf16
+    tol = (2e-2, 2e-2) if half else (1e-4, 1e-5)
     return s.name, None, compare(theirs, ours, *tol)
 
 
