@@ -47,7 +47,7 @@ from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
 from ._core.state import ModuleState, get_state
-from ._flat_param import UNIT_ATTR, FlatParamView
+from ._flat_param import UNIT_ATTR, FlatParamView, flat_view
 from ._names import WRAPPED_MODULE, model_name
 from .api import (
     HYBRID_STRATEGIES,
@@ -182,8 +182,8 @@ class FullyShardedDataParallel(nn.Module):
             _warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
-        if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
-            self.register_forward_pre_hook(_adopt_user_params, prepend=True)
+        # Before the engine's own pre-forward (registered first, so prepended after).
+        self.register_forward_pre_hook(_adopt_user_params, prepend=True)
         if config.flat_param and state.group is not None:
             FlatParamView(state.group, module)
             install_flat_param_hooks(state)
@@ -924,11 +924,15 @@ def _breadth_first(modules: list[nn.Module], root: nn.Module) -> list[nn.Module]
 
 
 def _adopt_user_params(wrapper: nn.Module, _args: Any) -> None:
-    """Parameters the user replaced or re-pointed since the last step become the shards, for every unit
-    this forward may gather (the root's forward prefetches its children). See ``adopt_user_params``."""
+    """Parameters (or flat parameters) the user replaced or re-pointed since the last step become the
+    shards, for every unit this forward may gather (the root's forward prefetches its children). See
+    ``adopt_user_params`` and ``FlatParamView.adopt_assigned_data``."""
     state = get_state(wrapper)
     if state is None or state.is_root is False:
         return
     for below in states_below(wrapper):
-        if below.group is not None:
+        view = flat_view(below.group)
+        if view is not None:
+            view.adopt_assigned_data()
+        elif below.group is not None:
             adopt_user_params(below.group)

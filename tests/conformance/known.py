@@ -88,6 +88,16 @@ _LAYOUT = (
 
 TORCH_WRONG: tuple[Row, ...] = (
     Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "data_assign",
+        ("value",),
+        r"^(loss1|param:)",
+        "`flat_param.data = t` (use_orig_params=False): FSDP1 uses t for the next forward only (not at all "
+        "under mixed precision, which casts its old shard), then steps and keeps its old shard, so the "
+        "assignment is lost; fullshard makes t the shard, as an assigned .data stays in a plain module "
+        "(tests/test_wrapper_param_contract.py::test_flat_param_data_assignment_is_kept_like_a_plain_module "
+        "checks it against one process)",
+    ),
+    Row(
         lambda s: (
             _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith("summon:") and "writeback" not in s.probe
         ),
@@ -119,6 +129,14 @@ UNIT_PROBES = (
 )
 
 DELIBERATE: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "shape_change",
+        ("exception", "keys", "message"),
+        r"",
+        "a flat parameter given a tensor of another shape (use_orig_params=False): fullshard raises "
+        "RuntimeError at the next forward, naming the unit and both shapes; FSDP1 fails an internal "
+        "assertion under SHARD_GRAD_OP and the hybrid strategies and silently keeps its old shard otherwise",
+    ),
     Row(
         lambda s: s.probe == "sd_in_forward",
         ("exception", "keys", "type"),
@@ -191,13 +209,6 @@ OPEN: tuple[Row, ...] = (
         _TODO + "summon_full_params from a hook on the loss (before any unit's backward) under NO_SHARD with "
         "use_orig_params=True: its write-back changes in place a tensor autograd saved (RuntimeError); FSDP1 "
         "runs it",
-    ),
-    Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("data_assign", "shape_change"),
-        ("value", "keys", "exception", "message"),
-        r"",
-        _TODO + "`flat_param.data = t` (use_orig_params=False): FSDP1 gathers t in the next forward, then "
-        "steps its old shard (NO_SHARD: t itself); a t of another size it ignores; fullshard keeps the shard",
     ),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local",

@@ -108,15 +108,19 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
                 err = (a.double() - b.double()).abs().max().item()
                 out.append(Difference("value", key, f"max abs difference {err:.3g}"))
         elif a != b:
-            kind = (
-                "type"
-                if key.endswith((":type", ":shape", ":dtype"))
-                else "count"
-                if key.startswith("count:")
-                else "value"
-            )
-            out.append(Difference(kind, key, f"torch {a!r} / ours {b!r}"[:300]))
+            out.append(Difference(_kind_of(key), key, f"torch {a!r} / ours {b!r}"[:300]))
     return sorted(out, key=lambda d: d.key)
+
+
+def _kind_of(key: str) -> str:
+    """The kind of a difference in a plain (not tensor) entry."""
+    if key.endswith((":type", ":shape", ":dtype")):
+        return "type"
+    if key.startswith("count:"):
+        return "count"
+    if key in ("keys", "units", "group_params") or key.startswith("state_keys"):  # lists of names
+        return "keys"
+    return "value"
 
 
 def _same(a: Any, b: Any) -> bool:
