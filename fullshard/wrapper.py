@@ -147,6 +147,7 @@ class FullyShardedDataParallel(nn.Module):
         _check_not_wrapped_differently(module, strategy)
         ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         mesh_info = _mesh_info or _resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
+        requested = strategy
         strategy, mesh_info = _no_shard_on_one_rank(strategy, mesh_info)
         settings = _Settings(
             process_group=process_group,
@@ -187,6 +188,8 @@ class FullyShardedDataParallel(nn.Module):
         if config.flat_param and state.group is not None:
             FlatParamView(state.group, module)
             install_flat_param_hooks(state)
+        if strategy is not requested:  # once the unit is built: its own errors come first, as in FSDP1
+            _warn_no_shard_on_one_rank(requested)
 
     # -- FSDP1 members -----------------------------------------------------------------
     @property
@@ -625,16 +628,20 @@ def _check_not_wrapped_differently(module: nn.Module, strategy: ShardingStrategy
 
 
 def _no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tuple[ShardingStrategy, MeshInfo]:
-    """FULL_SHARD and SHARD_GRAD_OP over one rank are NO_SHARD (FSDP1 switches, and warns)."""
+    """FULL_SHARD and SHARD_GRAD_OP over one rank are NO_SHARD (FSDP1 switches, and warns:
+    ``_warn_no_shard_on_one_rank``)."""
     if strategy in HYBRID_STRATEGIES or strategy is ShardingStrategy.NO_SHARD or mesh_info.shard.size != 1:
         return strategy, mesh_info
+    return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
+
+
+def _warn_no_shard_on_one_rank(requested: ShardingStrategy) -> None:
     warnings.warn(
-        f"FullyShardedDataParallel switches from {strategy} to ShardingStrategy.NO_SHARD: the "
+        f"FullyShardedDataParallel switches from {requested} to ShardingStrategy.NO_SHARD: the "
         "process group has one rank, so there is nothing to shard",
         UserWarning,
         stacklevel=3,
     )
-    return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
 
 
 def _warn_if_mixed_requires_grad(params: list, owner: str) -> None:

@@ -196,13 +196,6 @@ DELIBERATE: tuple[Row, ...] = (
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
     Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.model == "frozen" and s.probe == "world_one",
-        ("warning",),
-        r"^warnings$",
-        _TODO + "a unit mixing frozen and trainable parameters with use_orig_params=False raises in both; "
-        "fullshard warns about the one-rank NO_SHARD switch first, FSDP1 raises before warning",
-    ),
-    Row(
         lambda s: _wrapper(s) and s.use_orig_params and s.strategy == "NO_SHARD" and s.probe == "summon_in_backward",
         ("exception",),
         r"",
