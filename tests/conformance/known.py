@@ -196,14 +196,6 @@ DELIBERATE: tuple[Row, ...] = (
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
     Row(
-        lambda s: _wrapper(s) and s.use_orig_params and s.strategy == "NO_SHARD" and s.probe == "summon_in_backward",
-        ("exception",),
-        r"",
-        _TODO + "summon_full_params from a hook on the loss (before any unit's backward) under NO_SHARD with "
-        "use_orig_params=True: its write-back changes in place a tensor autograd saved (RuntimeError); FSDP1 "
-        "runs it",
-    ),
-    Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local",
         ("keys", "type", "value"),
         r"^(keys$|sd:)",
