@@ -75,6 +75,25 @@ FAST_CASES: dict[str, tuple[str, ...]] = {
     ),
     "test_checkpoint.py::test_parameters_without_optimizer_state_stay_without": ("True",),
     "test_quantized_all_gather.py::test_about_half_the_bytes_of_a_bf16_gather": ("code0",),
+    "test_train.py::test_quantized_all_gather_trains_close_to_the_exact_gather": ("int8",),
+    "test_clip_grad_norm.py::test_fully_shard_meshes": ("fsdp-2.0", "hsdp-inf", "hsdp_blocks_fsdp_root-1.0"),
+    "test_clip_grad_norm.py::test_wrapper": (
+        "False-ShardingStrategy.FULL_SHARD",
+        "True-ShardingStrategy.HYBRID_SHARD",
+        "True-ShardingStrategy.NO_SHARD",
+        "False-mixed",
+    ),
+    "test_fully_shard_settings.py::test_gradient_divide_factor_matches_fsdp2": (
+        "1.0-reduce_dtype0",
+        "3.0-reduce_dtype1",
+    ),
+    "test_wrapper_legacy_optim_state_dict.py::test_full_optim_state_dict_round_trip": (
+        "False-shard",
+        "True-shard-no-optim",
+        "False-shard-optim-input",
+        "True-scatter",
+        "False-scatter-group",
+    ),
 }
 
 SLOW_TESTS: dict[str, str] = {
@@ -95,9 +114,17 @@ def _key(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    collected: dict[str, set[str]] = {}
     for item in items:
         key = _key(item)
         callspec = getattr(item, "callspec", None)
         kept = FAST_CASES.get(key)
+        if kept is not None and callspec is not None:
+            collected.setdefault(key, set()).add(callspec.id)
         if key in SLOW_TESTS or (kept is not None and callspec is not None and callspec.id not in kept):
             item.add_marker(pytest.mark.slow)
+    # A renamed case would silently leave its test without a fast representative.
+    for key, ids in collected.items():
+        missing = set(FAST_CASES[key]) - ids
+        if missing and len(ids) > len(FAST_CASES[key]):  # the whole parametrization was collected
+            raise pytest.UsageError(f"tests/conftest.py FAST_CASES[{key!r}] names cases that do not exist: {missing}")
