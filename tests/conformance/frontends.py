@@ -44,9 +44,9 @@ def api(lib: str) -> SimpleNamespace:
     )
     ns = SimpleNamespace(**{n: getattr(root, n) for n in names}, lib=lib)
     ns.FSDP = ns.FullyShardedDataParallel
-    for policy in ("ModuleWrapPolicy", "CustomPolicy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy"):
+    policies = ("ModuleWrapPolicy", "CustomPolicy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy")
+    for policy in (*policies, "transformer_auto_wrap_policy"):
         setattr(ns, policy, getattr(wrap, policy))
-    ns.transformer_auto_wrap_policy = wrap.transformer_auto_wrap_policy
     return ns
 
 
@@ -132,7 +132,7 @@ def wrap_wrapper(s: Scenario, a: SimpleNamespace, net: nn.Module) -> nn.Module:
         for name in ("block1", "block2"):
             setattr(net, name, a.FSDP(getattr(net, name), **kwargs))
         return net
-    if s.probe == "eval_half_root":  # the model itself in bf16, its compute dtype fp16
+    if s.probe == "eval_half_root":  # the model itself in bf16, its compute dtype fp16 (whatever s.mixed says)
         net.to(torch.bfloat16)
         kwargs["mixed_precision"] = a.MixedPrecision(param_dtype=torch.float16, buffer_dtype=torch.float16)
     return a.FSDP(net, auto_wrap_policy=auto_wrap_policy(s, a, net), **kwargs)
