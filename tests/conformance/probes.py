@@ -6,11 +6,9 @@ state dicts, ``.grad``), so the record of torch's FSDP and of fullshard can be c
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -18,8 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-
-from fullshard._core import comm
 
 from .models import batch, build
 from .record import Record
@@ -110,27 +106,6 @@ def train(r: Run) -> None:
     r.full_params()
 
 
-@probe(
-    "ignored_modules",
-    "ignored_states",
-    "ignored_module_invalid",
-    "policy_size",
-    "policy_lambda",
-    "policy_transformer",
-    "policy_classes",
-    "policy_custom",
-)
-def units_and_training(r: Run) -> None:
-    """Which modules became units (auto-wrap policies, ignored states), then training and every view."""
-    units = [name for name, m in r.model.named_modules() if isinstance(m, r.a.FSDP)]
-    r.rec.put("units", tuple(name.replace("_fsdp_wrapped_module.", "") for name in units))
-    train(r)
-    sd = _state_dict(r, "FULL_STATE_DICT")
-    r.rec.put("keys", tuple(sorted(sd)))
-    for key, value in sd.items():
-        r.rec.put(f"sd:{key}", value)
-
-
 @probe("grads_after_backward")
 def grads_after_backward(r: Run) -> None:
     r.step("loss0")
@@ -175,7 +150,7 @@ def read_after_forward(r: Run) -> None:
     r.full_params()
 
 
-def _state_dict(r: Run, sd_type: str, config=None) -> dict:
+def state_dict_of(r: Run, sd_type: str, config=None) -> dict:
     with r.a.FSDP.state_dict_type(r.model, getattr(r.a.StateDictType, sd_type), config):
         return r.model.state_dict()
 
@@ -193,7 +168,7 @@ def state_dict_round_trip(r: Run) -> None:
     if r.s.probe == "sd_full_rank0_cpu":
         config = r.a.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     kind = sd_type.get(r.s.probe, "FULL_STATE_DICT")
-    sd = _state_dict(r, kind, config)
+    sd = state_dict_of(r, kind, config)
     r.rec.put("keys", tuple(sorted(sd)))  # FSDP1's order puts a tied parameter's name where it was first seen
     for key, value in sd.items():
         r.rec.put(f"sd:{key}", value)
@@ -209,7 +184,7 @@ def state_dict_round_trip(r: Run) -> None:
 @probe("load_after_forward")
 def load_after_forward(r: Run) -> None:
     r.step("loss0")
-    sd = _state_dict(r, "SHARDED_STATE_DICT") if r.wrapper else r.model.state_dict()
+    sd = state_dict_of(r, "SHARDED_STATE_DICT") if r.wrapper else r.model.state_dict()
     r.loss()  # a forward with no backward: parameters may be unsharded now
     if r.wrapper:
         _load(r, "SHARDED_STATE_DICT", sd)
@@ -228,7 +203,7 @@ def optim_state_dict(r: Run) -> None:
     r.step("loss0")
     kind = "SHARDED_STATE_DICT" if r.s.probe == "osd_sharded" else "FULL_STATE_DICT"
     osd = _osd(r, kind)
-    model_keys = set(_state_dict(r, kind))
+    model_keys = set(state_dict_of(r, kind))
     r.rec.put("state_keys", tuple(sorted(osd["state"])))
     r.rec.put("state_keys_in_model_sd", all(k in model_keys for k in osd["state"]))
     r.rec.put("group_params", tuple(tuple(g["params"]) for g in osd["param_groups"]))
@@ -277,41 +252,11 @@ def osd_unmanaged_param(r: Run) -> None:
     r.backward("loss0")
     extra.grad = torch.ones(3)
     optim.step()
-    osd = _osd_of(r, optim)
+    osd = full_osd_of(r, optim)
     r.rec.put("state_keys", tuple(sorted(osd["state"], key=str)))
 
 
-@probe("osd_nonroot")
-def osd_nonroot(r: Run) -> None:
-    """The optimizer state dict asked of a unit below the root (the optimizer holds every parameter)."""
-    r.step("loss0")
-    with r.a.FSDP.state_dict_type(r.model, r.a.StateDictType.FULL_STATE_DICT):
-        osd = r.a.FSDP.optim_state_dict(r.model.module.block1, r.optim)
-    r.rec.put("state_keys", tuple(sorted(osd["state"], key=str)))
-    for fqn, state in sorted(osd["state"].items()):
-        for name, value in sorted(state.items()):
-            r.rec.put(f"osd:{fqn}:{name}", value)
-
-
-@probe("two_optimizers_osd")
-def two_optimizers_osd(r: Run) -> None:
-    """Two optimizers over one model, each one's full optimizer state dict (keys equal the model's). They
-    split the model between units (FSDP1 needs every parameter of a unit in the optimizer it is asked of)."""
-    blocks = [p for name, p in r.model.named_parameters() if p.requires_grad and "block" in name]
-    rest = [p for name, p in r.model.named_parameters() if p.requires_grad and "block" not in name]
-    optims = (torch.optim.SGD(blocks, lr=0.1, momentum=0.9), torch.optim.SGD(rest, lr=0.05, momentum=0.5))
-    r.step("loss0", optims)
-    for index, optim in enumerate(optims):
-        osd = _osd_of(r, optim)
-        r.rec.put(f"state_keys{index}", tuple(sorted(osd["state"], key=str)))
-        for fqn, state in sorted(osd["state"].items()):
-            for name, value in sorted(state.items()):
-                r.rec.put(f"osd{index}:{fqn}:{name}", value)
-    r.step("loss1", optims)
-    r.full_params()
-
-
-def _osd_of(r: Run, optim: torch.optim.Optimizer) -> dict:
+def full_osd_of(r: Run, optim: torch.optim.Optimizer) -> dict:
     with r.a.FSDP.state_dict_type(r.model, r.a.StateDictType.FULL_STATE_DICT):
         return r.a.FSDP.optim_state_dict(r.model, optim)
 
@@ -322,96 +267,6 @@ def clip(r: Run) -> None:
     r.backward("loss1")
     unit = r.model if r.s.probe == "clip_root" else r.model.module.block1
     r.rec.put("norm", unit.clip_grad_norm_(0.05))
-    r.optim.step()
-    r.full_params()
-
-
-@probe("clip_in_backward")
-def clip_in_backward(r: Run) -> None:
-    """``clip_grad_norm_`` on the root while backward is between units (from a hook on block1's output)."""
-    r.step("loss0")
-
-    def on_block1_output(_module: nn.Module, _args: tuple, out: torch.Tensor) -> None:
-        out.register_hook(lambda grad: r.rec.put("norm_in_backward", r.model.clip_grad_norm_(0.05)))
-
-    r.model.module.block1.register_forward_hook(on_block1_output)
-    r.backward("loss1")
-
-
-@probe("sd_in_forward")
-def sd_in_forward(r: Run) -> None:
-    """The model's state dict taken from inside its forward (a pre-hook of block1)."""
-    block1 = r.model.module.block1 if r.wrapper else r.model.block1
-
-    def hook(*_: object) -> None:
-        sd = r.model.state_dict()
-        r.rec.put("keys", tuple(sorted(sd)))
-        for key, value in sd.items():
-            r.rec.put(f"sd:{key}", value)
-
-    r.step("loss0")
-    block1.register_forward_pre_hook(hook)
-    r.step("loss1")
-    r.full_params()
-
-
-@contextlib.contextmanager
-def _count_collectives(r: Run, counts: Counter, phase: str) -> Iterator[None]:
-    """Counts the collectives issued in the block by kind: torch's FSDP through ``torch.distributed``'s
-    functions (patched for the block), fullshard through its comm spy."""
-    if r.a.lib != "torch":
-        with comm.record_comms() as records:
-            yield
-        counts.update(f"count:{phase}:{record.op}" for record in records)
-        return
-    kinds = {  # FSDP1 calls the list and ``_single`` forms on CPU, FSDP2 the ``_tensor`` ones
-        "all_gather": "all_gather",
-        "all_gather_single": "all_gather",
-        "all_gather_into_tensor": "all_gather",
-        "reduce_scatter": "reduce_scatter",
-        "reduce_scatter_single": "reduce_scatter",
-        "reduce_scatter_tensor": "reduce_scatter",
-        "all_reduce": "all_reduce",
-        "broadcast": "broadcast",
-    }
-    kinds = {name: kind for name, kind in kinds.items() if hasattr(dist, name)}
-    originals = {name: getattr(dist, name) for name in kinds}
-
-    def counting(name: str) -> Callable:
-        def call(*args: object, **kwargs: object) -> object:
-            counts[f"count:{phase}:{kinds[name]}"] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in kinds:
-        setattr(dist, name, counting(name))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-@probe("accumulate_counts")
-def accumulate_counts(r: Run) -> None:
-    """Gradient accumulation: two micro-batches without gradient sync, one with; collectives per phase."""
-    r.step("loss0")  # lazy initialisation out of the count
-    counts: Counter = Counter()
-    with _count_collectives(r, counts, "accumulate"):
-        if r.wrapper:
-            with r.model.no_sync():
-                r.backward("micro0")
-                r.backward("micro1")
-        else:
-            r.model.set_requires_gradient_sync(False)
-            r.backward("micro0")
-            r.backward("micro1")
-            r.model.set_requires_gradient_sync(True)
-    with _count_collectives(r, counts, "sync"):
-        r.backward("micro2")
-    for key, count in sorted(counts.items()):
-        r.rec.put(key, count)
     r.optim.step()
     r.full_params()
 
@@ -558,34 +413,6 @@ def eval_full_precision(r: Run) -> None:
         del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
 
 
-@probe("eval_half_root")
-def eval_half_root(r: Run) -> None:
-    """FSDP_USE_FULL_PREC_IN_EVAL when the model itself is in bf16 (its compute dtype fp16)."""
-    r.step("loss0")
-    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
-    try:
-        r.model.eval()
-        with torch.no_grad():
-            out = r.model(batch(7, dist.get_rank()).to(torch.bfloat16))
-        r.rec.put("eval_out", out)
-    finally:
-        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
-    r.model.train()
-    r.full_params()
-
-
-@probe("norm_full_precision")
-def norm_full_precision(r: Run) -> None:
-    """Norm modules in their own fp32 units inside a (maybe) bf16 model: output dtype, training values."""
-    out = r.model(batch(0, dist.get_rank()))
-    r.rec.put("out", out)
-    out.float().pow(2).mean().backward()
-    r.optim.step()
-    r.optim.zero_grad()
-    r.step("loss1")
-    r.full_params()
-
-
 @probe("autocast_loss")
 def autocast_loss(r: Run) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -616,5 +443,6 @@ def summon(r: Run) -> None:
 
 
 def run_probe(r: Run) -> None:
+    """Runs ``r``'s probe (those of ``probes_variants`` too, registered when runner imports it)."""
     fn = summon if r.s.probe.startswith("summon:") else PROBES[r.s.probe]
     fn(r)

@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from . import probes_variants  # noqa: F401 - registers its probes in probes.PROBES
 from .frontends import api, forget_meshes, make
 from .known import single_state_optimizer, torch_failure
 from .probes import Run, run_probe
