@@ -32,7 +32,8 @@ demo: install
 test: install
 	$(PY) -m pytest -q -m "not libraries" tests
 
-# The inner loop: everything but the tests marked slow (CI runs `make test`, all of them).
+# The inner loop, under 2 minutes: everything but the tests marked slow (real processes, and the cases
+# tests/conftest.py moves because a faster sibling takes their path). CI runs `make test`, all of them.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not libraries" tests
 

@@ -64,6 +64,26 @@ class FlatParamView:
             if param.sharded_param.requires_grad != self.param.requires_grad:
                 param.sharded_param.requires_grad_(self.param.requires_grad)
 
+    @torch.no_grad()
+    def adopt_assigned_data(self) -> None:
+        """``flat_param.data = t`` since the last forward: ``t``'s values become the shard, which the
+        flat parameter views again (a plain module keeps an assigned ``.data`` too).
+
+        Raises:
+            RuntimeError: ``t`` is not of the shard's shape.
+        """
+        shard = self.unit.shard_buffer
+        if self.param.shape == shard.shape and self.param.data_ptr() == shard.data_ptr():
+            return
+        if self.param.shape != shard.shape:
+            raise RuntimeError(
+                f"{self.unit.owner_name}'s flat parameter was given a tensor of shape {tuple(self.param.shape)}, "
+                f"but it is this rank's flat shard of shape {tuple(shard.shape)}: change values in place or "
+                "assign a tensor of the shard's shape"
+            )
+        shard.copy_(self.param.detach())
+        self.param.data = shard
+
     def hide(self) -> None:
         del self.module._parameters[self.name]
 

@@ -57,9 +57,13 @@ from .wrapper_arguments import (
     resolve_mesh,
     unit_config,
     warn_if_mixed_requires_grad,
+    warn_no_shard_on_one_rank,
 )
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
+
+# Strategies whose units stay unsharded between forward and backward, and (FSDP1) through no_sync.
+_KEEPING_STRATEGIES = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 class TrainingState(enum.Enum):
@@ -139,6 +143,7 @@ class FullyShardedDataParallel(nn.Module):
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )
         mesh_info = _mesh_info or resolve_mesh(process_group, device_mesh, strategy, auto_wrap_policy, device_id)
+        requested = strategy
         strategy, mesh_info = no_shard_on_one_rank(strategy, mesh_info)
         settings = WrapperSettings(
             process_group=process_group,
@@ -174,11 +179,13 @@ class FullyShardedDataParallel(nn.Module):
             warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
-        if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
-            self.register_forward_pre_hook(wrapper_summon.adopt_user_params_before_forward, prepend=True)
+        # Before the engine's own pre-forward (registered first, so prepended after).
+        self.register_forward_pre_hook(wrapper_summon.adopt_user_params_before_forward, prepend=True)
         if not use_orig_params and state.group is not None:
             view = FlatParamView(state.group, module)
             install_flat_param_hooks(state, view.module, view.name, view.param)
+        if strategy is not requested:  # once the unit is built: its own errors come first, as in FSDP1
+            warn_no_shard_on_one_rank(requested)
 
     # -- FSDP1 members -----------------------------------------------------------------
     @property
@@ -339,6 +346,11 @@ class FullyShardedDataParallel(nn.Module):
         self._state.lazy_init()
         if not self._state.is_root:
             raise RuntimeError("clip_grad_norm_ expects to be called on the root FullyShardedDataParallel instance")
+        if self.training_state is not TrainingState.IDLE:  # some gradients are not reduced yet
+            raise ValueError(
+                f"clip_grad_norm_ expects the root in TrainingState.IDLE but it is in TrainingState."
+                f"{self.training_state.name}: call it after backward has finished"
+            )
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     @contextlib.contextmanager
@@ -352,14 +364,22 @@ class FullyShardedDataParallel(nn.Module):
         if not self._state.is_root:
             raise RuntimeError("no_sync expects to be called on the root FullyShardedDataParallel instance")
         groups = [s.group for s in states_below(self) if s.group is not None]
-        previous = [g.requires_gradient_sync for g in groups]
+        previous = [(g.requires_gradient_sync, g.reshard_after_backward) for g in groups]
+        # As FSDP1: the strategies that keep parameters after forward keep them through the
+        # accumulation too (no all-gather per micro-batch); they are resharded after the synced backward.
+        keeping = {
+            id(unit._state.group)
+            for unit in self.modules()
+            if isinstance(unit, FullyShardedDataParallel) and unit.sharding_strategy in _KEEPING_STRATEGIES
+        }
         for group in groups:
             group.requires_gradient_sync = False
+            group.reshard_after_backward = group.reshard_after_backward and id(group) not in keeping
         try:
             yield
         finally:
-            for group, value in zip(groups, previous):
-                group.requires_gradient_sync = value
+            for group, (sync, reshard) in zip(groups, previous):
+                group.requires_gradient_sync, group.reshard_after_backward = sync, reshard
 
     summon_full_params = staticmethod(wrapper_summon.summon_full_params)
 

@@ -38,16 +38,20 @@ from .api import (
 
 
 def no_shard_on_one_rank(strategy: ShardingStrategy, mesh_info: MeshInfo) -> tuple[ShardingStrategy, MeshInfo]:
-    """FULL_SHARD and SHARD_GRAD_OP over one rank are NO_SHARD (FSDP1 switches, and warns)."""
+    """FULL_SHARD and SHARD_GRAD_OP over one rank are NO_SHARD (FSDP1 switches, and warns:
+    ``warn_no_shard_on_one_rank``)."""
     if strategy in HYBRID_STRATEGIES or strategy is ShardingStrategy.NO_SHARD or mesh_info.shard.size != 1:
         return strategy, mesh_info
+    return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
+
+
+def warn_no_shard_on_one_rank(requested: ShardingStrategy) -> None:
     warnings.warn(
-        f"FullyShardedDataParallel switches from {strategy} to ShardingStrategy.NO_SHARD: the "
+        f"FullyShardedDataParallel switches from {requested} to ShardingStrategy.NO_SHARD: the "
         "process group has one rank, so there is nothing to shard",
         UserWarning,
         stacklevel=3,
     )
-    return ShardingStrategy.NO_SHARD, MeshInfo.for_replicate(mesh_info.mesh)
 
 
 def warn_if_mixed_requires_grad(params: list, owner: str) -> None:
@@ -94,7 +98,8 @@ def resolve_ignored(
             )
         if isinstance(item, wrapper_type):
             raise ValueError(
-                f"FullyShardedDataParallel expects ignored modules that are not wrapped, but "
+                f"FullyShardedDataParallel expects ignored_modules / ignored_states without wrapped modules, "
+                f"but "
                 f"{module_class_name(item)} is a FullyShardedDataParallel; ignore the module it wraps "
                 "before wrapping it instead"
             )

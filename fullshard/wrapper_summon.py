@@ -25,6 +25,7 @@ from ._core.group import ParamGroup
 from ._core.manage import states_below
 from ._core.param_units import register_param_unit
 from ._core.state import ModuleState, get_state
+from ._flat_param import FlatParamView
 
 _summoned: weakref.WeakSet[ModuleState] = weakref.WeakSet()  # units inside summon_full_params
 
@@ -116,13 +117,17 @@ def _show_full_params(
 
 
 def adopt_user_params_before_forward(wrapper: nn.Module, _args: Any) -> None:
-    """Parameters the user replaced or re-pointed since the last step become the shards, for every unit
-    this forward may gather (the root's forward prefetches its children). See ``adopt_user_params``."""
+    """Parameters (or flat parameters) the user replaced or re-pointed since the last step become the
+    shards, for every unit this forward may gather (the root's forward prefetches its children). See
+    ``adopt_user_params`` and ``FlatParamView.adopt_assigned_data``."""
     state = get_state(wrapper)
     if state is None or state.is_root is False:
         return
     for below in states_below(wrapper):
-        if below.group is not None:
+        view = below.group.buffer_view if below.group is not None else None
+        if isinstance(view, FlatParamView):
+            view.adopt_assigned_data()
+        elif below.group is not None:
             adopt_user_params(below.group)
 
 

@@ -15,6 +15,7 @@ the shard group and the 1D form are compared.
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -248,3 +249,38 @@ def test_requires_grad_and_summon_writeback_as_fsdp1():
         edited = edit_inside_summon(ours, use_orig_params)
         torch.testing.assert_close(edited, edit_inside_summon(theirs, use_orig_params))
         assert (edited[0][1] != 0).any()  # trained after the edit, so it can fail
+
+
+@distributed(world_size=2)
+def test_flat_param_data_assignment_is_kept_like_a_plain_module():
+    """``flat_param.data = t`` (use_orig_params=False): ``t`` becomes the shard for every later step, as an
+    assigned ``.data`` stays in a plain module (FSDP1 uses ``t`` for one forward, then steps its old shard:
+    docs/api.md); a ``t`` of another shape raises at the next forward."""
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        wrapper = ours(make_net(), strategy, None, use_orig_params=False)
+        reference = make_net()
+        optim = torch.optim.SGD(wrapper.parameters(), lr=0.1)
+        reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        flat = dict(wrapper.named_parameters())["_fsdp_wrapped_module._flat_param"]  # the root's: inp and out
+        with torch.no_grad():
+            flat.data = flat.data * 0.5
+            for param in (*reference.inp.parameters(), *reference.out.parameters()):
+                param.mul_(0.5)
+        for step in range(2):
+            loss = wrapper(batch(step)).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            reference_loss = reference(batch(step)).sum()
+            reference_loss.backward()
+            for param in reference.parameters():
+                param.grad = mean_over(param.grad)
+            reference_optim.step()
+            reference_optim.zero_grad()
+            torch.testing.assert_close(loss, reference_loss, msg=f"{strategy.name} step {step}")
+        with FSDP.summon_full_params(wrapper):
+            for (name, param), expected in zip(wrapper.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(param, expected, msg=f"{strategy.name} {name}")
+        flat.data = torch.zeros(flat.numel() + 1)
+        with pytest.raises(RuntimeError, match="flat parameter was given a tensor of shape"):
+            wrapper(batch(0))

@@ -69,14 +69,17 @@ def _grads_in_storage_layout(unit: ParamGroup) -> tuple[torch.Tensor, list[bool]
 
 @torch.no_grad()
 def write_back(unit: ParamGroup, values: list[torch.Tensor]) -> None:
-    """Copies this rank's rows of full parameter values into the shards."""
+    """Copies this rank's rows of full parameter values into the shards (those that differ)."""
     rank = unit.mesh_info.shard.rank
     for index, (param, value) in enumerate(zip(unit.params, values)):
         if param.num_valid_rows == 0:
             continue
         mine = param.rank_chunks(value.reshape(param.unsharded_size))[rank]
-        region = unit.storage_layout.region(unit.shard_buffer, index, param.orig_dtype)
-        region[: mine.numel()].view(mine.shape).copy_(mine)
+        target = unit.storage_layout.region(unit.shard_buffer, index, param.orig_dtype)[: mine.numel()].view(mine.shape)
+        # Unchanged rows are not written: the shard may be a tensor autograd saved (NO_SHARD computes on it),
+        # whose version an in-place copy would bump (summon_full_params from a backward hook).
+        if not (target.dtype == mine.dtype and torch.equal(target, mine)):
+            target.copy_(mine)
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ and the differences still open (issue 23). Each row names the scenarios and diff
   only here, each with its proof).
 - ``DELIBERATE``: a difference of a kind other than ``value`` that we keep, listed in docs/api.md under
   "Deliberate differences from torch".
-- ``OPEN``: found by the matrix and not fixed yet: each is a TODO of issue 23.
+- ``OPEN``: found by the matrix and not fixed yet: each is a TODO of issue 23 (never a ``value``
+  difference: those are fixed first).
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ def single_state_optimizer(s: Scenario) -> bool:
     """FSDP1's full optimizer state dict with use_orig_params=True returns ``exp_avg_sq`` under ``exp_avg``
     too (Adam, gloo, torch 2.13: a gathered state overwritten by the next): those probes use SGD with
     momentum, one state per parameter, where torch's values are right and can be compared."""
-    return _wrapper(s) and s.use_orig_params and s.probe in ("osd_full", "osd_full_legacy", "osd_rekey", "osd_sharded")
+    return (
+        _wrapper(s)
+        and s.use_orig_params
+        and s.probe in ("osd_full", "osd_full_legacy", "osd_rekey", "osd_sharded", "osd_partly_wrapped", "osd_nonroot")
+    )
 
 
 _LAYOUT = (
@@ -83,6 +88,16 @@ _LAYOUT = (
 )
 
 TORCH_WRONG: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "data_assign",
+        ("value",),
+        r"^(loss1|param:)",
+        "`flat_param.data = t` (use_orig_params=False): FSDP1 uses t for the next forward only (not at all "
+        "under mixed precision, which casts its old shard), then steps and keeps its old shard, so the "
+        "assignment is lost; fullshard makes t the shard, as an assigned .data stays in a plain module "
+        "(tests/test_wrapper_param_contract.py::test_flat_param_data_assignment_is_kept_like_a_plain_module "
+        "checks it against one process)",
+    ),
     Row(
         lambda s: (
             _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith("summon:") and "writeback" not in s.probe
@@ -102,7 +117,59 @@ TORCH_WRONG: tuple[Row, ...] = (
     ),
 )
 
+# Probes that build their model with other wrapping arguments and take a full state dict at the end.
+UNIT_PROBES = (
+    "ignored_modules",
+    "ignored_states",
+    "ignored_module_invalid",
+    "policy_size",
+    "policy_lambda",
+    "policy_transformer",
+    "policy_classes",
+    "policy_custom",
+)
+
 DELIBERATE: tuple[Row, ...] = (
+    Row(
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "shape_change",
+        ("exception", "keys", "message"),
+        r"",
+        "a flat parameter given a tensor of another shape (use_orig_params=False): fullshard raises "
+        "RuntimeError at the next forward, naming the unit and both shapes; FSDP1 fails an internal "
+        "assertion under SHARD_GRAD_OP and the hybrid strategies and silently keeps its old shard otherwise",
+    ),
+    Row(
+        lambda s: s.probe == "sd_in_forward",
+        ("exception", "keys", "type"),
+        r"",
+        "state_dict() called inside forward: FSDP1 raises AssertionError (an internal state check; under NO_SHARD "
+        "it returns the compute-dtype copies forward uses); torch's fully_shard reshards the root there, so the "
+        "rest of that forward fails (RuntimeError: mixed torch.Tensor and DTensor); fullshard returns the state "
+        "dict of the shards and the forward goes on",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.model == "tied" and s.probe in ("policy_lambda", "policy_classes"),
+        ("exception", "keys", "type", "warning"),
+        r"",
+        "a parameter shared by two units (auto-wrap policies that wrap each Linear of a tied pair): fullshard "
+        "raises ValueError at construction and names the fix (as torch's fully_shard raises); FSDP1 accepts it, "
+        "then fails in forward under mixed precision (RuntimeError: dtype mismatch) or trains without a word",
+    ),
+    Row(
+        lambda s: _wrapper(s) and s.model == "buffers" and s.mixed and s.probe in ("policy_lambda", "policy_classes"),
+        ("type",),
+        r"^sd:scale$",
+        "buffers of a root unit that holds no parameter of its own (every Linear wrapped): FSDP1's state dict "
+        "keeps them in MixedPrecision's buffer_dtype, while a unit with parameters saves its buffers in their "
+        "original dtype; fullshard saves every buffer in its original dtype",
+    ),
+    Row(
+        lambda s: s.world == 2 and ("HYBRID" in s.strategy or s.strategy == "hsdp"),
+        ("count",),
+        r"^count:.*:all_reduce$",
+        "hybrid sharding with one replica (2 ranks: a (1, 2) mesh): FSDP1 and fully_shard all-reduce each "
+        "gradient over the one-rank replica group; fullshard skips a collective of one rank (same values)",
+    ),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and "HYBRID" in s.strategy and s.probe == "sd_local",
         ("exception", "keys"),
@@ -130,30 +197,8 @@ DELIBERATE: tuple[Row, ...] = (
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
     Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.model == "frozen" and s.probe == "world_one",
-        ("warning",),
-        r"^warnings$",
-        _TODO + "a unit mixing frozen and trainable parameters with use_orig_params=False raises in both; "
-        "fullshard warns about the one-rank NO_SHARD switch first, FSDP1 raises before warning",
-    ),
-    Row(
-        lambda s: _wrapper(s) and s.use_orig_params and s.strategy == "NO_SHARD" and s.probe == "summon_in_backward",
-        ("exception",),
-        r"",
-        _TODO + "summon_full_params from a hook on the loss (before any unit's backward) under NO_SHARD with "
-        "use_orig_params=True: its write-back changes in place a tensor autograd saved (RuntimeError); FSDP1 "
-        "runs it",
-    ),
-    Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("data_assign", "shape_change"),
-        ("value", "keys", "exception", "message"),
-        r"",
-        _TODO + "`flat_param.data = t` (use_orig_params=False): FSDP1 gathers t in the next forward, then "
-        "steps its old shard (NO_SHARD: t itself); a t of another size it ignores; fullshard keeps the shard",
-    ),
-    Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local",
-        ("keys", "type", "value"),
+        ("keys", "type"),
         r"^(keys$|sd:)",
         _TODO + "FSDP1's LOCAL_STATE_DICT holds each flat parameter as a ShardedTensor of the unpadded total "
         "(fullshard: a plain tensor of the padded shard), low-precision buffers in their compute dtype, and "
@@ -168,7 +213,11 @@ OPEN: tuple[Row, ...] = (
         "fullshard the unsharded Parameters in the compute dtype: same values where both are full",
     ),
     Row(
-        lambda s: _wrapper(s) and s.strategy == "NO_SHARD" and s.probe.startswith(("sd_", "osd_", "load_")),
+        lambda s: (
+            _wrapper(s)
+            and s.strategy == "NO_SHARD"
+            and (s.probe.startswith(("sd_", "osd_", "load_")) or s.probe in UNIT_PROBES)
+        ),
         ("warning",),
         r"^warnings$",
         _TODO + "FSDP1 warns that NO_SHARD returns a full state dict for the sharded and local types",
@@ -208,11 +257,11 @@ def torch_failure(s: Scenario) -> str | None:
 
 def explain(s: Scenario, d: Difference) -> str | None:
     """The reason difference ``d`` of scenario ``s`` is known, or None (a failure of the matrix)."""
-    for row in TORCH_WRONG + OPEN:
+    for row in TORCH_WRONG:
         if row.covers(s, d):
             return row.reason
-    if d.kind != "value":
-        for row in DELIBERATE:
+    if d.kind != "value":  # a value difference is fixed, or torch's own error: never open or deliberate
+        for row in OPEN + DELIBERATE:
             if row.covers(s, d):
                 return row.reason
     return None

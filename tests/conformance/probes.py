@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .models import batch, build
 from .record import Record
@@ -60,9 +61,9 @@ class Run:
                         self.rec.put(f"{key}.grad:{name}", param.grad if param.grad is not None else "None")
         else:
             for name, param in self.model.named_parameters():
-                self.rec.put(f"{key}:{name}", param.full_tensor())
+                self.rec.put(f"{key}:{name}", _full(param))
                 if grads:
-                    self.rec.put(f"{key}.grad:{name}", param.grad.full_tensor() if param.grad is not None else "None")
+                    self.rec.put(f"{key}.grad:{name}", _full(param.grad) if param.grad is not None else "None")
 
     def put_after_forward(self, name: str, param: torch.Tensor) -> None:
         """A parameter read between forward and backward: a value where it has its full shape, else
@@ -78,6 +79,11 @@ class Run:
         for name, param in self.model.named_parameters():
             self.rec.put(f"local:{name}:type", type(param).__name__)
             self.rec.put(f"local:{name}:shape", tuple(param.shape))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``fully_shard`` parameter's full value (an ignored one is a plain tensor already)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 PROBES: dict[str, Callable[[Run], None]] = {}
@@ -144,7 +150,7 @@ def read_after_forward(r: Run) -> None:
     r.full_params()
 
 
-def _state_dict(r: Run, sd_type: str, config=None) -> dict:
+def state_dict_of(r: Run, sd_type: str, config=None) -> dict:
     with r.a.FSDP.state_dict_type(r.model, getattr(r.a.StateDictType, sd_type), config):
         return r.model.state_dict()
 
@@ -162,7 +168,7 @@ def state_dict_round_trip(r: Run) -> None:
     if r.s.probe == "sd_full_rank0_cpu":
         config = r.a.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     kind = sd_type.get(r.s.probe, "FULL_STATE_DICT")
-    sd = _state_dict(r, kind, config)
+    sd = state_dict_of(r, kind, config)
     r.rec.put("keys", tuple(sorted(sd)))  # FSDP1's order puts a tied parameter's name where it was first seen
     for key, value in sd.items():
         r.rec.put(f"sd:{key}", value)
@@ -178,7 +184,7 @@ def state_dict_round_trip(r: Run) -> None:
 @probe("load_after_forward")
 def load_after_forward(r: Run) -> None:
     r.step("loss0")
-    sd = _state_dict(r, "SHARDED_STATE_DICT") if r.wrapper else r.model.state_dict()
+    sd = state_dict_of(r, "SHARDED_STATE_DICT") if r.wrapper else r.model.state_dict()
     r.loss()  # a forward with no backward: parameters may be unsharded now
     if r.wrapper:
         _load(r, "SHARDED_STATE_DICT", sd)
@@ -192,12 +198,12 @@ def _osd(r: Run, sd_type: str) -> dict:
         return r.a.FSDP.optim_state_dict(r.model, r.optim)
 
 
-@probe("osd_full", "osd_sharded")
+@probe("osd_full", "osd_sharded", "osd_partly_wrapped")
 def optim_state_dict(r: Run) -> None:
     r.step("loss0")
-    kind = "FULL_STATE_DICT" if r.s.probe == "osd_full" else "SHARDED_STATE_DICT"
+    kind = "SHARDED_STATE_DICT" if r.s.probe == "osd_sharded" else "FULL_STATE_DICT"
     osd = _osd(r, kind)
-    model_keys = set(_state_dict(r, kind))
+    model_keys = set(state_dict_of(r, kind))
     r.rec.put("state_keys", tuple(sorted(osd["state"])))
     r.rec.put("state_keys_in_model_sd", all(k in model_keys for k in osd["state"]))
     r.rec.put("group_params", tuple(tuple(g["params"]) for g in osd["param_groups"]))
@@ -246,11 +252,11 @@ def osd_unmanaged_param(r: Run) -> None:
     r.backward("loss0")
     extra.grad = torch.ones(3)
     optim.step()
-    osd = _osd_of(r, optim)
+    osd = full_osd_of(r, optim)
     r.rec.put("state_keys", tuple(sorted(osd["state"], key=str)))
 
 
-def _osd_of(r: Run, optim: torch.optim.Optimizer) -> dict:
+def full_osd_of(r: Run, optim: torch.optim.Optimizer) -> dict:
     with r.a.FSDP.state_dict_type(r.model, r.a.StateDictType.FULL_STATE_DICT):
         return r.a.FSDP.optim_state_dict(r.model, optim)
 
@@ -284,7 +290,7 @@ def sd_composable(r: Run) -> None:
     r.full_params()
 
 
-@probe("shared_across_units")
+@probe("shared_across_units", "ignored_params")
 def shared_across_units(r: Run) -> None:
     r.step("loss0")
     r.full_params()
@@ -411,8 +417,10 @@ def eval_full_precision(r: Run) -> None:
 def autocast_loss(r: Run) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = r.model(batch(0, dist.get_rank()))
+        loss = out.pow(2).mean()
     r.rec.put("out:dtype", str(out.dtype))
-    out.float().pow(2).mean().backward()
+    r.rec.put("loss", loss)
+    loss.backward()
     r.optim.step()
     r.full_params()
 
@@ -435,5 +443,6 @@ def summon(r: Run) -> None:
 
 
 def run_probe(r: Run) -> None:
+    """Runs ``r``'s probe (those of ``probes_variants`` too, registered when runner imports it)."""
     fn = summon if r.s.probe.startswith("summon:") else PROBES[r.s.probe]
     fn(r)

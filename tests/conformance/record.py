@@ -4,7 +4,7 @@ Values are plain data: a tensor (compared with a tolerance), or a str / int / tu
 kind of a difference says how bad it is: ``value`` (numbers differ: never acceptable), ``type`` (value type,
 shape or dtype), ``keys`` (a key only one side has), ``exception`` (one side raised, or another type),
 ``message`` (an API name of torch's message missing from ours), ``warning``, ``layout`` (what this rank's
-shard holds: keys starting ``local:``).
+shard holds: keys starting ``local:``), ``count`` (how many collectives of a kind: keys starting ``count:``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
         if key not in ours.items or key not in theirs.items:
             side = "torch" if key in theirs.items else "fullshard"
             kind = "exception" if key in ("raised", "message") else "layout" if key.startswith("local:") else "keys"
+            kind = "count" if key.startswith("count:") else kind
             out.append(Difference(kind, key, f"only {side} has it: {(theirs.items | ours.items)[key]!r}"[:300]))
             continue
         a, b = theirs.items[key], ours.items[key]
@@ -92,7 +93,7 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
         elif key == "message":
             missing = api_words(a) - {w.rpartition(".")[2] for w in _API_WORD.findall(b)}
             if missing:
-                out.append(Difference("message", key, f"ours lacks {sorted(missing)}: torch {a!r} / ours {b!r}"[:400]))
+                out.append(Difference("message", key, f"ours lacks {sorted(missing)}: torch {a!r} / ours {b!r}"[:1200]))
         elif key == "raised":
             if a != b:
                 out.append(Difference("exception", key, f"torch {a} / ours {b}"))
@@ -107,9 +108,19 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
                 err = (a.double() - b.double()).abs().max().item()
                 out.append(Difference("value", key, f"max abs difference {err:.3g}"))
         elif a != b:
-            kind = "type" if key.endswith((":type", ":shape", ":dtype")) else "value"
-            out.append(Difference(kind, key, f"torch {a!r} / ours {b!r}"[:300]))
+            out.append(Difference(_kind_of(key), key, f"torch {a!r} / ours {b!r}"[:300]))
     return sorted(out, key=lambda d: d.key)
+
+
+def _kind_of(key: str) -> str:
+    """The kind of a difference in a plain (not tensor) entry."""
+    if key.endswith((":type", ":shape", ":dtype")):
+        return "type"
+    if key.startswith("count:"):
+        return "count"
+    if key in ("keys", "units", "group_params") or key.startswith("state_keys"):  # lists of names
+        return "keys"
+    return "value"
 
 
 def _same(a: Any, b: Any) -> bool:

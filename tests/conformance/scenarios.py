@@ -51,6 +51,21 @@ WRAPPER_PROBES = (
     "eval_full_precision",
     "autocast_loss",
     "world_one",
+    "ignored_modules",
+    "ignored_states",
+    "ignored_module_invalid",
+    "policy_size",
+    "policy_lambda",
+    "policy_transformer",
+    "policy_classes",
+    "policy_custom",
+    "osd_nonroot",
+    "osd_partly_wrapped",
+    "accumulate_counts",
+    "sd_in_forward",
+    "clip_in_backward",
+    "two_optimizers_osd",
+    "eval_half_root",
 ) + tuple(
     "summon:" + ",".join(f for f, on in zip(SUMMON_FLAGS, bits) if on) for bits in itertools.product((0, 1), repeat=4)
 )
@@ -64,7 +79,14 @@ COMPOSABLE_PROBES = (
     "shared_across_units",
     "load_after_forward",
     "two_optimizers",
+    "ignored_params",
+    "accumulate_counts",
+    "sd_in_forward",
+    "autocast_loss",
+    "norm_full_precision",
 )
+# Probes about one model kind; the others cycle through ``MODEL_KINDS``.
+PROBE_MODEL = {"norm_full_precision": "norm"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +126,7 @@ def generate(world: int) -> list[Scenario]:
     for front, probes, settings in fronts:
         for p_index, probe in enumerate(probes):
             for s_index, (strategy, uop, offload, mixed) in enumerate(settings):
-                model = MODEL_KINDS[(p_index + s_index) % len(MODEL_KINDS)]
+                model = PROBE_MODEL.get(probe, MODEL_KINDS[(p_index + s_index) % len(MODEL_KINDS)])
                 out.append(Scenario(world, front, model, probe, strategy, uop, offload, mixed))
     # torch's FSDP1 cannot offload on a machine without an accelerator (known.TORCH_FAILURES): the
     # wrapper's CPUOffload runs under fullshard alone, once per strategy.
@@ -115,7 +137,7 @@ def generate(world: int) -> list[Scenario]:
 # The matrix CI runs: a fixed stride through each world's list (every probe and setting appears at 2
 # ranks), and every FAST_EVERY-th of the 2-rank ones in ``make test-fast``.
 STRIDE = {2: 2, 4: 7}
-FAST_EVERY = 9
+FAST_EVERY = 24
 
 
 def matrix() -> list[Scenario]:
