@@ -200,7 +200,7 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
             # Before the parameters' load hooks below: they see the sharded registration.
             unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, group))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
-        for index, param in enumerate(group.params):
+        for index, param in enumerate(group.spec.params):
             info = param.module_info
             for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
                 by_module.setdefault(module, []).append((name, index))
@@ -239,7 +239,7 @@ def _flat_view(group: ParamGroup) -> FlatParamView:
     """The unit's flat parameter view (only units of the wrapper's flat form have one)."""
     view = flat_view(group)
     if view is None:
-        raise AssertionError(f"rank {dist.get_rank()}: {group.owner_name} has no flat parameter")
+        raise AssertionError(f"rank {dist.get_rank()}: {group.spec.name} has no flat parameter")
     return view
 
 
@@ -286,7 +286,7 @@ def _save_params(
     kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
     for name, index in entries:
         key = prefix + name
-        param = group.params[index]
+        param = group.spec.params[index]
         if kind is StateDictType.LOCAL_STATE_DICT:
             state_dict.pop(key, None)
             continue
@@ -346,7 +346,7 @@ def _load_params(
         return  # the flat parameter carries the values
     for name, index in entries:
         key = prefix + name
-        param = group.params[index]
+        param = group.spec.params[index]
         if key not in state_dict:
             if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
                 missing_keys.append(key)
@@ -404,7 +404,7 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         group = state.group
         if group is None:
             continue
-        for shard_param in group.params:
+        for shard_param in group.spec.params:
             by_sharded[id(shard_param.sharded_param)] = (shard_param, group)
         unit_flat_param = flat_param(group)
         if unit_flat_param is not None:
@@ -415,7 +415,7 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         if unit is not None:
             entries[id(param)] = [
                 (model_name(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
-                for p in unit.params
+                for p in unit.spec.params
             ]
         else:
             found = by_sharded.get(id(param))
@@ -456,7 +456,7 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
     """
     groups: dict[int, dist.ProcessGroup] = {}
     for state in states_below(model):
-        shard = state.group.mesh_info.shard if state.group is not None else None
+        shard = state.group.spec.mesh_info.shard if state.group is not None else None
         if shard is not None and shard.size > 1 and shard.group is not None:
             groups.setdefault(id(shard.group), shard.group)
     for group in groups.values():
@@ -537,7 +537,7 @@ def _split_state(
             value = value.clone()
         elif isinstance(value, torch.Tensor):
             if unit is not None and shard_param is not None and param is flat_param(unit):
-                value = param_view_of_flat(unit, unit.params.index(shard_param), value, full=full)
+                value = param_view_of_flat(unit, unit.spec.params.index(shard_param), value, full=full)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
                 value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
                 value = value.full_tensor() if full else value
@@ -662,7 +662,7 @@ def _join_state(
             for shard_param, values in per_param:
                 if values is not None and shard_param is not None:  # a flat parameter's originals have both
                     local = shard_param.shard_of(values[key])._local_tensor
-                    full_params.write_shard(unit, unit.params.index(shard_param), local, into=flat)
+                    full_params.write_shard(unit, unit.spec.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:
             shard_param = per_param[0][0]

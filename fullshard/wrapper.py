@@ -174,9 +174,9 @@ class FullyShardedDataParallel(nn.Module):
         config = _unit_config(strategy, settings)
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
         if use_orig_params and state.group is not None:
-            for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
+            for param in state.group.spec.params:  # lets clip_grad_norm_ and the scaler find its unit
                 setattr(param.sharded_param, UNIT_ATTR, state.group)
-            _warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
+            _warn_if_mixed_requires_grad(state.group.spec.params, state.group.spec.name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         if use_orig_params:  # before the engine's own pre-forward (registered first, so prepended after)
@@ -295,7 +295,7 @@ class FullyShardedDataParallel(nn.Module):
         result = super()._apply(*args, **kwargs)
         group = self._state.group
         if group is not None:
-            group.rebind_shards()
+            group.buffers.rebind(group.spec.name)
         return result
 
     def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:

@@ -18,6 +18,7 @@ from .layout import Layout
 from .mesh import GroupInfo
 from .param import ShardParam
 from .quantized_gather import QuantizedGather
+from .spec import UnitSpec
 
 
 def _extension(param: ShardParam) -> GatherExtension:
@@ -57,11 +58,10 @@ def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[li
 class AllGather:
     """The all-gather steps of one unit's parameters."""
 
-    def __init__(self, params: list[ShardParam], buffers: UnitBuffers, device: torch.device, offload: bool) -> None:
-        self.params = params
+    def __init__(self, spec: UnitSpec, buffers: UnitBuffers) -> None:
+        self.params = spec.params
         self.buffers = buffers
-        self.device = device  # where compute and communication happen
-        self.offload = offload
+        self.device = spec.device  # where compute and communication happen
         self.codec: QuantizedGather | None = None  # set_all_gather_quantization
         self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
 

@@ -48,7 +48,7 @@ def full_params(
         if group.training_state is not TrainingState.IDLE:
             raise AssertionError(
                 f"summon_full_params expects no forward or backward in progress, but unit "
-                f"{group.owner_name} is in {group.training_state.name}"
+                f"{group.spec.name} is in {group.training_state.name}"
             )
     for group in groups:
         adopt_user_params(group)
@@ -64,20 +64,20 @@ def full_params(
             if offload_to_cpu:
                 values = [v.cpu() for v in values]
                 grads = [g.cpu() if g is not None else None for g in grads]
-            for param, value, grad in zip(group.params, values, grads):
+            for param, value, grad in zip(group.spec.params, values, grads):
                 param.show_full(value, grad, with_grads)
-            if group.buffer_view is not None:  # the full parameters stand in for it
-                group.buffer_view.hide()
+            if group.buffers.view is not None:  # the full parameters stand in for it
+                group.buffers.view.hide()
             summoned.append(group)
         yield
     finally:
         for group in summoned:
             if writeback:
-                write_back(group, [param.full_shown() for param in group.params])
-            for param in group.params:
+                write_back(group, [param.full_shown() for param in group.spec.params])
+            for param in group.spec.params:
                 param.end_show_full()
-            if group.buffer_view is not None:
-                group.buffer_view.show()
+            if group.buffers.view is not None:
+                group.buffers.view.show()
 
 
 @torch.no_grad()
@@ -91,7 +91,7 @@ def gather_full_values(unit: ParamGroup) -> list[torch.Tensor]:
             f"summon_full_params and full state dicts are not yet supported with tensor-subclass parameters "
             f"({unit.buffers.extended[0].fqn}); use sharded state dicts"
         )
-    return _gather_storage_layout(unit, unit.shard_buffer)
+    return _gather_storage_layout(unit, unit.buffers.shard_buffer)
 
 
 @torch.no_grad()
@@ -104,43 +104,47 @@ def gather_full_grads(unit: ParamGroup) -> list[torch.Tensor | None]:
 
 def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch.Tensor]:
     """All-gathers ``source`` (laid out like the shard buffer) into each parameter's full value."""
-    source = source.to(unit.device)
-    shard = unit.mesh_info.shard
+    source = source.to(unit.spec.device)
+    shard = unit.spec.mesh_info.shard
     if shard.size > 1:
-        output = torch.empty(source.numel() * shard.size, dtype=source.dtype, device=unit.device)
+        output = torch.empty(source.numel() * shard.size, dtype=source.dtype, device=unit.spec.device)
         comm.all_gather(output, source, shard.process_group, async_op=False)
     else:
         output = source
-    padded = [torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.device) for p in unit.params]
-    unit.storage_layout.copy_out(output, shard.size, padded, split_views(unit.params, padded))
-    return [p.unsharded_view(t) for p, t in zip(unit.params, padded)]
+    padded = [
+        torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.spec.device) for p in unit.spec.params
+    ]
+    unit.buffers.storage_layout.copy_out(output, shard.size, padded, split_views(unit.spec.params, padded))
+    return [p.unsharded_view(t) for p, t in zip(unit.spec.params, padded)]
 
 
 def _grads_in_storage_layout(unit: ParamGroup) -> tuple[torch.Tensor, list[bool]]:
-    if unit.buffer_view is not None:
-        grad = unit.buffer_view.tensor.grad
-        present = [grad is not None] * len(unit.params)
-        return (grad if grad is not None else torch.zeros_like(unit.shard_buffer)), present
-    buffer = torch.zeros_like(unit.shard_buffer)
+    if unit.buffers.view is not None:
+        grad = unit.buffers.view.tensor.grad
+        present = [grad is not None] * len(unit.spec.params)
+        return (grad if grad is not None else torch.zeros_like(unit.buffers.shard_buffer)), present
+    buffer = torch.zeros_like(unit.buffers.shard_buffer)
     present = []
-    for index, param in enumerate(unit.params):
+    for index, param in enumerate(unit.spec.params):
         grad = param.sharded_param.grad
         present.append(grad is not None)
         local = param.rows_of(grad) if grad is not None else None
         if local is not None and local.numel() > 0:
-            unit.storage_layout.region(buffer, index, param.orig_dtype)[: local.numel()].copy_(local.reshape(-1))
+            unit.buffers.storage_layout.region(buffer, index, param.orig_dtype)[: local.numel()].copy_(
+                local.reshape(-1)
+            )
     return buffer, present
 
 
 @torch.no_grad()
 def write_back(unit: ParamGroup, values: list[torch.Tensor]) -> None:
     """Copies this rank's rows of full parameter values into the shards."""
-    rank = unit.mesh_info.shard.rank
-    for index, (param, value) in enumerate(zip(unit.params, values)):
+    rank = unit.spec.mesh_info.shard.rank
+    for index, (param, value) in enumerate(zip(unit.spec.params, values)):
         if param.num_valid_rows == 0:
             continue
         mine = param.rank_chunks(value.reshape(param.unsharded_size))[rank]
-        region = unit.storage_layout.region(unit.shard_buffer, index, param.orig_dtype)
+        region = unit.buffers.storage_layout.region(unit.buffers.shard_buffer, index, param.orig_dtype)
         region[: mine.numel()].view(mine.shape).copy_(mine)
 
 
@@ -148,9 +152,9 @@ def write_back(unit: ParamGroup, values: list[torch.Tensor]) -> None:
 def write_shard(unit: ParamGroup, index: int, local: torch.Tensor, into: torch.Tensor | None = None) -> None:
     """Copies parameter ``index``'s local rows into the shard buffer (or ``into``,
     a tensor in the same layout, e.g. a flat optimizer state)."""
-    target = unit.shard_buffer if into is None else into
-    param = unit.params[index]
-    region = unit.storage_layout.region(target, index, param.orig_dtype if into is None else target.dtype)
+    target = unit.buffers.shard_buffer if into is None else into
+    param = unit.spec.params[index]
+    region = unit.buffers.storage_layout.region(target, index, param.orig_dtype if into is None else target.dtype)
     region[: local.numel()].copy_(local.reshape(-1))
 
 
@@ -165,7 +169,7 @@ def adopt_user_params(unit: ParamGroup) -> None:
     """
     if unit.is_unsharded:  # registered now: the unsharded parameters (forward, or kept after it)
         return
-    for param in unit.params:
+    for param in unit.spec.params:
         if not param.presentation.keeps_user_param:
             return
         registered = param.module_registration()
