@@ -52,7 +52,7 @@ class FlatParamView:
         if unit.spec.keep_low_precision_grads:
             compat.set_grad_dtype(self.param, unit.buffers.reduce_dtype, unit.spec.name)
         module.register_parameter(name, self.param)
-        unit.install_buffer_view(self)
+        unit.buffers.install_view(self, unit.spec.name)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -88,5 +88,5 @@ def param_view_of_flat(unit: ParamGroup, index: int, flat: torch.Tensor, full: b
     """Parameter ``index``'s part of a tensor laid out like the shard buffer
     (a flat optimizer state): its DTensor shard, or the full tensor."""
     region = unit.buffers.storage_layout.region(flat, index, flat.dtype)
-    shard = unit.spec.params[index].sharded_dtensor(region)
+    shard = unit.spec.params[index].dtensor_from_padded(region)
     return shard.full_tensor() if full else shard

@@ -45,6 +45,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._core import comm, full_params
+from ._core.common import TrainingState
 from ._core.group import ParamGroup
 from ._core.manage import states_below
 from ._core.param import ShardParam
@@ -247,7 +248,7 @@ def _reshard_unit(group: ParamGroup, *args: Any) -> None:
     """Outside forward and backward, a unit may still be unsharded (the root after a
     forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
     write the shards."""
-    if group.training_state.name == "IDLE":
+    if group.training_state is TrainingState.IDLE:
         group.reshard()
 
 
@@ -294,12 +295,12 @@ def _save_params(
         if kind is StateDictType.SHARDED_STATE_DICT:
             # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
             # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
-            local = param.sharded_value()._local_tensor
-            value = param.sharded_dtensor_of(local.cpu() if offload and local.device.type != "cpu" else local.clone())
+            local = param.shard_as_dtensor()._local_tensor
+            value = param.dtensor_from_rows(local.cpu() if offload and local.device.type != "cpu" else local.clone())
         else:
             if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
                 raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
-            value = param.full_form(record.full_values[index])
+            value = param.full_from_tp_local(record.full_values[index])
             if isinstance(value, DTensor):  # tensor parallel: the global tensor
                 value = value.full_tensor()
             if offload:
@@ -351,7 +352,7 @@ def _load_params(
             if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
                 missing_keys.append(key)
             continue
-        shard = param.shard_of(state_dict[key])
+        shard = param.shard_from_full(state_dict[key])
         if param.register_sharded:
             state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
         else:
@@ -539,7 +540,7 @@ def _split_state(
             if unit is not None and shard_param is not None and param is flat_param(unit):
                 value = param_view_of_flat(unit, unit.spec.params.index(shard_param), value, full=full)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
-                value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
+                value = shard_param.dtensor_from_rows(shard_param.rows_from_presented(value))
                 value = value.full_tensor() if full else value
             elif isinstance(value, DTensor) and full:
                 value = value.full_tensor()
@@ -661,12 +662,12 @@ def _join_state(
             flat = torch.zeros_like(param)
             for shard_param, values in per_param:
                 if values is not None and shard_param is not None:  # a flat parameter's originals have both
-                    local = shard_param.shard_of(values[key])._local_tensor
+                    local = shard_param.shard_from_full(values[key])._local_tensor
                     full_params.write_shard(unit, unit.spec.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:
             shard_param = per_param[0][0]
-            result[key] = shard_param.present(shard_param.shard_of(value)._local_tensor)
+            result[key] = shard_param.present(shard_param.shard_from_full(value)._local_tensor)
         elif isinstance(param, DTensor):
             result[key] = _like(param, value)
         else:

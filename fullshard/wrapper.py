@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import state_dict as state_dicts
 from ._core import comm
+from ._core.common import TrainingState as UnitState
 from ._core.common import UnitConfig, map_tensors, module_class_name
 from ._core.full_params import adopt_user_params, full_params
 from ._core.init import get_managed_modules
@@ -229,7 +230,7 @@ class FullyShardedDataParallel(nn.Module):
         if state in _summoned:
             return TrainingState.SUMMON_FULL_PARAMS
         busy = state.group.training_state if state.group is not None else state.training_state
-        return TrainingState.IDLE if busy.name == "IDLE" else TrainingState.FORWARD_BACKWARD
+        return TrainingState.IDLE if busy is UnitState.IDLE else TrainingState.FORWARD_BACKWARD
 
     @property
     def _inter_node_pg(self) -> dist.ProcessGroup | None:

@@ -1,4 +1,4 @@
-"""``ShardParam.shard_of``: a full value (a state dict's) as this rank's shard.
+"""``ShardParam.shard_from_full``: a full value (a state dict's) as this rank's shard.
 
 The oracle is torch's ``distribute_tensor`` with the sharded parameter's mesh
 and placements, and the shard the engine took at construction.
@@ -25,7 +25,7 @@ def _model() -> nn.Sequential:
 
 
 def _assert_shard(param, value: torch.Tensor) -> None:
-    shard = param.shard_of(value)
+    shard = param.shard_from_full(value)
     expected = distribute_tensor(value, param.spmd_mesh, param.placements, src_data_rank=None)
     assert shard.device_mesh == param.spmd_mesh and tuple(shard.placements) == tuple(param.placements)
     assert shard.shape == value.shape, param.fqn
@@ -83,7 +83,7 @@ def test_offloaded_shard_is_taken_on_the_host_without_a_full_copy():
         for param in fully_shard.state(model).group.spec.params:
             value = full[param.fqn]
             with mock.patch.object(DeviceMesh, "device_type", new=cuda_type, create=True), _Allocations() as spy:
-                shard = param.shard_of(value)
+                shard = param.shard_from_full(value)
                 assert shard.device_mesh.device_type == "cuda"
             assert shard._local_tensor.device.type == "cpu"
             torch.testing.assert_close(shard._local_tensor, param.local_shard, rtol=0, atol=0)

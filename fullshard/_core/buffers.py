@@ -54,6 +54,19 @@ class UnitBuffers:
         self.storage_layout = Layout.build([p.buffer_numel for p in self.params], dtypes)
         self._bind(buffer, dtypes)
 
+    def install_view(self, view: BufferView, owner: str) -> None:
+        """A front end registers ``view`` in place of the shards (see buffer_view.py);
+        ``owner`` names the unit in errors."""
+        if self.extended:
+            raise NotImplementedError(
+                f"tensor-subclass parameters ({self.extended[0].fqn} in {owner}) are not yet supported with "
+                "use_orig_params=False (one flat parameter cannot hold them); use fully_shard"
+            )
+        self.view = view
+        for param in self.params:
+            param.register_sharded = False
+            param.to_sharded()
+
     def check_materialized(self) -> None:
         if self.shard_buffer.is_meta:
             names = [p.fqn for p in self.params]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .common import TrainingState
 from .group import ParamGroup
 from .param import ShardParam
 from .schedule import Schedule
@@ -164,7 +165,7 @@ class CheckedSchedule(Schedule):
             if other is unit and names == [p.fqn for p in params]:
                 unit.grads.submit(params, grads)
             else:
-                other.join_reduction(names)
+                _join_reduction(other, names)
 
     def _fingerprint(
         self, kind: str, unit: ParamGroup, collective: bool, params: list[ShardParam] | None = None
@@ -182,3 +183,14 @@ class CheckedSchedule(Schedule):
                 unit.wait_for_unshard()
             else:
                 unit.join_all_gather()
+
+
+def _join_reduction(unit: ParamGroup, names: list[str]) -> None:
+    """Takes part in another rank's reduction of ``unit``'s parameters ``names`` with
+    zero gradients; the averaged result is this rank's gradient too, as DDP does
+    for unused parameters."""
+    params = [p for p in unit.spec.params if p.fqn in names]
+    grads = [unit.grads.zero_grad(p) for p in params]
+    if unit.training_state is TrainingState.IDLE:
+        unit.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
+    unit.grads.submit(params, grads)

@@ -115,7 +115,7 @@ def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch
         torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.spec.device) for p in unit.spec.params
     ]
     unit.buffers.storage_layout.copy_out(output, shard.size, padded, split_views(unit.spec.params, padded))
-    return [p.unsharded_view(t) for p, t in zip(unit.spec.params, padded)]
+    return [p.full_from_padded(t) for p, t in zip(unit.spec.params, padded)]
 
 
 def _grads_in_storage_layout(unit: ParamGroup) -> tuple[torch.Tensor, list[bool]]:
@@ -128,7 +128,7 @@ def _grads_in_storage_layout(unit: ParamGroup) -> tuple[torch.Tensor, list[bool]
     for index, param in enumerate(unit.spec.params):
         grad = param.sharded_param.grad
         present.append(grad is not None)
-        local = param.rows_of(grad) if grad is not None else None
+        local = param.rows_from_presented(grad) if grad is not None else None
         if local is not None and local.numel() > 0:
             unit.buffers.storage_layout.region(buffer, index, param.orig_dtype)[: local.numel()].copy_(
                 local.reshape(-1)
@@ -143,7 +143,7 @@ def write_back(unit: ParamGroup, values: list[torch.Tensor]) -> None:
     for index, (param, value) in enumerate(zip(unit.spec.params, values)):
         if param.num_valid_rows == 0:
             continue
-        mine = param.rank_chunks(value.reshape(param.unsharded_size))[rank]
+        mine = param.rows_per_rank(value.reshape(param.unsharded_size))[rank]
         region = unit.buffers.storage_layout.region(unit.buffers.shard_buffer, index, param.orig_dtype)
         region[: mine.numel()].view(mine.shape).copy_(mine)
 

@@ -148,10 +148,10 @@ class GradIntake:
         for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
             sharded = param.sharded_param
             if sharded.grad is None:
-                sharded.grad = param.present_padded(padded)
+                sharded.grad = param.present_from_padded(padded)
             else:
                 offload.wait_for_host_copies()  # the CPU adds now
-                local = param.rows_of(sharded.grad)
+                local = param.rows_from_presented(sharded.grad)
                 local.add_(padded[: local.numel()].view_as(local))
         _step_in_backward_optimizers([p.sharded_param for p in params])
 

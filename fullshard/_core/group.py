@@ -27,40 +27,19 @@ inputs need no grad) is finished by the end-of-backward callback.
 from __future__ import annotations
 
 import enum
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
 
 import torch
 
 from . import compat, trace
 from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
-from .buffer_view import BufferView
 from .buffers import UnitBuffers
-from .common import TrainingState
+from .common import TrainingState, outside_transforms
 from .grads import GradIntake
 from .mesh import GroupInfo
 from .param import ShardParam
 from .reduction import ReduceSettings, ReductionQueue
 from .root import ReductionGate, UnitRoot, Unrooted
 from .spec import UnitSpec
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _outside_transforms(method: _Method) -> _Method:
-    """Runs a buffer transition with functorch transforms (``torch.func.jvp``)
-    switched off: buffers it allocates must stay plain tensors whose storage
-    can be freed, not wrappers of the transform's level."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch._C._are_functorch_transforms_active():
-            return method(*args, **kwargs)
-        with torch._C._DisableFuncTorch():
-            return method(*args, **kwargs)
-
-    return cast(_Method, run)
 
 
 class ShardedState(enum.Enum):
@@ -89,11 +68,6 @@ class ParamGroup:
         """``chosen``: the user set ``reshard_after_forward`` (the root keeps it too)."""
         self.spec = spec
         self.buffers = UnitBuffers(spec, [p.bound_rows for p in spec.params])
-        if self.buffers.extended and (post_forward is not None or spec.offload):
-            raise NotImplementedError(
-                f"{'CPU offload' if spec.offload else 'an int reshard_after_forward'} is not yet supported with "
-                f"tensor-subclass parameters ({self.buffers.extended[0].fqn} in {spec.name})"
-            )
         self.gather = AllGather(spec, self.buffers)
         self.reduce_settings = ReduceSettings()
         self.grads = GradIntake(spec, self.buffers, self.reduce_settings)
@@ -143,24 +117,12 @@ class ParamGroup:
             param.full_precision = full_precision
         self.buffers.set_gather_layout()
 
-    def install_buffer_view(self, view: BufferView) -> None:
-        """A front end registers ``view`` in place of the shards (see buffer_view.py)."""
-        if self.buffers.extended:
-            raise NotImplementedError(
-                f"tensor-subclass parameters ({self.buffers.extended[0].fqn} in {self.spec.name}) are not yet "
-                "supported with use_orig_params=False (one flat parameter cannot hold them); use fully_shard"
-            )
-        self.buffers.view = view
-        for param in self.spec.params:
-            param.register_sharded = False
-            param.to_sharded()
-
     # -- unshard / reshard -------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
-    @_outside_transforms
+    @outside_transforms
     def unshard(self, async_op: bool = False) -> None:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
         if self.is_unsharded or self._all_gather is not None or not self.spec.params:
@@ -205,7 +167,7 @@ class ParamGroup:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
-    @_outside_transforms
+    @outside_transforms
     def wait_for_unshard(self) -> None:
         """Finishes an in-flight unshard: copy-out and registration of full parameters."""
         in_flight, self._all_gather = self._all_gather, None
@@ -232,7 +194,7 @@ class ParamGroup:
             param.to_sharded()
         self._shows_shards_unsharded = True
 
-    @_outside_transforms
+    @outside_transforms
     def reshard(self) -> None:
         """Frees the full parameters and registers the shards."""
         if self._all_gather is not None:
@@ -258,7 +220,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------
-    @_outside_transforms
+    @outside_transforms
     def post_forward(self) -> None:
         if self.reshard_after_forward:
             group = self.post_forward_group
@@ -343,16 +305,6 @@ class ParamGroup:
             self.grads.submit(params, grads)
         else:
             self.reduction_gate(self, params, grads)
-
-    def join_reduction(self, names: list[str]) -> None:
-        """Takes part in another rank's reduction of this unit's parameters ``names``
-        with zero gradients (execution-order validation); the averaged result is
-        this rank's gradient too, as DDP does for unused parameters."""
-        params = [p for p in self.spec.params if p.fqn in names]
-        grads = [self.grads.zero_grad(p) for p in params]
-        if self.training_state is TrainingState.IDLE:
-            self.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
-        self.grads.submit(params, grads)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what is left, drop stray prefetches, go idle."""

@@ -109,6 +109,12 @@ def manage_module(
     if not shard_params:
         return ModuleState(roots, None, config, device, buffer_dtypes)
     spec = unit_spec(shard_params, mesh_info, config, owner)
+    extended = [p.fqn for p in shard_params if p.extension is not None]
+    if extended and (post_forward is not None or spec.offload):
+        raise NotImplementedError(
+            f"{'CPU offload' if spec.offload else 'an int reshard_after_forward'} is not yet supported with "
+            f"tensor-subclass parameters ({extended[0]} in {owner})"
+        )
     group = ParamGroup(spec, reshard, post_forward, chosen=config.reshard_after_forward is not None)
     return ModuleState(roots, group, config, device, buffer_dtypes)
 
