@@ -5,7 +5,7 @@ The root's lazy init puts every state below it, and their units, under one
 their gathers and prefetches (schedule.py, see [Note: Prefetch]), the
 reduction queue each unit is handed when it joins (see [Note: Reduction
 pipeline]), and the end-of-backward callback. The context knows the units; a
-unit knows its context only as ``UnitRoot``.
+unit knows only the schedule, as its ``UnitRoot``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class ContextState(ScheduledState, Protocol):
 
 
 class RootContext:
-    """See the module docstring; a ``UnitRoot`` for every unit under the root."""
+    """See the module docstring."""
 
     def __init__(self) -> None:
         self.all_states: list[ContextState] = []
@@ -57,7 +57,7 @@ class RootContext:
             checked = CheckedSchedule(self.queue_end_of_backward, self._units)
             self.schedule, gate = checked, checked.gate_reduction
         for unit in self._units:
-            unit.join_root(self, self.reductions, gate)
+            unit.join_root(self.schedule, self.reductions, gate)
 
     # -- forward ---------------------------------------------------------------------
     def begin_iteration(self, root: ContextState) -> None:
@@ -78,9 +78,6 @@ class RootContext:
         if not self.end_of_backward_queued:
             self.end_of_backward_queued = True
             Variable._execution_engine.queue_callback(self.end_of_backward)
-
-    def after_backward(self, unit: ParamGroup) -> None:
-        self.schedule.after_backward(unit)
 
     def end_of_backward(self) -> None:
         for state in self.all_states:

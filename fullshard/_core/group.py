@@ -79,7 +79,7 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
         # Lifecycle.
-        self.root: UnitRoot[ParamGroup] = Unrooted()  # the root's context from its lazy init on
+        self.root: UnitRoot[ParamGroup] = Unrooted()  # the root's schedule from its lazy init on
         self.reduction_gate: ReductionGate | None = None  # the order check's, at DETAIL debug level
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED

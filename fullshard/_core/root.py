@@ -1,5 +1,5 @@
-"""What a unit asks of the root it sits under (``context.RootContext``), named
-without importing the context: the context knows the units, not the reverse.
+"""What a unit asks of the root it sits under (the root's ``schedule.Schedule``),
+named without importing it: the root knows the units, not the reverse.
 """
 
 from __future__ import annotations

@@ -1,5 +1,18 @@
 """When each unit of one root gathers: the forward and backward orders and the
-prefetches they imply (see [Note: Prefetch] in state.py).
+prefetches they imply.
+
+[Note: Prefetch]
+Forward: units run in the same order every step, so the order recorded in the
+previous step names the next unit; its all-gather is issued (once the current
+unit's own gather is finished) and runs while the current unit computes.
+Backward: the unit that ran before the current one in this step's forward. On
+CPU the overlap comes from gloo's asynchronous work handles; on accelerators the
+backend runs the collective on its own stream and ``Work.wait`` makes the
+compute stream wait for it. Every rank derives the same decisions from the same
+order, so collectives stay matched. Explicit lists
+(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
+implicit choice. So by default at most one prefetched unit is in flight, and
+``fullshard plan`` models exactly that (see [Note: Plan model]).
 
 The module hooks make one call each: ``before_forward`` (gather this unit,
 prefetch the next one in forward) and ``before_backward`` (the same in
@@ -36,10 +49,11 @@ class ScheduledState(Protocol):
 
 
 class Schedule:
-    """The orders and prefetches of one root's units (see the module docstring)."""
+    """The orders and prefetches of one root's units (see the module docstring);
+    the ``UnitRoot`` its units see."""
 
     def __init__(self, queue_end_of_backward: Callable[[], None]) -> None:
-        self._queue_end_of_backward = queue_end_of_backward
+        self.queue_end_of_backward = queue_end_of_backward  # the root context's end-of-backward callback
         self.forward_order: list[ParamGroup] = []
         self.previous_forward_order: list[ParamGroup] = []  # names the next unit to prefetch in forward
         self.post_forward_order: list[ParamGroup] = []  # this step's forward uses: backward runs it in reverse
@@ -99,7 +113,7 @@ class Schedule:
     def before_backward(self, state: ScheduledState, use: UnitUse | None) -> None:
         """Backward reached the outputs of ``use`` of ``state``'s unit: gathers the
         unit (once per backward) and prefetches the one that ran before it."""
-        self._queue_end_of_backward()
+        self.queue_end_of_backward()
         unit = state.group
         if unit is not None:
             unit.start_use_backward(use)

@@ -1,24 +1,13 @@
 """Per-module state and hooks: lazy root init, forward/backward transitions.
 
 [Note: One step]
-root pre-forward: lazy init (once) -> for each unit: pre-forward all-gather
-(prefetching the next unit) -> forward -> post-forward reshard -> backward:
-pre-backward all-gather (prefetching the unit that ran before it) ->
-gradients -> reduction (see [Note: When a unit's backward is done]) -> the
-end-of-backward callback drains reductions and returns every unit to IDLE.
-
-[Note: Prefetch]
-Forward: units run in the same order every step, so the order recorded in the
-previous step names the next unit; its all-gather is issued (once the current
-unit's own gather is finished) and runs while the current unit computes.
-Backward: the unit that ran before the current one in this step's forward. On
-CPU the overlap comes from gloo's asynchronous work handles; on accelerators the
-backend runs the collective on its own stream and ``Work.wait`` makes the
-compute stream wait for it. Every rank derives the same decisions from the same
-order, so collectives stay matched. Explicit lists
-(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
-implicit choice. So by default at most one prefetched unit is in flight, and
-``fullshard plan`` models exactly that (see [Note: Plan model]).
+root pre-forward: lazy init (once) -> for each unit: the schedule's
+pre-forward all-gather (prefetching the next unit, see [Note: Prefetch]) ->
+forward -> post-forward reshard -> backward: the schedule's pre-backward
+all-gather (prefetching the unit that ran before it) -> gradients ->
+reduction (see [Note: When a unit's backward is done]) -> the end-of-backward
+callback drains reductions and returns every unit to IDLE. Each hook makes one
+call on the unit or the schedule; docs/architecture.md draws the whole step.
 
 [Note: One unit, several modules]
 ``fully_shard([a, b])`` makes one unit whose forward pass runs from the first
