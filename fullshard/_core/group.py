@@ -35,6 +35,7 @@ from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
 from .buffers import UnitBuffers
 from .common import TrainingState, outside_transforms
 from .grads import GradIntake
+from .layout import Layout
 from .mesh import GroupInfo
 from .param import ShardParam
 from .reduction import ReduceSettings, ReductionQueue
@@ -95,10 +96,12 @@ class ParamGroup:
 
     def join_root(self, root: UnitRoot[ParamGroup], queue: ReductionQueue, gate: ReductionGate | None) -> None:
         """The root's lazy init: ``queue`` takes this unit's reductions (through
-        ``gate`` first at DETAIL debug level, see [Note: Execution order])."""
+        ``gate`` first at DETAIL debug level, see [Note: Execution order]); the
+        parameters the user registered meanwhile become the shards."""
         self.root = root
         self.grads.queue = queue
         self.reduction_gate = gate
+        self.buffers.adopt_registered(self.spec.name)
 
     def set_module_path(self, path: str) -> None:
         """The root's lazy init knows the managed module's ``path`` in the model."""
@@ -127,17 +130,21 @@ class ParamGroup:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
         if self.is_unsharded or self._all_gather is not None or not self.spec.params:
             return
-        self.buffers.check_materialized()
-        kept = self._post_forward_shard
-        if kept is not None:
-            source, layout, group = kept.source, kept.layout, kept.group
-        else:
-            spec, buffers = self.spec, self.buffers
-            if spec.mesh_info.shard.size == 1 and not buffers.needs_cast and not buffers.extended and not spec.offload:
+        spec, buffers = self.spec, self.buffers
+        buffers.check_materialized()
+        if self._post_forward_shard is None and spec.mesh_info.shard.size == 1:
+            if not buffers.needs_cast and not buffers.extended and not spec.offload:
                 self._alias_unsharded()
                 return
-            (source, layout), group = self.gather.input(spec.labels), spec.mesh_info.shard
-        self._all_gather = self.gather.start(source, layout, group, async_op, self.spec.labels)
+        self._all_gather = self.gather.start(*self._gather_input(), async_op, spec.labels)
+
+    def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
+        """What this unit's all-gather sends (copied in), its layout and its group."""
+        kept = self._post_forward_shard
+        if kept is not None:
+            return kept.source, kept.layout, kept.group
+        source, layout = self.gather.input(self.spec.labels)
+        return source, layout, self.spec.mesh_info.shard
 
     def unshard_needs_collective(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -150,20 +157,14 @@ class ParamGroup:
     def join_all_gather(self) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
-        kept = self._post_forward_shard
-        if kept is not None:
-            self.gather.join(kept.source, kept.layout, kept.group, self.spec.labels)
-        else:
-            source, layout = self.gather.input(self.spec.labels)
-            self.gather.join(source, layout, self.spec.mesh_info.shard, self.spec.labels)
+        self.gather.join(*self._gather_input(), self.spec.labels)
 
     def _alias_unsharded(self) -> None:
-        if self.buffers.view is not None:
-            self.buffers.view.sync_requires_grad()
+        buffers = self.buffers
+        if buffers.view is not None:
+            buffers.view.sync_requires_grad()
         for index, param in enumerate(self.spec.params):
-            param.alias_unsharded(
-                self.buffers.storage_layout.region(self.buffers.shard_buffer, index, param.orig_dtype)
-            )
+            param.alias_unsharded(buffers.storage_layout.region(buffers.shard_buffer, index, param.orig_dtype))
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -234,10 +235,13 @@ class ParamGroup:
 
     # -- backward (see [Note: When a unit's backward is done]) ---------------------
     def pre_backward(self) -> None:
-        """Starts gathering for backward (once per backward: see the schedule)."""
+        """Gathers for backward (once per backward: see the schedule) and expects
+        the gradients of the parameters that require them."""
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard()
+        self.wait_for_unshard()
+        self.grads.expect()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
         """A bool reshards fully or not at all, dropping a smaller post-forward group."""

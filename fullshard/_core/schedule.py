@@ -124,10 +124,8 @@ class Schedule:
         state.training_state = TrainingState.PRE_BACKWARD
         if unit is None or unit.training_state is TrainingState.PRE_BACKWARD:
             return
-        self._gather_for_backward(unit)
+        self._gather_for_backward(unit)  # waits for it before prefetching: see before_forward
         self.prefetched.discard(unit)  # used: what remains at the end of backward is stale
-        unit.wait_for_unshard()  # before prefetching: see before_forward
-        unit.grads.expect()
         indices = self._post_forward_indices.get(unit)
         index = indices.pop() if indices else None  # this use's place in the post-forward order
         mode = state.config.backward_prefetch

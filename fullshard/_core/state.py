@@ -142,8 +142,6 @@ class ModuleState:
         self.ctx.adopt(list(states), validate=validation_enabled())
         for state in states:
             state.ctx = self.ctx
-            if state.group is not None:
-                state.group.buffers.adopt_registered(state.group.spec.name)
         if self.group is not None:
             self.group.keep_unsharded_as_root()
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
