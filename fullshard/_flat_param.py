@@ -27,31 +27,31 @@ class FlatParamView:
     """
 
     def __init__(self, unit: ParamGroup, module: nn.Module, name: str = FLAT_PARAM) -> None:
-        dtypes = {p.orig_dtype for p in unit.params}
+        dtypes = {p.orig_dtype for p in unit.spec.params}
         if len(dtypes) > 1:
-            listing = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in unit.params)
+            listing = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in unit.spec.params)
             raise ValueError(
-                f"use_orig_params=False expects one dtype per unit, but {unit.owner_name} mixes {listing}; "
+                f"use_orig_params=False expects one dtype per unit, but {unit.spec.name} mixes {listing}; "
                 "use use_orig_params=True or wrap the differently-typed modules separately"
             )
-        requires_grad = {p.sharded_param.requires_grad for p in unit.params}
+        requires_grad = {p.sharded_param.requires_grad for p in unit.spec.params}
         if len(requires_grad) > 1:
-            frozen = [p.fqn for p in unit.params if not p.sharded_param.requires_grad]
+            frozen = [p.fqn for p in unit.spec.params if not p.sharded_param.requires_grad]
             raise ValueError(
                 f"use_orig_params=False expects all parameters of a unit to share requires_grad, but "
-                f"{unit.owner_name} has frozen {frozen} next to trainable ones (a flat parameter would "
+                f"{unit.spec.name} has frozen {frozen} next to trainable ones (a flat parameter would "
                 "let the optimizer change the frozen ones); use use_orig_params=True or wrap the frozen "
                 "modules in their own unit"
             )
         self.unit = unit
         self.module = module  # where the flat parameter is registered, as ``name``
         self.name = name
-        self.param = nn.Parameter(unit.shard_buffer, requires_grad=requires_grad.pop())
+        self.param = nn.Parameter(unit.buffers.shard_buffer, requires_grad=requires_grad.pop())
         register_param_unit(self.param, unit)  # clip_grad_norm_ and the scaler find its replicas
-        if unit.keep_low_precision_grads:
-            compat.set_grad_dtype(self.param, unit.reduce_dtype, unit.owner_name)
+        if unit.spec.keep_low_precision_grads:
+            compat.set_grad_dtype(self.param, unit.buffers.reduce_dtype, unit.spec.name)
         module.register_parameter(name, self.param)
-        unit.install_buffer_view(self)
+        unit.buffers.install_view(self, unit.spec.name)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -60,7 +60,7 @@ class FlatParamView:
     def sync_requires_grad(self) -> None:
         """``requires_grad_`` on the flat parameter (``module.requires_grad_(False)``
         on a wrapped unit) freezes or unfreezes every parameter in it."""
-        for param in self.unit.params:
+        for param in self.unit.spec.params:
             if param.sharded_param.requires_grad != self.param.requires_grad:
                 param.sharded_param.requires_grad_(self.param.requires_grad)
 
@@ -72,12 +72,12 @@ class FlatParamView:
         Raises:
             RuntimeError: ``t`` is not of the shard's shape.
         """
-        shard = self.unit.shard_buffer
+        shard = self.unit.buffers.shard_buffer
         if self.param.shape == shard.shape and self.param.data_ptr() == shard.data_ptr():
             return
         if self.param.shape != shard.shape:
             raise RuntimeError(
-                f"{self.unit.owner_name}'s flat parameter was given a tensor of shape {tuple(self.param.shape)}, "
+                f"{self.unit.spec.name}'s flat parameter was given a tensor of shape {tuple(self.param.shape)}, "
                 f"but it is this rank's flat shard of shape {tuple(shard.shape)}: change values in place or "
                 "assign a tensor of the shard's shape"
             )

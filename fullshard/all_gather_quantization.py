@@ -51,21 +51,21 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
             names = ", ".join(p.fqn for p in group.buffers.extended)
             raise NotImplementedError(
                 f"set_all_gather_quantization is not yet supported with tensor-subclass parameters, which gather "
-                f"in their own format ({group.owner_name} holds {names}); leave this unit out of `module`"
+                f"in their own format ({group.spec.name} holds {names}); leave this unit out of `module`"
             )
-        other_dims = [p.fqn for p in group.params if p.shard_dim != 0]
+        other_dims = [p.fqn for p in group.spec.params if p.shard_dim != 0]
         if other_dims:
             raise NotImplementedError(
                 f"set_all_gather_quantization is not yet supported with shard_placement_fn's dims other than 0 "
-                f"({group.owner_name} shards {', '.join(other_dims)} so); return None for them"
+                f"({group.spec.name} shards {', '.join(other_dims)} so); return None for them"
             )
-        if group.storage_layout.dtype == torch.uint8:
-            dtypes = sorted({str(p.orig_dtype) for p in group.params})
+        if group.buffers.storage_layout.dtype == torch.uint8:
+            dtypes = sorted({str(p.orig_dtype) for p in group.spec.params})
             raise NotImplementedError(
-                f"set_all_gather_quantization is not yet supported with a unit of several dtypes ({group.owner_name}"
+                f"set_all_gather_quantization is not yet supported with a unit of several dtypes ({group.spec.name}"
                 f" holds {', '.join(dtypes)}); give its parameters one dtype"
             )
-        exact = [_keeps_exact(param, quantization) for param in group.params]
+        exact = [_keeps_exact(param, quantization) for param in group.spec.params]
         group.gather.codec = QuantizedGather(quantizer, exact)
 
 

@@ -52,8 +52,8 @@ def _owned_local_grad(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Te
         return grad._local_tensor, mesh.size() / world
     unit = unit_of(param)  # the wrapper's flat parameter, or a plain shard view
     if unit is not None:
-        owned = unit.mesh_info.replicate.rank == 0
-        return (grad if owned else None), unit.mesh_info.mesh.size() / world
+        owned = unit.spec.mesh_info.replicate.rank == 0
+        return (grad if owned else None), unit.spec.mesh_info.mesh.size() / world
     return (grad if dist.get_rank() == 0 else None), 1.0
 
 

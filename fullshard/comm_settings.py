@@ -90,7 +90,7 @@ class CommSettings:
         rank alike. ``False`` goes back to the mesh's group."""
         created: dict[tuple[int, ...], GroupInfo] = {}
         for group in self._groups(recurse):
-            shard = group.mesh_info.shard
+            shard = group.spec.mesh_info.shard
             if not enable or shard.group is None:
                 group.reduce_settings.scatter_group = None
                 continue

@@ -248,8 +248,11 @@ class FSDPModule(CommSettings, nn.Module):
         # a moved half with a meta half would leave the whole unit on meta.
         result = super()._apply(*args, **kwargs)
         group = self._fsdp_state().group
-        if group is not None and len({getattr(p.module_registration(), "device", None) for p in group.params}) == 1:
-            group.rebind_shards()
+        if (
+            group is not None
+            and len({getattr(p.module_registration(), "device", None) for p in group.spec.params}) == 1
+        ):
+            group.buffers.rebind(group.spec.name)
         return result
 
     def __deepcopy__(self, memo: dict) -> NoReturn:

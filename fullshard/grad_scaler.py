@@ -279,16 +279,16 @@ def _mesh_of(param: torch.Tensor) -> DeviceMesh | None:
     if isinstance(param, DTensor):
         return param.device_mesh
     unit = unit_of(param)  # the wrapper's flat parameter, or a plain shard view
-    return unit.mesh_info.mesh if unit is not None else None
+    return unit.spec.mesh_info.mesh if unit is not None else None
 
 
 def _describe(param: torch.Tensor) -> str:
     """``param`` named for messages (it has a mesh: see ``_mesh_of``)."""
     unit = unit_of(param)
     if unit is not None and param is buffer_param(unit):
-        return f"the flat parameter of {unit.owner_name}"
+        return f"the flat parameter of {unit.spec.name}"
     if unit is not None:
-        shape = next(tuple(p.global_size) for p in unit.params if p.sharded_param is param)
+        shape = next(tuple(p.global_size) for p in unit.spec.params if p.sharded_param is param)
         return f"a parameter of shape {shape}"
     return f"a parameter of shape {tuple(param.shape)}"
 

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import state_dict as state_dicts
 from . import wrapper_optim_state as optim_states
 from . import wrapper_summon
+from ._core.common import TrainingState as EngineState
 from ._core.common import module_class_name
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo
@@ -174,9 +175,9 @@ class FullyShardedDataParallel(nn.Module):
         config = unit_config(strategy, settings)
         state = manage_module(self, mesh_info, config, ignored_params, ignored_mods)
         if use_orig_params and state.group is not None:
-            for param in state.group.params:  # lets clip_grad_norm_ and the scaler find its unit
+            for param in state.group.spec.params:  # lets clip_grad_norm_ and the scaler find its unit
                 register_param_unit(param.sharded_param, state.group)
-            warn_if_mixed_requires_grad(state.group.params, state.group.owner_name)
+            warn_if_mixed_requires_grad(state.group.spec.params, state.group.spec.name)
         install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
         install_prefix_hooks(self)
         # Before the engine's own pre-forward (registered first, so prepended after).
@@ -231,7 +232,7 @@ class FullyShardedDataParallel(nn.Module):
         if wrapper_summon.is_summoned(state):
             return TrainingState.SUMMON_FULL_PARAMS
         busy = state.group.training_state if state.group is not None else state.training_state
-        return TrainingState.IDLE if busy.name == "IDLE" else TrainingState.FORWARD_BACKWARD
+        return TrainingState.IDLE if busy is EngineState.IDLE else TrainingState.FORWARD_BACKWARD
 
     @property
     def _inter_node_pg(self) -> dist.ProcessGroup | None:
@@ -297,7 +298,7 @@ class FullyShardedDataParallel(nn.Module):
         result = super()._apply(*args, **kwargs)
         group = self._state.group
         if group is not None:
-            group.rebind_shards()
+            group.buffers.rebind(group.spec.name)
         return result
 
     def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:

@@ -84,7 +84,7 @@ def _show_full_params(
         if group.training_state is not TrainingState.IDLE:
             raise AssertionError(
                 f"summon_full_params expects no forward or backward in progress, but unit "
-                f"{group.owner_name} is in {group.training_state.name}"
+                f"{group.spec.name} is in {group.training_state.name}"
             )
     for group in groups:
         adopt_user_params(group)
@@ -100,20 +100,20 @@ def _show_full_params(
             if offload_to_cpu:
                 values = [v.cpu() for v in values]
                 grads = [g.cpu() if g is not None else None for g in grads]
-            for param, value, grad in zip(group.params, values, grads):
+            for param, value, grad in zip(group.spec.params, values, grads):
                 param.show_full(value, grad, with_grads)
-            if group.buffer_view is not None:  # the full parameters stand in for it
-                group.buffer_view.hide()
+            if group.buffers.view is not None:  # the full parameters stand in for it
+                group.buffers.view.hide()
             summoned.append(group)
         yield
     finally:
         for group in summoned:
             if writeback:
-                full_params.write_back(group, [param.full_shown() for param in group.params])
-            for param in group.params:
+                full_params.write_back(group, [param.full_shown() for param in group.spec.params])
+            for param in group.spec.params:
                 param.end_show_full()
-            if group.buffer_view is not None:
-                group.buffer_view.show()
+            if group.buffers.view is not None:
+                group.buffers.view.show()
 
 
 def adopt_user_params_before_forward(wrapper: nn.Module, _args: Any) -> None:
@@ -124,7 +124,7 @@ def adopt_user_params_before_forward(wrapper: nn.Module, _args: Any) -> None:
     if state is None or state.is_root is False:
         return
     for below in states_below(wrapper):
-        view = below.group.buffer_view if below.group is not None else None
+        view = below.group.buffers.view if below.group is not None else None
         if isinstance(view, FlatParamView):
             view.adopt_assigned_data()
         elif below.group is not None:
@@ -142,7 +142,7 @@ def adopt_user_params(unit: ParamGroup) -> None:
     """
     if unit.is_unsharded:  # registered now: the unsharded parameters (forward, or kept after it)
         return
-    for param in unit.params:
+    for param in unit.spec.params:
         if not param.presentation.keeps_user_param:
             return
         registered = param.module_registration()

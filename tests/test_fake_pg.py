@@ -73,9 +73,9 @@ def test_shapes_padding_and_bytes_per_step(world):
             assert param.shape == shapes[name]
             assert param.to_local().shape == (min(per_rank, rows), *shapes[name][1:]), name  # rank 0's rows
         units = [fully_shard.state(m).group for m in (model[0], model)]
-        padded = [sum(world * p.shard_numel for p in unit.params) * 4 for unit in units]
+        padded = [sum(world * p.shard_numel for p in unit.spec.params) * 4 for unit in units]
         for unit, nbytes in zip(units, padded):
-            assert unit.shard_buffer.numel() * 4 * world == nbytes
+            assert unit.buffers.shard_buffer.numel() * 4 * world == nbytes
         calls, patches = _gloo_substitutes_forbidden()
         for patch in patches:
             patch.start()

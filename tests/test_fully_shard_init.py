@@ -39,7 +39,7 @@ def test_move_states_to_device_tensor():
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         assert tensor.device == _device()
     # The shards live in the unit's one flat buffer on that device.
-    buffer = fully_shard.state(model).group.shard_buffer
+    buffer = fully_shard.state(model).group.buffers.shard_buffer
     start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
     for param in model.parameters():
         assert start <= param.to_local().data_ptr() < end
@@ -310,15 +310,15 @@ def test_fully_shard_module_and_param_fqns():
     model = _nested_mlps()
     fully_shard.state(model).lazy_init()
     expected = {
-        model: ("", {"1.in_proj.weight", "1.in_proj.bias", "1.out_proj.weight", "1.out_proj.bias"}),
+        model: ("Sequential", {"1.in_proj.weight", "1.in_proj.bias", "1.out_proj.weight", "1.out_proj.bias"}),
         model[0].in_proj: ("0.in_proj", {"0.in_proj.weight", "0.in_proj.bias"}),
         model[0].out_proj: ("0.out_proj", {"0.out_proj.weight", "0.out_proj.bias"}),
     }
-    for module, (module_fqn, param_fqns) in expected.items():
+    for module, (unit_name, param_fqns) in expected.items():
         group = fully_shard.state(module).group
         assert group is not None
-        assert group.module_fqn == module_fqn
-        assert {p.fqn for p in group.params} == param_fqns
+        assert group.spec.name == unit_name  # the root: its class
+        assert {p.fqn for p in group.spec.params} == param_fqns
 
 
 @distributed(world_size=2)

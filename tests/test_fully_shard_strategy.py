@@ -106,9 +106,9 @@ def test_hybrid_strategy_builds_node_groups(strategy):
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     ref = CompositeParamModel()
     model = fully_shard(copy.deepcopy(ref), policy=ModuleWrapPolicy({UnitModule}), strategy=strategy)
-    info = get_state(model.u1).group.mesh_info
+    info = get_state(model.u1).group.spec.mesh_info
     assert info.shard.size == 2 and info.replicate.size == 2
-    assert get_state(model).group.mesh_info.mesh is info.mesh  # one mesh for every unit
+    assert get_state(model).group.spec.mesh_info.mesh is info.mesh  # one mesh for every unit
     counts = train_and_compare(model, ref, composite_loss, composite_batch)
     assert counts["all_reduce"] == 3 * 5 and counts["reduce_scatter"] == 3 * 5
     assert_params_equal(model, ref)

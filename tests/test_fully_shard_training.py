@@ -381,7 +381,7 @@ def test_parity_mixed_parameter_dtypes():
     model = copy.deepcopy(ref)
     fully_shard(model)
     group = fully_shard.state(model).group
-    assert group.shard_buffer.dtype == torch.uint8  # bytes: fp32 and fp64 shards side by side
+    assert group.buffers.shard_buffer.dtype == torch.uint8  # bytes: fp32 and fp64 shards side by side
     assert model.scale.dtype == torch.float64 and model.scale.to_local().dtype == torch.float64
     batches = [(torch.randn(8, 6),) for _ in range(5)]
     train_in_parity(model, ref, adamw(model), adamw(ref), batches, lambda m, b: m(b[0]).square().mean())

@@ -1,4 +1,4 @@
-"""``ShardParam.shard_of``: a full value (a state dict's) as this rank's shard.
+"""``ShardParam.shard_from_full``: a full value (a state dict's) as this rank's shard.
 
 The oracle is torch's ``distribute_tensor`` with the sharded parameter's mesh
 and placements, and the shard the engine took at construction.
@@ -25,7 +25,7 @@ def _model() -> nn.Sequential:
 
 
 def _assert_shard(param, value: torch.Tensor) -> None:
-    shard = param.shard_of(value)
+    shard = param.shard_from_full(value)
     expected = distribute_tensor(value, param.spmd_mesh, param.placements, src_data_rank=None)
     assert shard.device_mesh == param.spmd_mesh and tuple(shard.placements) == tuple(param.placements)
     assert shard.shape == value.shape, param.fqn
@@ -42,7 +42,7 @@ def test_every_rank_gets_its_rows_1d_and_2d():
     for shard_placement_fn in (None, lambda p: Shard(1) if p.ndim == 2 else None):
         model = _model()
         fully_shard(model, mesh=init_device_mesh("cpu", (4,)), shard_placement_fn=shard_placement_fn)
-        for param in fully_shard.state(model).group.params:
+        for param in fully_shard.state(model).group.spec.params:
             _assert_shard(param, full[param.fqn])
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -52,7 +52,7 @@ def test_every_rank_gets_its_rows_1d_and_2d():
         module, attr = model[int(name[0])], name[2:]
         setattr(module, attr, nn.Parameter(distribute_tensor(full[name], mesh["tp"], [placement], src_data_rank=None)))
     fully_shard(model, mesh=mesh["dp"])
-    for param in fully_shard.state(model).group.params:
+    for param in fully_shard.state(model).group.spec.params:
         assert isinstance(param.sharded_param, DTensor) and param.tp_mesh is not None
         _assert_shard(param, full[param.fqn])
 
@@ -80,10 +80,10 @@ def test_offloaded_shard_is_taken_on_the_host_without_a_full_copy():
         model = _model()
         fully_shard(model, mesh=init_device_mesh("cpu", (4,)), offload_policy=CPUOffloadPolicy(pin_memory=False))
         cuda_type = property(lambda self: "cuda")  # as in test_fake_pg: a class property wins on every torch
-        for param in fully_shard.state(model).group.params:
+        for param in fully_shard.state(model).group.spec.params:
             value = full[param.fqn]
             with mock.patch.object(DeviceMesh, "device_type", new=cuda_type, create=True), _Allocations() as spy:
-                shard = param.shard_of(value)
+                shard = param.shard_from_full(value)
                 assert shard.device_mesh.device_type == "cuda"
             assert shard._local_tensor.device.type == "cpu"
             torch.testing.assert_close(shard._local_tensor, param.local_shard, rtol=0, atol=0)

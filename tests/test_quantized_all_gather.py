@@ -103,7 +103,7 @@ def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype):
     packed = torch.empty(1, quantizer.packed_numel(values.numel()), dtype=torch.uint8)
     quantizer.encode(padded, packed[0])
     decoded = quantizer.decode(packed, values.numel())
-    index = [p.module_info.module for p in group.params].index(linear)
+    index = [p.module_info.module for p in group.spec.params].index(linear)
     start = sum(layout.sizes[i] for i in plan.coded[: plan.coded.index(index)])
     mine = decoded[0, start : start + layout.sizes[index]]
     rows = gathered.size(0) // dist.get_world_size()

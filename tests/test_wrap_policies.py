@@ -70,7 +70,7 @@ def test_fully_shard_with_policy():
     fully_shard(model, policy=policy)
     assert get_state(model.u1).group.reshard_after_forward is True
     assert get_state(model.u2).group.reshard_after_forward is False
-    assert {p.fqn for p in get_state(model).group.params} == {"l.weight", "l.bias", "p"}
+    assert {p.fqn for p in get_state(model).group.spec.params} == {"l.weight", "l.bias", "p"}
     model(torch.randn(4, 16)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 

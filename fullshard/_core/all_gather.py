@@ -18,6 +18,7 @@ from .layout import Layout
 from .mesh import GroupInfo
 from .param import ShardParam
 from .quantized_gather import QuantizedGather
+from .spec import UnitSpec
 
 
 def _extension(param: ShardParam) -> GatherExtension:
@@ -57,11 +58,10 @@ def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[li
 class AllGather:
     """The all-gather steps of one unit's parameters."""
 
-    def __init__(self, params: list[ShardParam], buffers: UnitBuffers, device: torch.device, offload: bool) -> None:
-        self.params = params
+    def __init__(self, spec: UnitSpec, buffers: UnitBuffers) -> None:
+        self.params = spec.params
         self.buffers = buffers
-        self.device = device  # where compute and communication happen
-        self.offload = offload
+        self.device = spec.device  # where compute and communication happen
         self.codec: QuantizedGather | None = None  # set_all_gather_quantization
         self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
 
@@ -155,7 +155,7 @@ class AllGather:
         if in_flight.work is not None:
             in_flight.work.wait()
         offload.join_stream(self.device, offload.ALL_GATHER)
-        padded = [p.padded_unsharded(self.device) if p.extension is None else self._no_region() for p in self.params]
+        padded = [p.unsharded_storage(self.device) if p.extension is None else self._no_region() for p in self.params]
         views = split_views(self.params, padded)
         for param in in_flight.extended:
             outputs = _extension(param).outputs(in_flight.num_chunks, self.device)
@@ -185,7 +185,7 @@ class AllGather:
         layout = self.buffers.gather_layout.scaled(shard_size // group.size)
         kept = torch.empty(layout.total, dtype=layout.dtype, device=self.device)
         for index, param in enumerate(self.params):
-            full = param.padded_unsharded(self.device)
+            full = param.unsharded_storage(self.device)
             full = full if full.dtype == layout.dtype else full.view(layout.dtype)
             layout.region(kept, index, layout.dtype).copy_(full.view(group.size, -1)[group.rank])
         return PostForwardShard(kept, layout, group)

@@ -8,29 +8,25 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..api import MixedPrecisionPolicy
 from .buffer_view import BufferView
 from .layout import Layout
 from .param import ShardParam
+from .spec import UnitSpec
 
 
 class UnitBuffers:
     """Packs and re-packs a unit's shards; ``shard_buffer`` is their home (1D)."""
 
-    def __init__(
-        self,
-        params: list[ShardParam],
-        mp_policy: MixedPrecisionPolicy,
-        storage_device: torch.device,
-        pin_memory: bool,
-        shards: list[torch.Tensor],
-    ) -> None:
-        self.params = params
+    def __init__(self, spec: UnitSpec, shards: list[torch.Tensor]) -> None:
+        self.params = spec.params
         # The parameters whose all-gather an extension makes (see extension.py).
-        self.extended = tuple(p for p in params if p.extension is not None)
-        self.mp_policy = mp_policy
-        self.storage_device = storage_device  # the host under CPU offload
-        self.pin_memory = pin_memory  # pinned host memory: copies to an accelerator are asynchronous
+        self.extended = tuple(p for p in self.params if p.extension is not None)
+        self.mp_policy = spec.mp_policy
+        self.storage_device = spec.storage_device  # the host under CPU offload
+        self.offload = spec.offload
+        self.pin_memory = spec.pin_memory  # pinned host memory: copies to an accelerator are asynchronous
+        # A front end's tensor registered in place of the shards (see buffer_view.py).
+        self.view: BufferView | None = None
         self.build(shards)
 
     @torch.no_grad()
@@ -58,6 +54,19 @@ class UnitBuffers:
         self.storage_layout = Layout.build([p.buffer_numel for p in self.params], dtypes)
         self._bind(buffer, dtypes)
 
+    def install_view(self, view: BufferView, owner: str) -> None:
+        """A front end registers ``view`` in place of the shards (see buffer_view.py);
+        ``owner`` names the unit in errors."""
+        if self.extended:
+            raise NotImplementedError(
+                f"tensor-subclass parameters ({self.extended[0].fqn} in {owner}) are not yet supported with "
+                "use_orig_params=False (one flat parameter cannot hold them); use fully_shard"
+            )
+        self.view = view
+        for param in self.params:
+            param.register_sharded = False
+            param.to_sharded()
+
     def check_materialized(self) -> None:
         if self.shard_buffer.is_meta:
             names = [p.fqn for p in self.params]
@@ -68,8 +77,9 @@ class UnitBuffers:
                 "on each module."
             )
 
-    def rebind(self, view: BufferView | None, offload: bool, owner: str) -> None:
-        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``).
+    def rebind(self, owner: str) -> None:
+        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``);
+        ``owner`` names the unit in errors.
 
         With a buffer view (the wrapper's flat parameter), ``_apply`` moved that
         view itself (the shards are plain attributes it does not visit): adopt
@@ -80,7 +90,8 @@ class UnitBuffers:
             if isinstance(registered, DTensor) and registered is not param.sharded_param:  # a Parameter
                 param.sharded_param = registered  # _apply replaced rather than swapped
             param.forget_unsharded()
-        if offload:
+        view = self.view
+        if self.offload:
             _check_on_host(view, self.params, owner)
         if view is not None:
             self.adopt(view.tensor.detach())
@@ -89,16 +100,16 @@ class UnitBuffers:
         else:
             self.build([p.local_shard for p in self.params])
 
-    def adopt_registered(self, view: BufferView | None, offload: bool, owner: str) -> None:
+    def adopt_registered(self, owner: str) -> None:
         """Takes the parameters now registered on the modules as the shards, when
         the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
         model's parameters assigned piece by piece): their values move into the
         unit's buffer, which they then view."""
-        if view is None and any(
+        if self.view is None and any(
             isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
             for p in self.params
         ):
-            self.rebind(view, offload, owner)
+            self.rebind(owner)
 
     def _bind(self, buffer: torch.Tensor, dtypes: list[torch.dtype] | None = None) -> None:
         """Makes ``buffer`` (storage layout) the home of every parameter's shard,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -129,3 +130,21 @@ def flatten_tensors(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(found.append, tree)
     return found
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def outside_transforms(method: _Method) -> _Method:
+    """Runs a buffer transition with functorch transforms (``torch.func.jvp``)
+    switched off: buffers it allocates must stay plain tensors whose storage
+    can be freed, not wrappers of the transform's level."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._are_functorch_transforms_active():
+            return method(*args, **kwargs)
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return cast(_Method, run)

@@ -17,17 +17,24 @@ elements still differ).
     (gathering into scratch, reducing zero gradients, as DDP does for unused
     parameters): nothing hangs, and the gradients stay those of the union.
 Prefetching is off meanwhile, so every collective passes a check. At other
-debug levels none of this exists: the engine tests ``ctx.validator is None``.
+debug levels none of this exists: the root runs a plain ``schedule.Schedule``
+and its units reduce without a gate (``CheckedSchedule`` below is the DETAIL one).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple, cast
 
+import torch
 import torch.distributed as dist
 
 from . import comm
+from .common import TrainingState
+from .group import ParamGroup
+from .param import ShardParam
+from .schedule import Schedule
 
 
 class Fingerprint(NamedTuple):
@@ -111,5 +118,79 @@ class ExecOrderValidator:
                 "Collectives are unchecked and may give incorrect results or hang (at this debug level "
                 "fullshard runs every rank's collectives in one agreed order instead)",
                 UserWarning,
-                stacklevel=5,
+                stacklevel=6,
             )
+
+
+class CheckedSchedule(Schedule):
+    """The schedule at DETAIL debug level: every gather and reduction of a unit
+    waits until the ranks agreed on it (see [Note: Execution order])."""
+
+    def __init__(self, queue_end_of_backward: Callable[[], None], units: list[ParamGroup]) -> None:
+        super().__init__(queue_end_of_backward)
+        self.validator = ExecOrderValidator()
+        self._units = units  # the root's order: a unit's index names it across ranks
+        self._unit_index = {unit: index for index, unit in enumerate(units)}
+
+    def begin_iteration(self) -> None:
+        super().begin_iteration()
+        self.validator.begin_iteration()
+
+    def abandon_step(self) -> None:
+        super().abandon_step()
+        self.validator = ExecOrderValidator()
+
+    def prefetch(self, unit: ParamGroup) -> None:
+        pass  # every gather passes the order check instead
+
+    def _gather_for_forward(self, unit: ParamGroup) -> None:
+        fingerprint = self._fingerprint("forward", unit, unit.unshard_needs_collective())
+        self._run_agreed_all_gathers(self.validator.gate_forward(fingerprint), unit)
+        super()._gather_for_forward(unit)
+
+    def _gather_for_backward(self, unit: ParamGroup) -> None:
+        gathers = unit.unshard_in_backward and unit.unshard_needs_collective()
+        self._run_agreed_all_gathers(self.validator.gate(self._fingerprint("backward", unit, gathers)), unit)
+        super()._gather_for_backward(unit)
+
+    def gate_reduction(self, unit: ParamGroup, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
+        """Starts reducing ``unit``'s gradients ``grads`` (of ``params``) once the ranks agreed
+        on it; joins the reductions other ranks asked for, in the agreed order."""
+        agreed = self.validator.gate(self._fingerprint("reduce", unit, True, params))
+        if agreed is None:
+            unit.grads.submit(params, grads)
+            return
+        for index, names in agreed:  # the same order on every rank
+            other = self._units[index]
+            if other is unit and names == [p.fqn for p in params]:
+                unit.grads.submit(params, grads)
+            else:
+                _join_reduction(other, names)
+
+    def _fingerprint(
+        self, kind: str, unit: ParamGroup, collective: bool, params: list[ShardParam] | None = None
+    ) -> Fingerprint:
+        shapes = tuple((p.fqn, tuple(p.global_size)) for p in params or unit.spec.params)
+        return Fingerprint(kind, self._unit_index[unit], collective, shapes)
+
+    def _run_agreed_all_gathers(self, agreed: list[Agreed] | None, mine: ParamGroup) -> None:
+        """Runs the all-gathers the ranks agreed on: this rank's own for real, the
+        others' into scratch."""
+        for index, _ in agreed or []:
+            unit = self._units[index]
+            if unit is mine and unit.unshard_needs_collective():
+                unit.unshard()
+                unit.wait_for_unshard()
+            else:
+                unit.join_all_gather()
+
+
+def _join_reduction(unit: ParamGroup, names: list[str]) -> None:
+    """Takes part in another rank's reduction of ``unit``'s parameters ``names`` with
+    zero gradients; the averaged result is this rank's gradient too, as DDP does
+    for unused parameters."""
+    params = [p for p in unit.spec.params if p.fqn in names]
+    grads = [unit.grads.zero_grad(p) for p in params]
+    if unit.training_state is TrainingState.IDLE:
+        unit.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
+    unit.grads.submit(params, grads)

@@ -12,44 +12,15 @@ gradient sync they stay unsharded, summed in the reduce dtype.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import comm, offload, trace
-from .buffer_view import BufferView
-from .layout import Layout
-from .mesh import MeshInfo
+from . import comm, offload
+from .buffers import UnitBuffers
 from .param import ShardParam
-from .reduction import GradReduction, ReduceSettings, ReductionQueue, split_reduced
-
-
-class GradUnit(Protocol):
-    """What gradient intake reads from its unit (a ``ParamGroup``)."""
-
-    @property
-    def params(self) -> list[ShardParam]: ...
-    @property
-    def mesh_info(self) -> MeshInfo: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def storage_device(self) -> torch.device: ...
-    @property
-    def offload(self) -> bool: ...
-    @property
-    def reduce_dtype(self) -> torch.dtype: ...
-    @property
-    def reduce_settings(self) -> ReduceSettings: ...
-    @property
-    def keep_low_precision_grads(self) -> bool: ...
-    @property
-    def storage_layout(self) -> Layout: ...
-    @property
-    def buffer_view(self) -> BufferView | None: ...
-    @property
-    def labels(self) -> trace.UnitLabels: ...
+from .reduction import GradReduction, ReduceSettings, ReductionQueue, plan_reduction, split_reduced
+from .spec import UnitSpec
 
 
 def per_param(params: list[ShardParam], output: torch.Tensor) -> Iterator[tuple[ShardParam, torch.Tensor]]:
@@ -60,22 +31,25 @@ def per_param(params: list[ShardParam], output: torch.Tensor) -> Iterator[tuple[
 class GradIntake:
     """One unit's gradients between autograd and the sharded ``.grad``."""
 
-    def __init__(self, unit: GradUnit) -> None:
-        self.unit = unit
+    def __init__(self, spec: UnitSpec, buffers: UnitBuffers, settings: ReduceSettings) -> None:
+        self.spec = spec  # the unit's: replaced when the unit is named
+        self.buffers = buffers
+        self.settings = settings  # the unit's, changed at run time
+        self.queue: ReductionQueue | None = None  # the root's, from its lazy init on
         self.awaiting: set[ShardParam] = set()  # parameters whose gradient autograd has not produced yet
         self._partial: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
 
     def expect(self) -> None:
         self.awaiting = {
-            p for p in self.unit.params if p.unsharded_param is not None and p.unsharded_param.requires_grad
+            p for p in self.spec.params if p.unsharded_param is not None and p.unsharded_param.requires_grad
         }
 
     def take(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
         """Pops this step's unsharded gradients (with what was accumulated unsynced);
         zeros for the unused trainable parameters when the unit includes them."""
-        include_unused = self.unit.reduce_settings.include_unused
+        include_unused = self.settings.include_unused
         params, grads = [], []
-        for param in self.unit.params:
+        for param in self.spec.params:
             grad = _pop_unsharded_grad(param)
             if param.unsynced_grad is not None:
                 grad = param.unsynced_grad if grad is None else param.unsynced_grad.add_(grad)
@@ -90,13 +64,13 @@ class GradIntake:
     def owes_reduction(self) -> bool:
         """Whether the end of backward must still reduce: gradients are pending, or
         the unit includes unused parameters (the other ranks reduce them too)."""
-        include_unused = self.unit.reduce_settings.include_unused
-        return self.has_pending() or (include_unused and any(p.sharded_param.requires_grad for p in self.unit.params))
+        include_unused = self.settings.include_unused
+        return self.has_pending() or (include_unused and any(p.sharded_param.requires_grad for p in self.spec.params))
 
     def accumulate_unsynced(self) -> None:
         """No sync: gradients stay unsharded, summed in the reduce dtype."""
-        reduce_dtype = self.unit.reduce_dtype
-        for param in self.unit.params:
+        reduce_dtype = self.buffers.reduce_dtype
+        for param in self.spec.params:
             unsharded = param.unsharded_param
             if unsharded is None or unsharded.grad is None:
                 continue
@@ -107,7 +81,7 @@ class GradIntake:
 
     def discard(self) -> None:
         """Drops every gradient not yet reduced: unsharded, accumulated unsynced, partial."""
-        for param in self.unit.params:
+        for param in self.spec.params:
             _pop_unsharded_grad(param)
             param.unsynced_grad = None
         self._partial.clear()
@@ -115,33 +89,26 @@ class GradIntake:
     def has_pending(self) -> bool:
         return any(
             p.unsynced_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
-            for p in self.unit.params
+            for p in self.spec.params
         )
 
     def zero_grad(self, param: ShardParam) -> torch.Tensor:
         """A zero unsharded gradient: joining a reduction this rank has nothing for."""
-        return torch.zeros(param.unsharded_size, dtype=param.param_dtype, device=self.unit.device)
+        return torch.zeros(param.unsharded_size, dtype=param.param_dtype, device=self.spec.device)
 
-    def submit(self, params: list[ShardParam], grads: list[torch.Tensor], queue: ReductionQueue) -> None:
+    def submit(self, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
         """Starts reducing ``grads`` (of ``params``); the result lands in ``.grad``."""
-        unit = self.unit
+        queue, spec, settings = self.queue, self.spec, self.settings
+        if queue is None:
+            raise AssertionError(f"{spec.name} reduced gradients before its root's lazy init")
         queue.make_room()
-        partial_only = unit.reduce_settings.partial_only(unit.mesh_info.replicate)
+        partial_only = settings.partial_only(spec.mesh_info.replicate)
         partial = None
         if self._partial and not partial_only:
             params, grads, partial = self._take_partial(params, grads)
-        reduction = GradReduction(
-            grads,
-            [p.shard_numel for p in params],
-            [p.shard_dim for p in params],
-            unit.reduce_settings.scatter_group or unit.mesh_info.shard,
-            unit.mesh_info.replicate,
-            unit.reduce_dtype,
-            on_done=lambda output: (self._keep_partial if partial_only else self._accept)(params, output),
-            settings=unit.reduce_settings,
-            partial=partial,
-            labels=unit.labels,
-        )
+        plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial)
+        on_done = self._keep_partial if partial_only else self._accept
+        reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels)
         del grads  # the copy-in holds them now; free the unsharded gradients
         queue.submit(reduction)
 
@@ -151,13 +118,13 @@ class GradIntake:
         """Adds the parameters that only have a partial result (zero gradients now)
         and returns the partial results laid out like the reduction's output."""
         given = dict(zip(params, grads))
-        params = [p for p in self.unit.params if p in given or p in self._partial]
+        params = [p for p in self.spec.params if p in given or p in self._partial]
         grads = [given[p] if p in given else self.zero_grad(p) for p in params]
         partial = torch.cat(
             [
                 self._partial.pop(p)
                 if p in self._partial
-                else torch.zeros(p.shard_numel, dtype=self.unit.reduce_dtype, device=self.unit.device)
+                else torch.zeros(p.shard_numel, dtype=self.buffers.reduce_dtype, device=self.spec.device)
                 for p in params
             ]
         )
@@ -169,11 +136,11 @@ class GradIntake:
             self._partial[param] = chunk if kept is None else kept.add_(chunk)
 
     def _grad_dtype(self, param: ShardParam) -> torch.dtype:
-        return self.unit.reduce_dtype if self.unit.keep_low_precision_grads else param.orig_dtype
+        return self.buffers.reduce_dtype if self.spec.keep_low_precision_grads else param.orig_dtype
 
     def _accept(self, params: list[ShardParam], output: torch.Tensor) -> None:
         """Adds the reduced shards (``output``: ``params``' shards back to back) to ``.grad``."""
-        view = self.unit.buffer_view
+        view = self.buffers.view
         if view is not None:
             self._accept_in_buffer_layout(view.tensor, params, output)
             return
@@ -181,23 +148,23 @@ class GradIntake:
         for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
             sharded = param.sharded_param
             if sharded.grad is None:
-                sharded.grad = param.present_padded(padded)
+                sharded.grad = param.present_from_padded(padded)
             else:
                 offload.wait_for_host_copies()  # the CPU adds now
-                local = param.rows_of(sharded.grad)
+                local = param.rows_from_presented(sharded.grad)
                 local.add_(padded[: local.numel()].view_as(local))
         _step_in_backward_optimizers([p.sharded_param for p in params])
 
     def _accept_in_buffer_layout(self, target: torch.Tensor, params: list[ShardParam], output: torch.Tensor) -> None:
-        unit = self.unit
+        spec = self.spec
         dtype = self._grad_dtype(params[0])
-        if len(params) == len(unit.params):  # every shard present: output has the buffer's layout
+        if len(params) == len(spec.params):  # every shard present: output has the buffer's layout
             full = self._to_storage(output, dtype)
         else:
-            layout = unit.storage_layout
-            full = torch.zeros(layout.total, dtype=dtype, device=unit.storage_device)
+            layout = self.buffers.storage_layout
+            full = torch.zeros(layout.total, dtype=dtype, device=spec.storage_device)
             for param, chunk in per_param(params, output):
-                start = layout.offsets[unit.params.index(param)]
+                start = layout.offsets[spec.params.index(param)]
                 full[start : start + param.shard_numel].copy_(chunk)
         if target.grad is None:
             target.grad = full
@@ -209,9 +176,9 @@ class GradIntake:
     def _to_storage(self, reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A reduced gradient shard where the shards live: offloaded, copied to host
         memory off the compute stream (see [Note: CPU offload])."""
-        if self.unit.offload:
+        if self.spec.offload:
             return offload.to_host(reduced, dtype)
-        return reduced.to(self.unit.storage_device, dtype)
+        return reduced.to(self.spec.storage_device, dtype)
 
 
 def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:

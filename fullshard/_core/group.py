@@ -27,42 +27,20 @@ inputs need no grad) is finished by the end-of-backward callback.
 from __future__ import annotations
 
 import enum
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
 
 import torch
 
-from ..api import CPUOffloadPolicy
 from . import compat, trace
 from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
-from .buffer_view import BufferView
 from .buffers import UnitBuffers
-from .common import TrainingState, UnitConfig
+from .common import TrainingState, outside_transforms
 from .grads import GradIntake
 from .layout import Layout
-from .mesh import GroupInfo, MeshInfo
+from .mesh import GroupInfo
 from .param import ShardParam
-from .presentation import DTENSOR_SHARDS
 from .reduction import ReduceSettings, ReductionQueue
-from .root import UnitRoot, Unrooted
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _outside_transforms(method: _Method) -> _Method:
-    """Runs a buffer transition with functorch transforms (``torch.func.jvp``)
-    switched off: buffers it allocates must stay plain tensors whose storage
-    can be freed, not wrappers of the transform's level."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch._C._are_functorch_transforms_active():
-            return method(*args, **kwargs)
-        with torch._C._DisableFuncTorch():
-            return method(*args, **kwargs)
-
-    return cast(_Method, run)
+from .root import ReductionGate, UnitRoot, Unrooted
+from .spec import UnitSpec
 
 
 class ShardedState(enum.Enum):
@@ -82,167 +60,115 @@ class UnitUse:
 
 
 class ParamGroup:
-    """One unit's lifecycle over its parameters (see the module docstring)."""
+    """One unit's lifecycle over its parameters (see the module docstring); what the
+    unit is (parameters, mesh, devices, name) is its ``spec`` (see [Note: Unit spec])."""
 
     def __init__(
-        self,
-        params: list[ShardParam],
-        mesh_info: MeshInfo,
-        post_forward: GroupInfo | None,
-        device: torch.device,
-        config: UnitConfig,
-        reshard_after_forward: bool,
-        unit_name: str,
+        self, spec: UnitSpec, reshard_after_forward: bool, post_forward: GroupInfo | None, chosen: bool
     ) -> None:
-        self.params = params
-        self.unit_name = unit_name  # the managed module's class, for messages before lazy init
-        self.mesh_info = mesh_info
-        self.post_forward_group = post_forward  # None unless resharding to a smaller group
-        self.device = device  # where compute and communication happen
-        self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
-        self.mp_policy = config.mp_policy
-        self.presentation = config.presentation or DTENSOR_SHARDS
-        self.keep_low_precision_grads = config.keep_low_precision_grads
-        self.buffer_view: BufferView | None = None  # see install_buffer_view
+        """``chosen``: the user set ``reshard_after_forward`` (the root keeps it too)."""
+        self.spec = spec
+        self.buffers = UnitBuffers(spec, [p.bound_rows for p in spec.params])
+        self.gather = AllGather(spec, self.buffers)
+        self.reduce_settings = ReduceSettings()
+        self.grads = GradIntake(spec, self.buffers, self.reduce_settings)
+        # Run-time settings (FSDPModule's setters).
         self.reshard_after_forward = reshard_after_forward
-        self._reshard_after_forward_chosen = config.reshard_after_forward is not None
+        self.post_forward_group = post_forward  # None unless resharding to a smaller group
+        self._reshard_after_forward_chosen = chosen
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.reduce_settings = ReduceSettings()
         self.unshard_in_backward = True  # False: backward needs no parameter values (embeddings)
-        self.grads = GradIntake(self)
-        self.module_fqn = ""  # set at lazy init
-        self.ctx: UnitRoot[ParamGroup] = Unrooted()  # the root's context from its lazy init on
+        # Lifecycle.
+        self.root: UnitRoot[ParamGroup] = Unrooted()  # the root's schedule from its lazy init on
+        self.reduction_gate: ReductionGate | None = None  # the order check's, at DETAIL debug level
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
         self._shows_shards_unsharded = False  # see show_shards
         self._post_forward_shard: PostForwardShard | None = None
         self._uses_in_backward = 0  # uses whose backward started and whose input hook has not fired
-        self._post_forward_indices: list[int] = []
-        self.prefetch_after_backward: list[ParamGroup] = []  # BackwardPrefetch.BACKWARD_POST
-        for param in params:
+        for param in spec.params:
             param.on_grad_ready = self._on_grad_ready
-        policy = config.offload_policy
-        pin_memory = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type != "cpu"
-        shards = [p.bound_rows for p in params]
-        self.buffers = UnitBuffers(params, config.mp_policy, self.storage_device, pin_memory, shards)
-        if self.buffers.extended and (post_forward is not None or self.offload):
-            raise NotImplementedError(
-                f"{'CPU offload' if self.offload else 'an int reshard_after_forward'} is not yet supported with "
-                f"tensor-subclass parameters ({self.buffers.extended[0].fqn} in {unit_name})"
-            )
-        self.gather = AllGather(params, self.buffers, device, self.offload)
-        for param in params:
             param.to_sharded()
-            if self.keep_low_precision_grads:
-                compat.set_grad_dtype(param.sharded_param, self.reduce_dtype, unit_name)
+            if spec.keep_low_precision_grads:
+                compat.set_grad_dtype(param.sharded_param, self.buffers.reduce_dtype, spec.name)
 
-    # -- buffers (see buffers.py) ------------------------------------------------
-    @property
-    def storage_device(self) -> torch.device:
-        return torch.device("cpu") if self.offload else self.device
+    def join_root(self, root: UnitRoot[ParamGroup], queue: ReductionQueue, gate: ReductionGate | None) -> None:
+        """The root's lazy init: ``queue`` takes this unit's reductions (through
+        ``gate`` first at DETAIL debug level, see [Note: Execution order]); the
+        parameters the user registered meanwhile become the shards."""
+        self.root = root
+        self.grads.queue = queue
+        self.reduction_gate = gate
+        self.buffers.adopt_registered(self.spec.name)
 
-    @property
-    def shard_buffer(self) -> torch.Tensor:
-        return self.buffers.shard_buffer
-
-    @property
-    def storage_layout(self) -> Layout:
-        return self.buffers.storage_layout
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        return self.buffers.reduce_dtype
+    def set_module_path(self, path: str) -> None:
+        """The root's lazy init knows the managed module's ``path`` in the model."""
+        self.spec = self.spec.named(path)
+        self.grads.spec = self.spec
 
     def set_full_precision(self, full_precision: bool) -> None:
         """Gathers and computes in the parameters' own dtype (True) instead of the
         mixed-precision ``param_dtype``; the unsharded forms change dtype, so a
         change reshards first."""
-        if all(p.full_precision == full_precision for p in self.params):
+        params = self.spec.params
+        if all(p.full_precision == full_precision for p in params):
             return
         self.reshard()
-        for param in self.params:
+        for param in params:
             param.full_precision = full_precision
         self.buffers.set_gather_layout()
-
-    def rebind_shards(self) -> None:
-        """Re-packs after ``nn.Module._apply`` gave the shards new tensors (see ``UnitBuffers.rebind``)."""
-        self.buffers.rebind(self.buffer_view, self.offload, self.owner_name)
-
-    def adopt_registered_shards(self) -> None:
-        """See ``UnitBuffers.adopt_registered``."""
-        self.buffers.adopt_registered(self.buffer_view, self.offload, self.owner_name)
-
-    def install_buffer_view(self, view: BufferView) -> None:
-        """A front end registers ``view`` in place of the shards (see buffer_view.py)."""
-        if self.buffers.extended:
-            raise NotImplementedError(
-                f"tensor-subclass parameters ({self.buffers.extended[0].fqn} in {self.unit_name}) are not yet "
-                "supported with use_orig_params=False (one flat parameter cannot hold them); use fully_shard"
-            )
-        self.buffer_view = view
-        for param in self.params:
-            param.register_sharded = False
-            param.to_sharded()
-
-    @property
-    def owner_name(self) -> str:
-        return self.module_fqn or self.unit_name
-
-    @property
-    def labels(self) -> trace.UnitLabels:
-        return trace.unit_labels(self.module_fqn)
 
     # -- unshard / reshard -------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
-    @_outside_transforms
+    @outside_transforms
     def unshard(self, async_op: bool = False) -> None:
         """Starts gathering the full parameters (no-op if unsharded or in flight)."""
-        if self.is_unsharded or self._all_gather is not None or not self.params:
+        if self.is_unsharded or self._all_gather is not None or not self.spec.params:
             return
-        self.buffers.check_materialized()
-        kept = self._post_forward_shard
-        if kept is not None:
-            source, layout, group = kept.source, kept.layout, kept.group
-        else:
-            buffers = self.buffers
-            if self.mesh_info.shard.size == 1 and not buffers.needs_cast and not buffers.extended and not self.offload:
+        spec, buffers = self.spec, self.buffers
+        buffers.check_materialized()
+        if self._post_forward_shard is None and spec.mesh_info.shard.size == 1:
+            if not buffers.needs_cast and not buffers.extended and not spec.offload:
                 self._alias_unsharded()
                 return
-            (source, layout), group = self.gather.input(self.labels), self.mesh_info.shard
-        self._all_gather = self.gather.start(source, layout, group, async_op, self.labels)
+        self._all_gather = self.gather.start(*self._gather_input(), async_op, spec.labels)
+
+    def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
+        """What this unit's all-gather sends (copied in), its layout and its group."""
+        kept = self._post_forward_shard
+        if kept is not None:
+            return kept.source, kept.layout, kept.group
+        source, layout = self.gather.input(self.spec.labels)
+        return source, layout, self.spec.mesh_info.shard
 
     def unshard_needs_collective(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
-        if self.is_unsharded or self._all_gather is not None or not self.params:
+        if self.is_unsharded or self._all_gather is not None or not self.spec.params:
             return False
         if self._post_forward_shard is not None:
             return self._post_forward_shard.group.size > 1
-        return self.mesh_info.shard.size > 1
+        return self.spec.mesh_info.shard.size > 1
 
     def join_all_gather(self) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
-        kept = self._post_forward_shard
-        if kept is not None:
-            self.gather.join(kept.source, kept.layout, kept.group, self.labels)
-        else:
-            source, layout = self.gather.input(self.labels)
-            self.gather.join(source, layout, self.mesh_info.shard, self.labels)
+        self.gather.join(*self._gather_input(), self.spec.labels)
 
     def _alias_unsharded(self) -> None:
-        if self.buffer_view is not None:
-            self.buffer_view.sync_requires_grad()
-        for index, param in enumerate(self.params):
-            param.alias_unsharded(self.storage_layout.region(self.shard_buffer, index, param.orig_dtype))
+        buffers = self.buffers
+        if buffers.view is not None:
+            buffers.view.sync_requires_grad()
+        for index, param in enumerate(self.spec.params):
+            param.alias_unsharded(buffers.storage_layout.region(buffers.shard_buffer, index, param.orig_dtype))
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
-    @_outside_transforms
+    @outside_transforms
     def wait_for_unshard(self) -> None:
         """Finishes an in-flight unshard: copy-out and registration of full parameters."""
         in_flight, self._all_gather = self._all_gather, None
@@ -250,38 +176,38 @@ class ParamGroup:
             if self._shows_shards_unsharded:  # kept unsharded but showing the shards
                 self._register_unsharded()
             return
-        self.gather.copy_out(in_flight, self.labels)
+        self.gather.copy_out(in_flight, self.spec.labels)
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
     def _register_unsharded(self) -> None:
-        if self.buffer_view is not None:
-            self.buffer_view.sync_requires_grad()
-        for param in self.params:
+        if self.buffers.view is not None:
+            self.buffers.view.sync_requires_grad()
+        for param in self.spec.params:
             param.to_unsharded()
         self._shows_shards_unsharded = False
 
     def show_shards(self) -> None:
         """Registers the shards but keeps the full parameters for the next use
         (a no-grad forward under a presentation that asks for it)."""
-        for param in self.params:
+        for param in self.spec.params:
             param.to_sharded()
         self._shows_shards_unsharded = True
 
-    @_outside_transforms
+    @outside_transforms
     def reshard(self) -> None:
         """Frees the full parameters and registers the shards."""
         if self._all_gather is not None:
             self.wait_for_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
-        with trace.span(self.labels.reshard):
-            for param in self.params:
+        with trace.span(self.spec.labels.reshard):
+            for param in self.spec.params:
                 if param.aliases_shard:
                     continue
                 param.free_unsharded()
-            for param in self.params:
+            for param in self.spec.params:
                 param.to_sharded()
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
@@ -289,35 +215,33 @@ class ParamGroup:
 
     def _reshard_to_post_forward(self, group: GroupInfo) -> None:
         """Keeps 1/k of the full parameters for a re-gather within the k-group."""
-        kept = self.gather.keep_post_forward(self.mesh_info.shard.size, group)
+        kept = self.gather.keep_post_forward(self.spec.mesh_info.shard.size, group)
         self.reshard()
         self._post_forward_shard = kept
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------
-    @_outside_transforms
-    def post_forward(self, record_order: bool) -> None:
+    @outside_transforms
+    def post_forward(self) -> None:
         if self.reshard_after_forward:
             group = self.post_forward_group
             if group is not None and self.is_unsharded:
                 self._reshard_to_post_forward(group)
             else:
                 self.reshard()
-        elif self.is_unsharded and not torch.is_grad_enabled() and self.presentation.sharded_after_no_grad_forward:
+        elif self.is_unsharded and not torch.is_grad_enabled() and self.spec.presentation.sharded_after_no_grad_forward:
             self.show_shards()
-        if record_order:
-            self._post_forward_indices.append(self.ctx.record_post_forward(self))
         self.training_state = TrainingState.IDLE
 
     # -- backward (see [Note: When a unit's backward is done]) ---------------------
-    def pre_backward(self) -> bool:
-        """Starts gathering for backward; False if this backward already did."""
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            return False
+    def pre_backward(self) -> None:
+        """Gathers for backward (once per backward: see the schedule) and expects
+        the gradients of the parameters that require them."""
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard()
-        return True
+        self.wait_for_unshard()
+        self.grads.expect()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
         """A bool reshards fully or not at all, dropping a smaller post-forward group."""
@@ -345,15 +269,8 @@ class ParamGroup:
             self.unshard()
             self.wait_for_unshard()
 
-    def forget_post_forward_uses(self) -> None:
-        self._post_forward_indices.clear()
-
-    def take_backward_prefetch_index(self) -> int | None:
-        """Index, in the post-forward order, of the use whose backward starts now."""
-        return self._post_forward_indices.pop() if self._post_forward_indices else None
-
     def _on_grad_ready(self, param: ShardParam) -> None:
-        self.ctx.queue_end_of_backward()
+        self.root.queue_end_of_backward()
         self.grads.awaiting.discard(param)
         self._maybe_finish_backward()
 
@@ -377,9 +294,7 @@ class ParamGroup:
             return
         self.training_state = TrainingState.POST_BACKWARD
         self.grads.awaiting = set()
-        for target in self.prefetch_after_backward:
-            self.ctx.prefetch(target)
-        self.prefetch_after_backward = []
+        self.root.after_backward(self)
         if not self.requires_gradient_sync:
             self.grads.accumulate_unsynced()
             if self.reshard_after_backward:
@@ -390,17 +305,10 @@ class ParamGroup:
             self.reshard()
         if not params:
             return
-        self.ctx.reduce(self, params, grads)
-
-    def join_reduction(self, names: list[str], queue: ReductionQueue) -> None:
-        """Takes part in another rank's reduction of this unit's parameters ``names``
-        with zero gradients (execution-order validation); the averaged result is
-        this rank's gradient too, as DDP does for unused parameters."""
-        params = [p for p in self.params if p.fqn in names]
-        grads = [self.grads.zero_grad(p) for p in params]
-        if self.training_state is TrainingState.IDLE:
-            self.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
-        self.grads.submit(params, grads, queue)
+        if self.reduction_gate is None:
+            self.grads.submit(params, grads)
+        else:
+            self.reduction_gate(self, params, grads)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what is left, drop stray prefetches, go idle."""
@@ -416,7 +324,6 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         self.grads.awaiting = set()
         self._uses_in_backward = 0
-        self._post_forward_indices.clear()
 
     def abandon_step(self) -> None:
         """After an exception cut a step short: no gather in flight, sharded, no
@@ -424,7 +331,6 @@ class ParamGroup:
         self.reshard()  # waits for a gather in flight first
         self.grads.discard()
         self._go_idle()
-        self.prefetch_after_backward = []
 
     def __repr__(self) -> str:
-        return f"ParamGroup({self.module_fqn or '<root>'}, {len(self.params)} params)"
+        return f"ParamGroup({self.spec.name}, {len(self.spec.params)} params)"

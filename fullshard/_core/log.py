@@ -27,9 +27,9 @@ def log_lazy_init(root_name: str, groups: list[ParamGroup]) -> None:
     logger.debug("lazy init of root %s: %d units", root_name, len(groups))
     meshes: list[MeshInfo] = []
     for group in groups:
-        if all(group.mesh_info is not seen for seen in meshes):
-            meshes.append(group.mesh_info)
-            _log_mesh(group.mesh_info)
+        if all(group.spec.mesh_info is not seen for seen in meshes):
+            meshes.append(group.spec.mesh_info)
+            _log_mesh(group.spec.mesh_info)
         _log_unit(group)
 
 
@@ -46,33 +46,33 @@ def _log_mesh(mesh_info: MeshInfo) -> None:
 
 
 def _log_unit(group: ParamGroup) -> None:
-    params = group.params
+    params = group.spec.params
     numel = sum(p.global_size.numel() for p in params)
     full_bytes = sum(p.global_size.numel() * p.orig_dtype.itemsize for p in params)
-    shard_bytes = group.shard_buffer.numel() * group.shard_buffer.element_size()
+    shard_bytes = group.buffers.shard_buffer.numel() * group.buffers.shard_buffer.element_size()
     logger.debug(
         "unit %s: %d parameters, %d elements, %d bytes (%d per rank sharded), dtypes %s, compute dtype %s, "
         "reduce dtype %s, offload %s, reshard after forward %s",
-        group.owner_name,
+        group.spec.name,
         len(params),
         numel,
         full_bytes,
         shard_bytes,
         sorted({str(p.orig_dtype) for p in params}),
         sorted({str(p.param_dtype) for p in params}),
-        group.reduce_dtype,
-        group.offload,
+        group.buffers.reduce_dtype,
+        group.spec.offload,
         group.reshard_after_forward,
     )
-    shard, replicate = group.mesh_info.shard, group.mesh_info.replicate
+    shard, replicate = group.spec.mesh_info.shard, group.spec.mesh_info.replicate
     gather_layout = group.buffers.gather_layout
     gather_bytes = gather_layout.total * gather_layout.dtype.itemsize * shard.size
     grad_numel = sum(p.shard_numel for p in params if p.sharded_param.requires_grad)
-    reduce_bytes = grad_numel * group.reduce_dtype.itemsize
+    reduce_bytes = grad_numel * group.buffers.reduce_dtype.itemsize
     num_gathers = (1 + int(group.reshard_after_forward)) if shard.size > 1 else 0
     logger.debug(
         "unit %s bytes per step: all-gather %d (%d calls), reduce-scatter %d, all-reduce %d",
-        group.owner_name,
+        group.spec.name,
         gather_bytes * num_gathers,
         num_gathers,
         reduce_bytes * shard.size if shard.size > 1 and grad_numel else 0,

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.nn as nn
 
+from ..api import CPUOffloadPolicy
 from .common import UnitConfig, module_class_name
 from .group import ParamGroup
 from .init import (
@@ -28,7 +30,9 @@ from .init import (
 from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
+from .spec import UnitSpec
 from .state import ModuleState, get_state
+from .trace import unit_labels
 
 
 def resolve_reshard_after_forward(
@@ -102,8 +106,36 @@ def manage_module(
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
     claim_params(params, infos, owner, config.api_name)
-    group = ParamGroup(shard_params, mesh_info, post_forward, device, config, reshard, owner) if shard_params else None
+    if not shard_params:
+        return ModuleState(roots, None, config, device, buffer_dtypes)
+    spec = unit_spec(shard_params, mesh_info, config, owner)
+    extended = [p.fqn for p in shard_params if p.extension is not None]
+    if extended and (post_forward is not None or spec.offload):
+        raise NotImplementedError(
+            f"{'CPU offload' if spec.offload else 'an int reshard_after_forward'} is not yet supported with "
+            f"tensor-subclass parameters ({extended[0]} in {owner})"
+        )
+    group = ParamGroup(spec, reshard, post_forward, chosen=config.reshard_after_forward is not None)
     return ModuleState(roots, group, config, device, buffer_dtypes)
+
+
+def unit_spec(params: list[ShardParam], mesh_info: MeshInfo, config: UnitConfig, name: str) -> UnitSpec:
+    """The spec of the unit over ``params`` (see [Note: Unit spec])."""
+    device, policy = mesh_info.device, config.offload_policy
+    offload = isinstance(policy, CPUOffloadPolicy)
+    return UnitSpec(
+        params=params,
+        mesh_info=mesh_info,
+        device=device,
+        offload=offload,
+        storage_device=torch.device("cpu") if offload else device,
+        pin_memory=isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type != "cpu",
+        mp_policy=config.mp_policy,
+        presentation=config.presentation or DTENSOR_SHARDS,
+        keep_low_precision_grads=config.keep_low_precision_grads,
+        name=name,
+        labels=unit_labels(""),
+    )
 
 
 def states_below(module: nn.Module) -> list[ModuleState]:

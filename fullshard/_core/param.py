@@ -213,27 +213,27 @@ class ShardParam:
     @property
     def local_shard(self) -> torch.Tensor:
         """This rank's rows (``num_valid_rows`` x the other dims), a view of the buffer."""
-        return self.rows_of(self.sharded_param)
+        return self.rows_from_presented(self.sharded_param)
 
     def present(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows (of the parameter, its gradient or an optimizer state)
         as the user sees them. See [Note: Presentations]."""
         return self.presentation.present(self, rows)
 
-    def present_padded(self, padded_shard: torch.Tensor) -> torch.Tensor:
+    def present_from_padded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         """``present`` of a padded region laid out like the shard buffer's."""
         return self.present(self._unpadded(padded_shard))
 
-    def rows_of(self, presented: torch.Tensor) -> torch.Tensor:
+    def rows_from_presented(self, presented: torch.Tensor) -> torch.Tensor:
         """The rows behind a presented tensor (the inverse of ``present``)."""
-        return self.presentation.rows_of(self, presented)
+        return self.presentation.rows_from_presented(self, presented)
 
     def show_full(self, value: torch.Tensor, grad: torch.Tensor | None, with_grads: bool) -> None:
         """Registers the full ``value`` (``summon_full_params``): the sharded
         parameter object itself when the presentation keeps it, else a new one."""
         if not self.presentation.keeps_user_param:
-            full = nn.Parameter(self.full_form(value), requires_grad=self.sharded_param.requires_grad)
-            full.grad = self.full_form(grad) if grad is not None else None
+            full = nn.Parameter(self.full_from_tp_local(value), requires_grad=self.sharded_param.requires_grad)
+            full.grad = self.full_from_tp_local(grad) if grad is not None else None
             self._register(full)
             return
         param = self.sharded_param
@@ -262,18 +262,18 @@ class ShardParam:
             self._grad_while_full = None
         self.to_sharded()
 
-    def sharded_value(self) -> DTensor:
+    def shard_as_dtensor(self) -> DTensor:
         """The sharded parameter as a DTensor (for state dicts), sharing its storage."""
-        return self.sharded_dtensor_of(self.local_shard.detach())
+        return self.dtensor_from_rows(self.local_shard.detach())
 
     @property
     def local_dtype(self) -> torch.dtype:
         """The shard's dtype (the original dtype, or what ``.to(dtype)`` made it)."""
         return self.sharded_param.dtype
 
-    def sharded_dtensor(self, padded_shard: torch.Tensor) -> DTensor:
+    def dtensor_from_padded(self, padded_shard: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter over another padded region (a gradient)."""
-        return self.sharded_dtensor_of(self._unpadded(padded_shard))
+        return self.dtensor_from_rows(self._unpadded(padded_shard))
 
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         size = self._local_size
@@ -288,16 +288,16 @@ class ShardParam:
         size[self.shard_dim] = num_rows
         return torch.Size(size)
 
-    def unsharded_view(self, padded: torch.Tensor) -> torch.Tensor:
+    def full_from_padded(self, padded: torch.Tensor) -> torch.Tensor:
         """The unsharded value inside its padded flat storage (1D, W * shard_numel)."""
         return padded[: self.num_rows * self.row_numel].view(self.unsharded_size)
 
     def split_views(self, padded: torch.Tensor) -> list[torch.Tensor] | None:
         """Each rank's rows inside padded flat unsharded storage, for a shard dim
         other than 0 (None for dim 0, whose rows are the storage's rank blocks)."""
-        return self.rank_chunks(self.unsharded_view(padded)) if self.shard_dim != 0 else None
+        return self.rows_per_rank(self.full_from_padded(padded)) if self.shard_dim != 0 else None
 
-    def rank_chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
+    def rows_per_rank(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Each shard rank's rows of ``full`` (the unsharded, TP-local value): views,
         empty for ranks that hold only padding."""
         world, rows = self.mesh_info.shard.size, self.shard_rows
@@ -306,7 +306,7 @@ class ShardParam:
             for r in range(world)
         ]
 
-    def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor:
+    def dtensor_from_rows(self, local: torch.Tensor) -> DTensor:
         """A DTensor like the sharded parameter around an (unpadded) local tensor."""
         sharded = getattr(self, "sharded_param", None)  # None while __init__ builds it
         if isinstance(sharded, DTensor) and sharded.dtype == local.dtype and sharded.shape == self.global_size:
@@ -314,7 +314,7 @@ class ShardParam:
             return DTensor(local, sharded._spec, requires_grad=False)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
-    def shard_of(self, value: torch.Tensor) -> DTensor:
+    def shard_from_full(self, value: torch.Tensor) -> DTensor:
         """``value`` (the full parameter, or a DTensor of any layout) as this
         parameter's shard: a DTensor laid out like the sharded parameter. Only
         this rank's rows are copied, straight to the device the shard lives on
@@ -328,11 +328,11 @@ class ShardParam:
             raise ValueError(f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}")
         if self.tp_mesh is not None:  # the TP-local value first, as the unsharded parameter holds it
             value = compat.local_region(value, self.tp_mesh, self.tp_placements)
-        rows = self.rank_chunks(value)[self.mesh_info.shard.rank]
+        rows = self.rows_per_rank(value)[self.mesh_info.shard.rank]
         device = value.device if self.local_shard.is_meta else self.local_shard.device
         local = torch.empty(rows.shape, dtype=rows.dtype, device=device)
         local.copy_(rows)
-        return self.sharded_dtensor_of(local)
+        return self.dtensor_from_rows(local)
 
     def module_registration(self) -> nn.Parameter | None:
         info = self.module_info
@@ -343,7 +343,7 @@ class ShardParam:
     def param_dtype(self) -> torch.dtype:
         return self.orig_dtype if self.full_precision else (self._requested_param_dtype or self.orig_dtype)
 
-    def padded_unsharded(self, device: torch.device) -> torch.Tensor:
+    def unsharded_storage(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""
         numel = self.mesh_info.shard.size * self.shard_numel
         padded = self._padded_unsharded
@@ -367,7 +367,7 @@ class ShardParam:
             self._make_unsharded_param(shard_region)
 
     def _make_unsharded_param(self, padded: torch.Tensor) -> None:
-        data = self.full_form(self.unsharded_view(padded))
+        data = self.full_from_tp_local(self.full_from_padded(padded))
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
         self._hooked = False
 
@@ -401,7 +401,7 @@ class ShardParam:
         self.aliases_shard = False
 
     # -- registration on modules ----------------------------------------------
-    def full_form(self, value: torch.Tensor) -> torch.Tensor:
+    def full_from_tp_local(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a full, TP-local tensor) as the user sees the full parameter."""
         if self.tp_mesh is None:
             return value

@@ -31,4 +31,4 @@ def unit_of(tensor: torch.Tensor) -> ParamGroup | None:
 def buffer_param(unit: ParamGroup) -> torch.Tensor | None:
     """The one tensor a front end registered over ``unit``'s whole shard buffer (the
     wrapper's flat parameter; see ``buffer_view.py``), if any."""
-    return unit.buffer_view.tensor if unit.buffer_view is not None else None
+    return unit.buffers.view.tensor if unit.buffers.view is not None else None

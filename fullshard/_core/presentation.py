@@ -34,7 +34,7 @@ class PresentedParam(Protocol):
 
     def chunk_size(self, num_rows: int) -> torch.Size: ...
 
-    def sharded_dtensor_of(self, local: torch.Tensor) -> DTensor: ...
+    def dtensor_from_rows(self, local: torch.Tensor) -> DTensor: ...
 
 
 class DTensorShards:
@@ -47,9 +47,9 @@ class DTensorShards:
 
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (this rank's unpadded rows of ``param``) in the presented form."""
-        return param.sharded_dtensor_of(rows)
+        return param.dtensor_from_rows(rows)
 
-    def rows_of(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
+    def rows_from_presented(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
         """The inverse of ``present``: the rows behind a presented tensor."""
         return presented._local_tensor if isinstance(presented, DTensor) else presented
 
@@ -77,7 +77,7 @@ class LocalViews(DTensorShards):
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         return rows.reshape(-1) if self.flatten else rows
 
-    def rows_of(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
+    def rows_from_presented(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
         if isinstance(presented, DTensor):
             return presented._local_tensor
         return presented.view(param.chunk_size(param.num_valid_rows))

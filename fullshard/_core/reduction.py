@@ -42,7 +42,8 @@ from . import comm, compat
 from .trace import UnitLabels, span, unit_labels
 
 if TYPE_CHECKING:
-    from .mesh import GroupInfo
+    from .mesh import GroupInfo, MeshInfo
+    from .param import ShardParam
 
 
 def _averaging(dtype: torch.dtype, world: int, sum_only: bool = False) -> tuple[dist.ReduceOp.RedOpType, float, float]:
@@ -160,25 +161,52 @@ class ReduceSettings:
         return not self.all_reduce and replicate.size > 1
 
 
+@dataclass(slots=True)
+class ReductionPlan:
+    """What one reduction does, decided before it starts (``plan_reduction``)."""
+
+    shard_numels: list[int]  # each gradient's shard, back to back in the output
+    shard_dims: list[int]  # the dim each gradient is chunked on
+    shard: GroupInfo  # reduce-scatter over it (none for a group of one)
+    replicate: GroupInfo  # then all-reduce over it (none for a group of one, or a partial result)
+    reduce_dtype: torch.dtype
+    settings: ReduceSettings
+    final: bool  # False: stop after the reduce-scatter and keep a partial result
+    partial: torch.Tensor | None  # an earlier partial result, added before the all-reduce
+
+
+def plan_reduction(
+    params: list[ShardParam],
+    mesh_info: MeshInfo,
+    settings: ReduceSettings,
+    reduce_dtype: torch.dtype,
+    partial: torch.Tensor | None = None,
+) -> ReductionPlan:
+    """The plan reducing gradients of ``params`` over ``mesh_info``'s groups under ``settings``."""
+    return ReductionPlan(
+        [p.shard_numel for p in params],
+        [p.shard_dim for p in params],
+        settings.scatter_group or mesh_info.shard,
+        mesh_info.replicate,
+        reduce_dtype,
+        settings,
+        not settings.partial_only(mesh_info.replicate),
+        partial,
+    )
+
+
 class GradReduction:
     """One unit's reduction: copy-in, collectives, then the result to ``on_done``."""
 
     def __init__(
         self,
         grads: list[torch.Tensor],
-        shard_numels: list[int],
-        shard_dims: list[int],
-        shard: GroupInfo,
-        replicate: GroupInfo,
-        reduce_dtype: torch.dtype,
+        plan: ReductionPlan,
         on_done: Callable[[torch.Tensor], None],
-        settings: ReduceSettings | None = None,
-        partial: torch.Tensor | None = None,
         labels: UnitLabels | None = None,
     ) -> None:
-        """``partial``: an earlier partial result to add before the all-reduce;
-        ``labels``: the unit's profiler labels (see [Note: Profiler labels])."""
-        settings = settings or ReduceSettings()
+        """``labels``: the unit's profiler labels (see [Note: Profiler labels])."""
+        settings, shard, reduce_dtype, final = plan.settings, plan.shard, plan.reduce_dtype, plan.final
         self._labels = labels or unit_labels("")
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
@@ -188,11 +216,10 @@ class GradReduction:
         self._post_divide = 1.0
         self._sum = settings.divide_factor is not None
         self._sum_only = settings.sum_only
-        final = not settings.partial_only(replicate)
         self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
-        total = sum(shard_numels)
+        total = sum(plan.shard_numels)
         custom = settings.custom_reduce_scatter if shard.size > 1 else None
         allocate = torch.empty if custom is None else custom.allocate
         self._output = allocate((total,), dtype=reduce_dtype, device=device)  # 1D, shard layout
@@ -200,7 +227,7 @@ class GradReduction:
         if shard.size > 1:
             reduced = allocate((shard.size * total,), dtype=reduce_dtype, device=device)
         with span(self._labels.reduce_copy_in):
-            chunk_cat(grads, reduced.view(shard.size, -1), shard_dims)
+            chunk_cat(grads, reduced.view(shard.size, -1), plan.shard_dims)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
             hook, state = settings.comm_hook
@@ -208,8 +235,8 @@ class GradReduction:
             return
         if shard.size > 1:
             self._stages.append(lambda: self._reduce_scatter(shard, reduced, custom))
-        if final and replicate.size > 1:
-            self._stages.append(lambda: self._all_reduce(replicate, partial))
+        if final and plan.replicate.size > 1:
+            self._stages.append(lambda: self._all_reduce(plan.replicate, plan.partial))
         if settings.divide_factor is not None:
             pre, post = _split_factor(reduce_dtype, settings.divide_factor)
             if pre != 1.0:

@@ -1,10 +1,11 @@
-"""What a unit asks of the root it sits under (``context.RootContext``), named
-without importing the context: the context knows the units, not the reverse.
+"""What a unit asks of the root it sits under (the root's ``schedule.Schedule``),
+named without importing it: the root knows the units, not the reverse.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -12,12 +13,14 @@ from .param import ShardParam
 
 _Unit = TypeVar("_Unit", contravariant=True)
 
+# At DETAIL debug level: starts a unit's reduction of ``grads`` (of ``params``) once
+# the ranks agreed on it (see [Note: Execution order]); (unit, params, grads).
+ReductionGate = Callable[[Any, list[ShardParam], list[torch.Tensor]], None]
+
 
 class UnitRoot(Protocol[_Unit]):
     def queue_end_of_backward(self) -> None: ...
-    def record_post_forward(self, group: _Unit) -> int: ...
-    def prefetch(self, group: _Unit) -> None: ...
-    def reduce(self, group: _Unit, params: list[ShardParam], grads: list[torch.Tensor]) -> None: ...
+    def after_backward(self, unit: _Unit) -> None: ...
 
 
 class Unrooted:
@@ -27,11 +30,5 @@ class Unrooted:
     def queue_end_of_backward(self) -> None:
         pass
 
-    def record_post_forward(self, group: object) -> int:
-        raise AssertionError(f"{group} ran forward before its root's lazy init")
-
-    def prefetch(self, group: object) -> None:
-        raise AssertionError(f"{group} prefetched before its root's lazy init")
-
-    def reduce(self, group: object, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
-        raise AssertionError(f"{group} reduced before its root's lazy init")
+    def after_backward(self, unit: object) -> None:
+        pass

@@ -1,24 +1,13 @@
 """Per-module state and hooks: lazy root init, forward/backward transitions.
 
 [Note: One step]
-root pre-forward: lazy init (once) -> for each unit: pre-forward all-gather
-(prefetching the next unit) -> forward -> post-forward reshard -> backward:
-pre-backward all-gather (prefetching the unit that ran before it) ->
-gradients -> reduction (see [Note: When a unit's backward is done]) -> the
-end-of-backward callback drains reductions and returns every unit to IDLE.
-
-[Note: Prefetch]
-Forward: units run in the same order every step, so the order recorded in the
-previous step names the next unit; its all-gather is issued (once the current
-unit's own gather is finished) and runs while the current unit computes.
-Backward: the unit that ran before the current one in this step's forward. On
-CPU the overlap comes from gloo's asynchronous work handles; on accelerators the
-backend runs the collective on its own stream and ``Work.wait`` makes the
-compute stream wait for it. Every rank derives the same decisions from the same
-order, so collectives stay matched. Explicit lists
-(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
-implicit choice. So by default at most one prefetched unit is in flight, and
-``fullshard plan`` models exactly that (see [Note: Plan model]).
+root pre-forward: lazy init (once) -> for each unit: the schedule's
+pre-forward all-gather (prefetching the next unit, see [Note: Prefetch]) ->
+forward -> post-forward reshard -> backward: the schedule's pre-backward
+all-gather (prefetching the unit that ran before it) -> gradients ->
+reduction (see [Note: When a unit's backward is done]) -> the end-of-backward
+callback drains reductions and returns every unit to IDLE. Each hook makes one
+call on the unit or the schedule; docs/architecture.md draws the whole step.
 
 [Note: One unit, several modules]
 ``fully_shard([a, b])`` makes one unit whose forward pass runs from the first
@@ -39,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..api import BackwardPrefetch
 from . import offload
 from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors, module_class_name
 from .context import RootContext
@@ -154,8 +142,6 @@ class ModuleState:
         self.ctx.adopt(list(states), validate=validation_enabled())
         for state in states:
             state.ctx = self.ctx
-            if state.group is not None:
-                state.group.adopt_registered_shards()
         if self.group is not None:
             self.group.keep_unsharded_as_root()
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
@@ -164,14 +150,14 @@ class ModuleState:
         log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
 
     def _init_fqns(self, states: list[ModuleState]) -> None:
-        by_param = {p.sharded_param: p for s in states if s.group for p in s.group.params}
+        by_param = {p.sharded_param: p for s in states if s.group for p in s.group.spec.params}
         for name, param in (item for root in self.modules for item in root.named_parameters()):
             if param in by_param:
                 by_param[param].fqn = self.config.model_name(name)
         for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is not None and state.group is not None:
-                state.group.module_fqn = self.config.model_name(name)
+                state.group.set_module_path(self.config.model_name(name))
 
     # -- forward -------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -239,19 +225,7 @@ class ModuleState:
         group.training_state = TrainingState.FORWARD
         if self.config.full_precision_in_eval:
             group.set_full_precision(not self.module.training)
-        self.ctx.prefetched.discard(group)
-        self.ctx.check_forward_order(group)
-        # Finish this unit's gather before starting the next one's: at most one
-        # all-gather output is alive (its own was usually prefetched already).
-        group.unshard()
-        group.wait_for_unshard()
-        implicit = self.ctx.implicit_forward_prefetch(group)
-        if self.forward_prefetch is not None:
-            targets = [s.group for s in self.forward_prefetch if s.group is not None]
-        else:
-            targets = [implicit] if implicit is not None and self.config.forward_prefetch else []
-        for target in targets:
-            self.ctx.prefetch(target)
+        self.ctx.schedule.before_forward(self, group)
         if torch.is_grad_enabled():
             args, kwargs = self._hook_input_grads(group, args, kwargs)
         return args, kwargs
@@ -271,10 +245,13 @@ class ModuleState:
             return output
         if self.recomputing:  # the unit's own backward reshards it
             return self._cast_output(output)
-        if self.group is not None:
-            self.group.post_forward(record_order=torch.is_grad_enabled())
         use, self._use = self._use, None
-        if torch.is_grad_enabled():
+        grad_enabled = torch.is_grad_enabled()
+        if self.group is not None:
+            self.group.post_forward()
+            if grad_enabled:
+                self.ctx.schedule.after_forward(self.group)
+        if grad_enabled:
             self._hook_output_grads(output, use)
         self.training_state = TrainingState.IDLE
         if self.ctx.iteration_root is self:
@@ -321,33 +298,4 @@ class ModuleState:
 
     # -- backward ------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor, use: UnitUse | None = None) -> None:
-        self.ctx.queue_end_of_backward()
-        if self.group is not None:
-            self.group.start_use_backward(use)
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            if self.group is not None:
-                self.group.gather_for_another_use()
-            return
-        self.training_state = TrainingState.PRE_BACKWARD
-        group = self.group
-        if group is None:
-            return
-        if group.training_state is not TrainingState.PRE_BACKWARD:
-            self.ctx.check_backward_order(group)
-        if not group.pre_backward():
-            return
-        self.ctx.prefetched.discard(group)  # used: what remains at the end of backward is stale
-        group.wait_for_unshard()  # before prefetching: see pre_forward
-        group.grads.expect()
-        index = group.take_backward_prefetch_index()
-        mode = self.config.backward_prefetch
-        if self.backward_prefetch is not None:
-            targets = [s.group for s in self.backward_prefetch if s.group is not None]
-        else:
-            targets = [self.ctx.post_forward_order[index - 1]] if index and mode is not None else []
-        targets = [target for target in targets if target.unshard_in_backward]
-        if mode is BackwardPrefetch.BACKWARD_POST:
-            group.prefetch_after_backward = targets  # issued once this unit's gradients are out
-            return
-        for target in targets:
-            self.ctx.prefetch(target)
+        self.ctx.schedule.before_backward(self, use)

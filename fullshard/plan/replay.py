@@ -9,7 +9,7 @@ live total, and what was alive then is the breakdown. It follows:
   output (and a staged input when it casts or comes from host memory) alive
   from issue to the copy-out into the unsharded parameters; at most one unit
   prefetched, as the engine does by default (see [Note: Prefetch] in
-  ``fullshard/_core/state.py``): in forward the next unit of the previous
+  ``fullshard/_core/schedule.py``): in forward the next unit of the previous
   step's order, issued once the current unit's gather is done; in backward
   (``BACKWARD_PRE``) the unit before the current one, issued once its own is done;
   autograd's gradients of a unit's unsharded parameters until its

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._core import comm, full_params
+from .._core.common import TrainingState
 from .._core.group import ParamGroup
 from .._core.state import ModuleState
 from .._names import WRAPPER_PREFIX, model_name
@@ -47,7 +48,7 @@ def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) ->
             # Before the parameters' load hooks below: they see the sharded registration.
             unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, group))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
-        for index, param in enumerate(group.params):
+        for index, param in enumerate(group.spec.params):
             info = param.module_info
             for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
                 by_module.setdefault(module, []).append((name, index))
@@ -76,7 +77,7 @@ def _reshard_unit(group: ParamGroup, *args: Any) -> None:
     """Outside forward and backward, a unit may still be unsharded (the root after a
     forward without backward, e.g. under ``torch.no_grad()``): state dicts read and
     write the shards."""
-    if group.training_state.name == "IDLE":
+    if group.training_state is TrainingState.IDLE:
         group.reshard()
 
 
@@ -111,7 +112,7 @@ def _save_params(
     kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
     for name, index in entries:
         key = prefix + name
-        param = group.params[index]
+        param = group.spec.params[index]
         if kind is StateDictType.LOCAL_STATE_DICT:
             state_dict.pop(key, None)
             continue
@@ -119,12 +120,12 @@ def _save_params(
         if kind is StateDictType.SHARDED_STATE_DICT:
             # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
             # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
-            local = param.sharded_value()._local_tensor
-            value = param.sharded_dtensor_of(local.cpu() if offload and local.device.type != "cpu" else local.clone())
+            local = param.shard_as_dtensor()._local_tensor
+            value = param.dtensor_from_rows(local.cpu() if offload and local.device.type != "cpu" else local.clone())
         else:
             if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
                 raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
-            value = param.full_form(record.full_values[index])
+            value = param.full_from_tp_local(record.full_values[index])
             if isinstance(value, DTensor):  # tensor parallel: the global tensor
                 value = comm.full_tensor(value)
             if offload:
@@ -158,12 +159,12 @@ def _load_params(
         return  # the flat parameter carries the values
     for name, index in entries:
         key = prefix + name
-        param = group.params[index]
+        param = group.spec.params[index]
         if key not in state_dict:
             if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
                 missing_keys.append(key)
             continue
-        shard = param.shard_of(state_dict[key])
+        shard = param.shard_from_full(state_dict[key])
         if param.register_sharded:
             state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
         else:

@@ -49,7 +49,7 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         group = state.group
         if group is None:
             continue
-        for shard_param in group.params:
+        for shard_param in group.spec.params:
             by_sharded[id(shard_param.sharded_param)] = (shard_param, group)
         unit_flat_param = buffer_param(group)
         if unit_flat_param is not None:
@@ -60,7 +60,7 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         if unit is not None:
             entries[id(param)] = [
                 (model_name(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
-                for p in unit.params
+                for p in unit.spec.params
             ]
         else:
             found = by_sharded.get(id(param))
@@ -101,7 +101,7 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
     """
     groups: dict[int, dist.ProcessGroup] = {}
     for state in states_below(model):
-        shard = state.group.mesh_info.shard if state.group is not None else None
+        shard = state.group.spec.mesh_info.shard if state.group is not None else None
         if shard is not None and shard.size > 1 and shard.group is not None:
             groups.setdefault(id(shard.group), shard.group)
     for group in groups.values():
@@ -182,10 +182,10 @@ def _split_state(
             value = value.clone()
         elif isinstance(value, torch.Tensor):
             if unit is not None and shard_param is not None and param is buffer_param(unit):
-                value = full_params.read_shard(unit, unit.params.index(shard_param), value)
+                value = full_params.read_shard(unit, unit.spec.params.index(shard_param), value)
                 value = comm.full_tensor(value) if full else value
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
-                value = shard_param.sharded_dtensor_of(shard_param.rows_of(value))
+                value = shard_param.dtensor_from_rows(shard_param.rows_from_presented(value))
                 value = comm.full_tensor(value) if full else value
             elif isinstance(value, DTensor) and full:
                 value = comm.full_tensor(value)
@@ -307,12 +307,12 @@ def _join_state(
             flat = torch.zeros_like(param)
             for shard_param, values in per_param:
                 if values is not None and shard_param is not None:  # a flat parameter's originals have both
-                    local = shard_param.shard_of(values[key])._local_tensor
-                    full_params.write_shard(unit, unit.params.index(shard_param), local, into=flat)
+                    local = shard_param.shard_from_full(values[key])._local_tensor
+                    full_params.write_shard(unit, unit.spec.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:
             shard_param = per_param[0][0]
-            result[key] = shard_param.present(shard_param.shard_of(value)._local_tensor)
+            result[key] = shard_param.present(shard_param.shard_from_full(value)._local_tensor)
         elif isinstance(param, DTensor):
             result[key] = _like(param, value)
         else:

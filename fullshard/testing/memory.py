@@ -140,4 +140,4 @@ def _shard_numel(module: nn.Module) -> int:
     state = get_state(module)
     if state is None or state.group is None:
         raise RuntimeError(f"measure_step expects {type(module).__name__} to be a fully_shard unit")
-    return state.group.shard_buffer.numel()
+    return state.group.buffers.shard_buffer.numel()
