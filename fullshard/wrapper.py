@@ -178,7 +178,8 @@ class FullyShardedDataParallel(nn.Module):
             for param in state.group.spec.params:  # lets clip_grad_norm_ and the scaler find its unit
                 register_param_unit(param.sharded_param, state.group)
             warn_if_mixed_requires_grad(state.group.spec.params, state.group.spec.name)
-        install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT))
+        always_full = strategy is ShardingStrategy.NO_SHARD  # as FSDP1: NO_SHARD units save full state dicts
+        install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT), always_full)
         install_prefix_hooks(self)
         # Before the engine's own pre-forward (registered first, so prepended after).
         self.register_forward_pre_hook(wrapper_summon.adopt_user_params_before_forward, prepend=True)

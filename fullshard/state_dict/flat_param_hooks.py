@@ -29,7 +29,7 @@ def _save_flat_param(
     name: str, param: nn.Parameter, record: UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, _: Any
 ) -> None:
     key = prefix + name
-    settings = record.settings
+    settings = record.model_settings()
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         value = param.detach()
         state_dict[key] = value.cpu() if settings.state_dict_config.offload_to_cpu else value
@@ -40,7 +40,7 @@ def _save_flat_param(
 def _load_flat_param(
     name: str, param: nn.Parameter, record: UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, *_: Any
 ) -> None:
-    if record.settings.state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+    if record.model_settings().state_dict_type is not StateDictType.LOCAL_STATE_DICT:
         # The original parameters' keys carry the values; keep nn.Module from
         # reporting the flat parameter missing (a copy onto itself).
         state_dict[prefix + name] = param.detach()

@@ -22,6 +22,7 @@ The FSDP1 wrapper additionally removes (and on load re-inserts) its
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -38,15 +39,16 @@ from ..api import StateDictSettings, StateDictType
 from .settings import UnitStateDict, rank0_only, register_unit
 
 
-def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings) -> None:
-    """Registers the hooks of [Note: State dict hooks] for one unit."""
-    record = register_unit(state, settings)
+def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings, always_full: bool = False) -> None:
+    """Registers the hooks of [Note: State dict hooks] for one unit; ``always_full``: its model state dicts
+    are full whatever type is set, with a warning (FSDP1's NO_SHARD units)."""
+    record = register_unit(state, settings, always_full)
     group = state.group
     if group is not None:
         for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
             unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, group, record))
             # Before the parameters' load hooks below: they see the sharded registration.
-            unit_module.register_load_state_dict_pre_hook(functools.partial(_reshard_unit, group))
+            unit_module.register_load_state_dict_pre_hook(functools.partial(_prepare_load, group, record))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.spec.params):
             info = param.module_info
@@ -81,15 +83,31 @@ def _reshard_unit(group: ParamGroup, *args: Any) -> None:
         group.reshard()
 
 
-def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+def _prepare_load(group: ParamGroup, record: UnitStateDict, *args: Any) -> None:
+    _warn_if_always_full(record)
     _reshard_unit(group)
-    if record.settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+
+
+def _warn_if_always_full(record: UnitStateDict) -> None:
+    if record.always_full:
+        warnings.warn(
+            "a FullyShardedDataParallel unit with ShardingStrategy.NO_SHARD saves and loads full state dicts, "
+            f"whatever type is set (now {record.settings.state_dict_type.name}), as FSDP1's do",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _warn_if_always_full(record)
+    _reshard_unit(group)
+    if record.model_settings().state_dict_type is StateDictType.FULL_STATE_DICT:
         record.full_values = full_params.gather_full_values(group)
 
 
 def _release_unit(record: UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
     record.full_values = None
-    settings = record.settings
+    settings = record.model_settings()
     if (
         settings.state_dict_type is StateDictType.FULL_STATE_DICT
         and rank0_only(settings.state_dict_config)
@@ -108,7 +126,7 @@ def _save_params(
     prefix: str,
     metadata: Any,
 ) -> None:
-    settings = record.settings
+    settings = record.model_settings()
     kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
     for name, index in entries:
         key = prefix + name
@@ -155,7 +173,7 @@ def _load_params(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    if record.settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    if record.model_settings().state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return  # the flat parameter carries the values
     for name, index in entries:
         key = prefix + name

@@ -43,21 +43,32 @@ def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
     return StateDictSettings(state_dict_type, config(), optim_config())
 
 
+_ALWAYS_FULL = default_settings(StateDictType.FULL_STATE_DICT)
+
+
 @dataclass
 class UnitStateDict:
     """What state dicts keep per unit, next to the engine's ``ModuleState``."""
 
     settings: StateDictSettings
     full_values: list[torch.Tensor] | None = None  # the unit's full parameters while a FULL save runs
+    # FSDP1's NO_SHARD units: their model state dicts are full whatever type is set (FSDP1 warns so too).
+    always_full: bool = False
+
+    def model_settings(self) -> StateDictSettings:
+        """The form this unit's model state dict takes (a FULL type's own configs are kept)."""
+        if self.always_full and self.settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
+            return _ALWAYS_FULL
+        return self.settings
 
 
 # Keyed weakly by the engine state: the record holds no reference back to it.
 _UNITS: weakref.WeakKeyDictionary[ModuleState, UnitStateDict] = weakref.WeakKeyDictionary()
 
 
-def register_unit(state: ModuleState, settings: StateDictSettings) -> UnitStateDict:
+def register_unit(state: ModuleState, settings: StateDictSettings, always_full: bool = False) -> UnitStateDict:
     """Starts ``state``'s record with ``settings`` (when its unit is made)."""
-    record = _UNITS[state] = UnitStateDict(settings)
+    record = _UNITS[state] = UnitStateDict(settings, always_full=always_full)
     return record
 
 

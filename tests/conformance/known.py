@@ -117,18 +117,6 @@ TORCH_WRONG: tuple[Row, ...] = (
     ),
 )
 
-# Probes that build their model with other wrapping arguments and take a full state dict at the end.
-UNIT_PROBES = (
-    "ignored_modules",
-    "ignored_states",
-    "ignored_module_invalid",
-    "policy_size",
-    "policy_lambda",
-    "policy_transformer",
-    "policy_classes",
-    "policy_custom",
-)
-
 DELIBERATE: tuple[Row, ...] = (
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "shape_change",
@@ -197,12 +185,11 @@ DELIBERATE: tuple[Row, ...] = (
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
     Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local",
+        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local" and s.strategy != "NO_SHARD",
         ("keys", "type"),
         r"^(keys$|sd:)",
         _TODO + "FSDP1's LOCAL_STATE_DICT holds each flat parameter as a ShardedTensor of the unpadded total "
-        "(fullshard: a plain tensor of the padded shard), low-precision buffers in their compute dtype, and "
-        "the full state dict under NO_SHARD",
+        "(fullshard: a plain tensor of the padded shard), and low-precision buffers in their compute dtype",
     ),
     Row(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
@@ -211,16 +198,6 @@ OPEN: tuple[Row, ...] = (
         _TODO + "between forward and backward FSDP1 registers the unsharded parameters as plain tensors "
         "(in full precision under NO_SHARD with mixed precision; the root's shards under mixed precision), "
         "fullshard the unsharded Parameters in the compute dtype: same values where both are full",
-    ),
-    Row(
-        lambda s: (
-            _wrapper(s)
-            and s.strategy == "NO_SHARD"
-            and (s.probe.startswith(("sd_", "osd_", "load_")) or s.probe in UNIT_PROBES)
-        ),
-        ("warning",),
-        r"^warnings$",
-        _TODO + "FSDP1 warns that NO_SHARD returns a full state dict for the sharded and local types",
     ),
     Row(
         lambda s: _wrapper(s) and s.probe == "change_between_forward_backward",
@@ -238,7 +215,12 @@ OPEN: tuple[Row, ...] = (
         "(use_orig_params=False); fullshard lists the unsharded original parameters of units kept gathered",
     ),
     Row(
-        lambda s: _wrapper(s) and s.probe in ("sd_sharded", "osd_sharded") and "HYBRID" not in s.strategy,
+        lambda s: (
+            _wrapper(s)
+            and s.probe in ("sd_sharded", "osd_sharded")
+            and "HYBRID" not in s.strategy
+            and (s.strategy != "NO_SHARD" or s.probe == "osd_sharded")
+        ),
         ("type",),
         r"^(sd|osd):",
         _TODO + "FSDP1's SHARDED_STATE_DICT without a device mesh holds ShardedTensors (model and optimizer "
