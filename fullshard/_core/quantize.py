@@ -17,6 +17,7 @@ mantissa bits), or one subnormal step near zero.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,22 +55,22 @@ class BlockQuantizer:
     @torch.no_grad()
     def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
         """Writes ``values`` (1D fp32, a multiple of ``block_size`` long: callers pad with zeros)
-        into ``out`` (uint8, ``packed_numel``)."""
+        into ``out`` (uint8, ``packed_numel``). ``values`` is scratch: it is scaled in place."""
         num_blocks = self.num_blocks(values.numel())
         if values.dtype != torch.float32 or values.numel() != num_blocks * self.block_size:
             raise AssertionError(f"encode expects fp32 values in whole blocks, got {values.dtype} x {values.numel()}")
         blocks = values.view(num_blocks, self.block_size)
         code_max = CODE_MAX[self.code_dtype]
+        # Two vectorised reductions beat one over abs() (a temporary) and aminmax (not vectorised on the CPU).
         absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
-        scales = absmax.div_(code_max).masked_fill_(absmax == 0, 1.0)  # a zero block decodes to zeros anyway
-        scaled = torch.mul(blocks, scales.reciprocal().unsqueeze(1))  # within +-code_max, to rounding
+        scales = out[values.numel() : values.numel() + num_blocks * _SCALE_BYTES].view(torch.float32)  # in place
+        torch.div(absmax, code_max, out=scales).masked_fill_(absmax == 0, 1.0)  # a zero block decodes to zeros
+        blocks.mul_(scales.reciprocal().unsqueeze(1))  # within +-code_max, to rounding
         if self.code_dtype == torch.int8:
-            scaled.round_()
+            blocks.round_()
         else:
-            scaled.clamp_(-code_max, code_max)  # float8_e4m3fn has no infinity: past 448 is NaN
-        padded = values.numel()
-        out[:padded].view(self.code_dtype).view(num_blocks, self.block_size).copy_(scaled)
-        out[padded:].view(torch.float32).copy_(scales)
+            blocks.clamp_(-code_max, code_max)  # float8_e4m3fn has no infinity: past 448 is NaN
+        out[: values.numel()].view(self.code_dtype).view(num_blocks, self.block_size).copy_(blocks)
 
     @torch.no_grad()
     def decode(self, chunks: torch.Tensor, numel: int) -> torch.Tensor:
@@ -77,9 +78,28 @@ class BlockQuantizer:
         rows may be strided), ``numel`` each: fp32, one row per chunk."""
         num_chunks, num_blocks = chunks.size(0), self.num_blocks(numel)
         padded = num_blocks * self.block_size
-        codes = chunks[:, :padded].view(self.code_dtype).view(num_chunks, num_blocks, self.block_size)
+        codes = chunks[:, :padded]
         scales = chunks[:, padded : padded + num_blocks * _SCALE_BYTES].view(torch.float32).unsqueeze(2)
-        # One fp32 copy, scaled in place: a mixed multiply would cast the codes into a second
-        # temporary on the CPU (and float8 has no mixed arithmetic on every device).
-        values = codes.to(torch.float32).mul_(scales)
+        values = torch.empty(num_chunks, num_blocks, self.block_size, dtype=torch.float32, device=chunks.device)
+        _codes_to_fp32(codes, self.code_dtype, values.view(num_chunks, padded))
+        # Scaled in place: on the CPU a mixed-dtype multiply would first cast the codes into a temporary.
+        values.mul_(scales)
         return values.view(num_chunks, padded)[:, :numel]
+
+
+def _codes_to_fp32(codes: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor) -> None:
+    """``out`` (fp32) = ``codes`` (uint8 bytes of ``code_dtype``), exactly.
+
+    torch converts float8 to wider floats one scalar at a time on the CPU (about 20x
+    slower than int8's vectorised cast); a lookup in the table of all 256 codes' values is
+    exact and vectorised (int32 indices: index_select's int64 path is slower still)."""
+    if code_dtype == torch.int8 or codes.device.type != "cpu":
+        out.copy_(codes.view(code_dtype))
+        return
+    torch.index_select(_code_values(code_dtype), 0, codes.reshape(-1).int(), out=out.view(-1))
+
+
+@functools.cache
+def _code_values(code_dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 value of each of the 256 bytes read as ``code_dtype`` (on the CPU)."""
+    return torch.arange(256, dtype=torch.uint8).view(code_dtype).float()
