@@ -96,7 +96,8 @@ def _codes_to_fp32(codes: torch.Tensor, code_dtype: torch.dtype, out: torch.Tens
     if code_dtype == torch.int8 or codes.device.type != "cpu":
         out.copy_(codes.view(code_dtype))
         return
-    torch.index_select(_code_values(code_dtype), 0, codes.reshape(-1).int(), out=out.view(-1))
+    index = torch.empty(codes.shape, dtype=torch.int32, device=codes.device).copy_(codes)  # rows may be strided
+    torch.index_select(_code_values(code_dtype), 0, index.view(-1), out=out.view(-1))
 
 
 @functools.cache
