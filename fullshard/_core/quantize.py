@@ -5,8 +5,9 @@ A unit's weights cross the wire twice a step (forward and backward gathers). Sen
 as 1-byte codes, each block of ``block_size`` values with its own fp32 scale, they
 cost about half the bytes of bf16 (``(1 + 4 / block_size) / 2``). Each rank packs
 its shard as ``[codes | scales]`` in one uint8 tensor, so one all-gather moves
-both and every rank's chunk has the same size; the gathered chunks are decoded
-in one pass, straight into the compute dtype. Master weights, gradients and
+both and every rank's chunk has the same size; the gathered chunks are widened
+to fp32 and scaled in place, and the copy into the parameters casts them to the
+compute dtype (no intermediate in it). Master weights, gradients and
 optimizer states never see the codes: only the copy the forward computes with.
 
 The scale of a block maps its largest magnitude onto the code's largest value
@@ -90,10 +91,10 @@ class BlockQuantizer:
 def _codes_to_fp32(codes: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor) -> None:
     """``out`` (fp32) = ``codes`` (uint8 bytes of ``code_dtype``, one row per chunk), exactly.
 
-    torch converts float8 to wider floats one scalar at a time on the CPU (about 7x
-    slower than this); a lookup in the table of all 256 codes' values is exact and
-    vectorised. Its int32 indices (index_select's int64 path is slower still) are
-    converted one row at a time, so they add a chunk's worth of memory, not the unit's."""
+    torch converts float8 to wider floats one scalar at a time on the CPU; a lookup in
+    the table of all 256 codes' values is exact and 3 to 6 times faster. Its int32
+    indices (index_select's int64 path is slower still) are converted one row at a
+    time, so they add a chunk's worth of memory, not the unit's."""
     if code_dtype == torch.int8 or codes.device.type != "cpu":
         out.copy_(codes.view(code_dtype))
         return
