@@ -69,6 +69,22 @@ def test_block_extremes_exact_and_zero_blocks_zero(code_dtype: torch.dtype) -> N
 
 
 @pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+def test_decode_is_torchs_cast_times_the_scale(code_dtype: torch.dtype) -> None:
+    """Every one of the 256 codes (float8 NaN included) decodes to torch's own cast of it
+    times its block's scale, from chunks whose rows are strided."""
+    quantizer = BlockQuantizer(code_dtype, 128)
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    scales = torch.tensor([[0.5], [3.0]])
+    gathered = torch.zeros(2, 2 * quantizer.packed_numel(128), dtype=torch.uint8)  # padding after each row
+    gathered[:, :128] = codes
+    gathered[:, 128:132] = scales.view(torch.uint8)
+    decoded = quantizer.decode(gathered[:, : quantizer.packed_numel(128)], 128)
+    expected = codes.view(code_dtype).float() * scales
+    assert torch.equal(decoded.isnan(), expected.isnan())
+    assert torch.equal(decoded.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
 def test_packed_layout_codes_then_scales(code_dtype: torch.dtype) -> None:
     quantizer = BlockQuantizer(code_dtype, 16)
     values = torch.arange(40, dtype=torch.float32)

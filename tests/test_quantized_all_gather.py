@@ -77,10 +77,12 @@ def test_about_half_the_bytes_of_a_bf16_gather(code: torch.dtype):
 
 @distributed(world_size=2)
 @pytest.mark.parametrize("code", CODES)
-def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype):
-    """The gathered weight is, bit for bit, each rank's shard encoded and decoded."""
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype, param_dtype: torch.dtype):
+    """The gathered weight is, bit for bit, each rank's shard (cast to the compute dtype)
+    encoded and decoded, then cast to the compute dtype."""
     quantization = AllGatherQuantization(dtype=code, block_size=32)
-    model = _sharded(quantization)
+    model = _sharded(quantization, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
     linear = model.layers[0].attention.wq
     seen: list[torch.Tensor] = []
     linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.detach().clone()))
@@ -94,9 +96,9 @@ def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype):
     group = get_state(model.layers[0]).group
     codec = group.gather.codec
     plan = codec._plan(group.buffers.gather_layout)
-    layout = group.buffers.gather_layout
-    shard_buffer = group.buffers.shard_buffer
-    values = torch.cat([shard_buffer[layout.offsets[i] : layout.offsets[i] + layout.sizes[i]] for i in plan.coded])
+    layout, storage = group.buffers.gather_layout, group.buffers.storage_layout
+    shard_buffer = group.buffers.shard_buffer  # fp32, as the optimizer steps on it
+    values = torch.cat([storage.region(shard_buffer, i, torch.float32) for i in plan.coded]).to(param_dtype).float()
     quantizer = BlockQuantizer(code, 32)
     padded = torch.zeros(quantizer.num_blocks(values.numel()) * 32)
     padded[: values.numel()] = values
@@ -105,7 +107,7 @@ def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype):
     decoded = quantizer.decode(packed, values.numel())
     index = [p.module_info.module for p in group.spec.params].index(linear)
     start = sum(layout.sizes[i] for i in plan.coded[: plan.coded.index(index)])
-    mine = decoded[0, start : start + layout.sizes[index]]
+    mine = decoded[0, start : start + layout.sizes[index]].to(param_dtype)
     rows = gathered.size(0) // dist.get_world_size()
     assert torch.equal(gathered[dist.get_rank() * rows : (dist.get_rank() + 1) * rows].reshape(-1), mine)
     assert not torch.equal(gathered, linear.weight.full_tensor())  # quantized, not the exact weight

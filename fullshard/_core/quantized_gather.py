@@ -85,7 +85,7 @@ class QuantizedGather:
         chunks = gathered.view(num_chunks, -1)
         if plan.coded:
             values = self.quantizer.decode(chunks[:, : plan.coded_bytes], plan.coded_numel)
-            self._split(values.to(layout.dtype), layout, plan.coded, outputs, num_chunks)  # a split copies one dtype
+            self._split(values, layout, plan.coded, outputs, num_chunks)
         if plan.exact:
             exact = chunks[:, plan.coded_bytes :].view(layout.dtype)[:, : plan.exact_numel]
             self._split(exact, layout, plan.exact, outputs, num_chunks)
@@ -94,8 +94,11 @@ class QuantizedGather:
     def _split(
         side_by_side: torch.Tensor, layout: Layout, indices: list[int], outputs: list[torch.Tensor], num_chunks: int
     ) -> None:
-        """Copies the columns of ``side_by_side`` (regions ``indices`` back to back) into their outputs."""
+        """Copies the columns of ``side_by_side`` (regions ``indices`` back to back) into their outputs,
+        cast to ``layout.dtype`` on the way (one pass: no intermediate in the compute dtype)."""
         sizes = [layout.sizes[i] for i in indices]
-        torch.split_with_sizes_copy(
-            side_by_side, sizes, dim=1, out=[outputs[i].view(num_chunks, size) for i, size in zip(indices, sizes)]
-        )
+        destinations = [outputs[i].view(num_chunks, size) for i, size in zip(indices, sizes)]
+        if side_by_side.dtype == layout.dtype:
+            torch.split_with_sizes_copy(side_by_side, sizes, dim=1, out=destinations)
+        else:  # split_with_sizes_copy cannot cast
+            torch._foreach_copy_(destinations, list(side_by_side.split(sizes, dim=1)))

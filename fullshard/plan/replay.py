@@ -51,6 +51,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
+
 from .._core.quantize import BlockQuantizer
 from .config import PlanConfig
 from .units import Unit, gather_codes
@@ -179,15 +181,17 @@ class StepReplay:
 
     def _encode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
         """Quantizing one chunk (``QuantizedGather.encode``): the coded values side by side in
-        fp32, whole blocks, and their scaled copy."""
-        return 2 * codes.num_blocks(unit.coded_shard_numel()) * codes.block_size * 4
+        fp32, whole blocks (scaled in place)."""
+        return codes.num_blocks(unit.coded_shard_numel()) * codes.block_size * 4
 
     def _decode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
         """Decoding every chunk (``QuantizedGather.decode``): the fp32 values of the coded
-        parameters, and their cast to the compute dtype for the split-copy."""
-        world, coded = self.config.shard_size, unit.coded_shard_numel()
-        padded = codes.num_blocks(coded) * codes.block_size
-        return world * padded * 4 + (world * coded * self.c if self.c != 4 else 0)
+        parameters (cast into the parameters by the split-copy), and on the CPU a chunk's
+        int32 indices into float8's table of values."""
+        world = self.config.shard_size
+        padded = codes.num_blocks(unit.coded_shard_numel()) * codes.block_size
+        table_lookup = codes.code_dtype != torch.int8 and self.config.device == "cpu"
+        return world * padded * 4 + (padded * 4 if table_lookup else 0)
 
     def reshard(self, unit: Unit) -> None:
         if unit.name in self.unsharded:
