@@ -18,18 +18,10 @@ from fullshard._core import comm
 
 from .models import batch
 from .probes import Run, full_osd_of, probe, state_dict_of, train
+from .scenarios import UNIT_PROBES
 
 
-@probe(
-    "ignored_modules",
-    "ignored_states",
-    "ignored_module_invalid",
-    "policy_size",
-    "policy_lambda",
-    "policy_transformer",
-    "policy_classes",
-    "policy_custom",
-)
+@probe(*UNIT_PROBES)
 def units_and_training(r: Run) -> None:
     """Which modules became units (auto-wrap policies, ignored states), then training and every view."""
     units = [name for name, m in r.model.named_modules() if isinstance(m, r.a.FSDP)]

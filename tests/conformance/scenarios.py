@@ -16,6 +16,18 @@ from .models import MODEL_KINDS
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 SUMMON_FLAGS = ("writeback", "rank0_only", "offload_to_cpu", "with_grads")
 
+# Probes that build their model with other wrapping arguments, train, and take a full state dict.
+UNIT_PROBES = (
+    "ignored_modules",
+    "ignored_states",
+    "ignored_module_invalid",
+    "policy_size",
+    "policy_lambda",
+    "policy_transformer",
+    "policy_classes",
+    "policy_custom",
+)
+
 WRAPPER_PROBES = (
     "train",
     "grads_after_backward",
@@ -51,14 +63,7 @@ WRAPPER_PROBES = (
     "eval_full_precision",
     "autocast_loss",
     "world_one",
-    "ignored_modules",
-    "ignored_states",
-    "ignored_module_invalid",
-    "policy_size",
-    "policy_lambda",
-    "policy_transformer",
-    "policy_classes",
-    "policy_custom",
+    *UNIT_PROBES,
     "osd_nonroot",
     "osd_partly_wrapped",
     "accumulate_counts",
