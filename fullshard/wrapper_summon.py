@@ -124,11 +124,17 @@ def adopt_user_params_before_forward(wrapper: nn.Module, _args: Any) -> None:
     if state is None or state.is_root is False:
         return
     for below in states_below(wrapper):
-        view = below.group.buffers.view if below.group is not None else None
-        if isinstance(view, FlatParamView):
-            view.adopt_assigned_data()
-        elif below.group is not None:
-            adopt_user_params(below.group)
+        if below.group is not None:
+            adopt_assignments(below.group)
+
+
+def adopt_assignments(unit: ParamGroup) -> None:
+    """What the user assigned to the unit's flat parameter or original parameters becomes its shards."""
+    view = unit.buffers.view
+    if isinstance(view, FlatParamView):
+        view.adopt_assigned_data()
+    else:
+        adopt_user_params(unit)
 
 
 @torch.no_grad()

@@ -284,3 +284,18 @@ def test_flat_param_data_assignment_is_kept_like_a_plain_module():
         flat.data = torch.zeros(flat.numel() + 1)
         with pytest.raises(RuntimeError, match="flat parameter was given a tensor of shape"):
             wrapper(batch(0))
+
+
+@distributed(world_size=2)
+def test_data_assigned_to_gathered_parameters_between_forward_and_backward_raises():
+    """Between forward and backward the root keeps its original parameters gathered (use_orig_params=True):
+    an assigned ``.data`` there cannot carry its values to the shards, so the backward raises naming the
+    parameter (FSDP1 raises too) instead of dropping them (FSDP2, and fully_shard with it, drop them)."""
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        wrapper = ours(make_net(), strategy, None)
+        loss = wrapper(batch(0)).sum()
+        with torch.no_grad():
+            for param in wrapper.parameters():
+                param.data = param.data * 0.5
+        with pytest.raises(RuntimeError, match=r"\.weight.*was assigned a new tensor while they were unsharded"):
+            loss.backward()

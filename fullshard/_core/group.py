@@ -202,6 +202,8 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
+        if self.spec.presentation.refuses_unsharded_data_assignment and self.is_unsharded:
+            self._refuse_unsharded_data_assignment()
         with trace.span(self.spec.labels.reshard):
             for param in self.spec.params:
                 if param.aliases_shard:
@@ -212,6 +214,16 @@ class ParamGroup:
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
+
+    def _refuse_unsharded_data_assignment(self) -> None:
+        assigned = [p.fqn for p in self.spec.params if p.unsharded_data_assigned()]
+        if assigned:
+            raise RuntimeError(
+                f"{self.spec.name}: the .data of gathered parameters {assigned} was assigned a new tensor while "
+                "they were unsharded (between forward and backward, or after unshard()); its values cannot "
+                "reach the shards. Assign .data outside forward and backward, or copy values in place "
+                "inside summon_full_params(writeback=True)"
+            )
 
     def _reshard_to_post_forward(self, group: GroupInfo) -> None:
         """Keeps 1/k of the full parameters for a re-gather within the k-group."""

@@ -386,6 +386,14 @@ class ShardParam:
             self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
             self._hooked = False
 
+    def unsharded_data_assigned(self) -> bool:
+        """Whether the user gave the gathered parameter's ``.data`` a tensor of its own (not the
+        gathered storage): its values cannot be written back into the shard."""
+        unsharded, padded = self.unsharded_param, self._padded_unsharded
+        if unsharded is None or padded is None or self.extension is not None or isinstance(unsharded, DTensor):
+            return False
+        return unsharded.untyped_storage().data_ptr() != padded.untyped_storage().data_ptr()
+
     def free_unsharded(self) -> None:
         if self.extension is not None:
             self.extension.free()

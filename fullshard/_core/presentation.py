@@ -44,6 +44,9 @@ class DTensorShards:
     # Whether a unit kept unsharded after a no-grad forward shows its shards
     # again (FSDP1 does; FSDP2 keeps the full parameters registered).
     sharded_after_no_grad_forward = False
+    # Whether resharding raises when the user gave a gathered parameter's ``.data`` a tensor of its own,
+    # whose values cannot reach the shards (FSDP1 raises; FSDP2 drops the assignment, and so do we).
+    refuses_unsharded_data_assignment = False
 
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (this rank's unpadded rows of ``param``) in the presented form."""
@@ -70,6 +73,7 @@ class LocalViews(DTensorShards):
 
     keeps_user_param = True
     sharded_after_no_grad_forward = True
+    refuses_unsharded_data_assignment = True
 
     def __init__(self, flatten: bool) -> None:
         self.flatten = flatten

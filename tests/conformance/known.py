@@ -201,11 +201,13 @@ OPEN: tuple[Row, ...] = (
     ),
     Row(
         lambda s: _wrapper(s) and s.probe == "change_between_forward_backward",
-        ("exception", "keys", "type"),
+        ("exception", "keys", "type", "message"),
         r"",
-        _TODO + "FSDP1 raises when parameters change between forward and backward (AssertionError under "
-        "SHARD_GRAD_OP / NO_SHARD, autograd's in-place error under FULL_SHARD); fullshard's backward "
-        "uses the values gathered in forward and does not check",
+        _TODO + "parameters changed between forward and backward: FSDP1 raises (AssertionError naming the "
+        "strategy under SHARD_GRAD_OP / NO_SHARD, autograd's in-place error under FULL_SHARD); fullshard "
+        "raises RuntimeError naming the parameters when a gathered parameter's .data was assigned "
+        "(use_orig_params=True, units kept gathered), and otherwise backward uses the values gathered in "
+        "forward and the assignment is adopted at the next forward",
     ),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
