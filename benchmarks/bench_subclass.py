@@ -36,26 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fullshard import fully_shard  # noqa: E402
 from fullshard._core import comm  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
-
-
-class LoRALinear(nn.Module):
-    def __init__(self, dim: int, rank: int = 16) -> None:
-        from torchao.quantization import to_nf4
-
-        super().__init__()
-        self.base = nn.Linear(dim, dim, bias=False)
-        self.base.weight = nn.Parameter(to_nf4(self.base.weight.detach().to(torch.bfloat16)), requires_grad=False)
-        self.lora_a = nn.Linear(dim, rank, bias=False)
-        self.lora_b = nn.Linear(rank, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.base(x) + self.lora_b(self.lora_a(x)))
+from fullshard.testing.models import NF4LoRALinear  # noqa: E402
 
 
 def build(workload: str, dim: int, layers: int) -> nn.Sequential:
     torch.manual_seed(0)
     if workload == "nf4":
-        return nn.Sequential(*[LoRALinear(dim) for _ in range(layers)])
+        return nn.Sequential(*[nn.Sequential(NF4LoRALinear(dim, rank=16), nn.Tanh()) for _ in range(layers)])
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers)])

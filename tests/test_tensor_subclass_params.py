@@ -27,6 +27,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard._core import comm
 from fullshard.testing import distributed, full_value, mean_over
+from fullshard.testing.models import NF4LoRALinear
 
 # -- a toy subclass: a full-precision weight gathered in bfloat16 ---------------------
 
@@ -238,24 +239,10 @@ def to_nf4(tensor: torch.Tensor) -> torch.Tensor:
     return quantize(tensor)
 
 
-class LoRALinear(nn.Module):
-    """A frozen NF4 base weight plus a trainable low-rank update (QLoRA)."""
-
-    def __init__(self, dim: int, rank: int = 8) -> None:
-        super().__init__()
-        self.base = nn.Linear(dim, dim, bias=False)
-        self.base.weight = nn.Parameter(to_nf4(self.base.weight.detach().to(torch.bfloat16)), requires_grad=False)
-        self.lora_a = nn.Linear(dim, rank, bias=False)
-        self.lora_b = nn.Linear(rank, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(x))
-
-
 class QLoRAModel(nn.Sequential):
     def __init__(self, dim: int = 256) -> None:  # NF4 shards need 256 x 64-element blocks per rank
         torch.manual_seed(0)
-        super().__init__(LoRALinear(dim), nn.Tanh(), LoRALinear(dim), nn.Linear(dim, 4))
+        super().__init__(NF4LoRALinear(dim), nn.Tanh(), NF4LoRALinear(dim), nn.Linear(dim, 4))
 
 
 def shard_qlora(model: QLoRAModel, shard: Any) -> QLoRAModel:

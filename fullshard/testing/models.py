@@ -105,3 +105,20 @@ class CompositeParamModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.mm(self.u2(self.u1(self.l(x))), self.p) + self.buffer.sum()
+
+
+class NF4LoRALinear(nn.Module):
+    """A frozen NF4 base weight (torchao's tensor subclass) plus a trainable low-rank update:
+    a QLoRA layer, for the tensor-subclass tests and benchmark (needs torchao)."""
+
+    def __init__(self, dim: int, rank: int = 8) -> None:
+        from torchao.quantization import to_nf4
+
+        super().__init__()
+        self.base = nn.Linear(dim, dim, bias=False)
+        self.base.weight = nn.Parameter(to_nf4(self.base.weight.detach().to(torch.bfloat16)), requires_grad=False)
+        self.lora_a = nn.Linear(dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
