@@ -323,6 +323,16 @@ def all_gather_objects(obj: _T, group: dist.ProcessGroup | None = None) -> list[
     return gathered
 
 
+def first_disagreement(obj: _T, group: dist.ProcessGroup) -> tuple[int, _T, int, _T] | None:
+    """``(rank, its obj, other rank, its obj)`` for the group's first rank and the first one whose
+    ``obj`` differs from it (global ranks), or None when every rank of ``group`` passed the same."""
+    every = all_gather_objects(obj, group)
+    for index, theirs in enumerate(every):
+        if theirs != every[0]:
+            return dist.get_global_rank(group, 0), every[0], dist.get_global_rank(group, index), theirs
+    return None
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Waits until every rank of ``group`` (default: all ranks) has arrived."""
     _check_alive(group)
@@ -379,16 +389,14 @@ def _check_same_dtensor_call(call: str, value: DTensor, target: Sequence[Placeme
     """
     mine = (call, tuple(value.shape), str(value.dtype), tuple(map(repr, value.placements)), tuple(map(repr, target)))
     for dim in dims:
-        group = value.device_mesh.get_group(dim)
-        every = all_gather_objects(mine, group)
-        for index, theirs in enumerate(every):
-            if theirs != every[0]:
-                first, other = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
-                raise RuntimeError(
-                    f"DTensor collectives differ across ranks: rank {first} is about to run {_describe(every[0])} "
-                    f"but rank {other} {_describe(theirs)}. Every rank must save, load and step the same "
-                    "parameters in the same order"
-                )
+        differ = first_disagreement(mine, value.device_mesh.get_group(dim))
+        if differ is not None:
+            first, ours, other, theirs = differ
+            raise RuntimeError(
+                f"DTensor collectives differ across ranks: rank {first} is about to run {_describe(ours)} "
+                f"but rank {other} {_describe(theirs)}. Every rank must save, load and step the same "
+                "parameters in the same order"
+            )
 
 
 def _describe(call: tuple) -> str:

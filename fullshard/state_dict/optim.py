@@ -105,16 +105,15 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
         if shard is not None and shard.size > 1 and shard.group is not None:
             groups.setdefault(id(shard.group), shard.group)
     for group in groups.values():
-        every = comm.all_gather_objects(sorted(fqns), group)
-        for index, theirs in enumerate(every):
-            if theirs != every[0]:
-                first, other = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
-                raise RuntimeError(
-                    f"{caller} expects every rank's optimizer to hold states for the same parameters, but rank "
-                    f"{first} has {sorted(set(every[0]) - set(theirs))} that rank {other} lacks and rank {other} "
-                    f"has {sorted(set(theirs) - set(every[0]))} that rank {first} lacks; give every rank's "
-                    "optimizer the same parameters"
-                )
+        differ = comm.first_disagreement(sorted(fqns), group)
+        if differ is not None:
+            first, ours, other, theirs = differ
+            raise RuntimeError(
+                f"{caller} expects every rank's optimizer to hold states for the same parameters, but rank "
+                f"{first} has {sorted(set(ours) - set(theirs))} that rank {other} lacks and rank {other} "
+                f"has {sorted(set(theirs) - set(ours))} that rank {first} lacks; give every rank's "
+                "optimizer the same parameters"
+            )
 
 
 def optim_state_dict(
