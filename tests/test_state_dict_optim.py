@@ -117,6 +117,21 @@ def test_fully_shard_optimizer_state_dict_holds_dtensors():
         torch.testing.assert_close(full_value(p), full_value(q))
 
 
+@distributed(world_size=2)
+def test_optim_state_dict_refuses_ranks_with_different_states():
+    """Rank 1's optimizer lacks one parameter: every rank raises naming the ranks and the parameter,
+    instead of pairing collectives of different parameters."""
+    model = make_model()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    params = list(model.parameters())
+    optim = torch.optim.SGD(params if dist.get_rank() == 0 else params[:-1], lr=1e-2, momentum=0.9)
+    train(model, optim, range(1))
+    with pytest.raises(RuntimeError, match=r"rank 0 has \['norm\.bias'\] that rank 1 lacks"):
+        FSDP.optim_state_dict(model, optim)
+
+
 @distributed(world_size=4)
 def test_hsdp_save_load_state_dict():
     """Seed 000: sharded model and optimizer state dicts of an HSDP model
