@@ -95,7 +95,7 @@ class Schedule:
         self.post_forward_order.append(unit)
 
     def end_forward(self) -> None:
-        """Reshards units whose prefetch went unused (the order changed)."""
+        """Finishes the units whose prefetch went unused (the order changed)."""
         for unit in self.prefetched:
             unit.finish_unused_prefetch()
         self.prefetched.clear()

@@ -145,10 +145,11 @@ class ModuleState:
             state.ctx = self.ctx
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
-        self._init_fqns()
+        self._init_names()
         log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
 
-    def _init_fqns(self) -> None:
+    def _init_names(self) -> None:
+        """Names each unit and its parameters as the model names them (``set_names``)."""
         model_name = self.config.model_name
         fqns = {p: model_name(name) for root in self.modules for name, p in root.named_parameters()}
         for name, module in (item for root in self.modules for item in root.named_modules()):
