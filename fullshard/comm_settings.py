@@ -62,7 +62,7 @@ class CommSettings:
         (torch's ``ReduceScatter``, called without ``async_op`` as torch calls it), in place of
         fullshard's own; averaging, HSDP's all-reduce and the hooks stay as they are."""
         for group in self._groups(recurse=False):
-            group.reduce_settings.custom_reduce_scatter = comm
+            group.settings.reduce.custom_reduce_scatter = comm
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Validated as torch does; no effect: fullshard allocates each reduce-scatter
@@ -92,13 +92,13 @@ class CommSettings:
         for group in self._groups(recurse):
             shard = group.spec.mesh_info.shard
             if not enable or shard.group is None:
-                group.reduce_settings.scatter_group = None
+                group.settings.reduce.scatter_group = None
                 continue
             ranks = tuple(dist.get_process_group_ranks(shard.group))
             if ranks not in created:
                 new = dist.new_group(list(ranks), use_local_synchronization=True)
                 created[ranks] = GroupInfo(new, shard.size, shard.rank)
-            group.reduce_settings.scatter_group = created[ranks]
+            group.settings.reduce.scatter_group = created[ranks]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """No effect: communication buffers come from torch's caching allocator."""

@@ -93,8 +93,6 @@ class FSDPModule(CommSettings, nn.Module):
         state.lazy_init()
         if state.group is not None:
             state.group.unshard(async_op=async_op)
-            if not async_op:
-                state.group.wait_for_unshard()
         return _UnitUnshardHandle(state) if async_op else None
 
     def reshard(self) -> None:
@@ -120,7 +118,7 @@ class FSDPModule(CommSettings, nn.Module):
         backward with sync on reduces the sum.
         """
         for group in self._groups(recurse):
-            group.requires_gradient_sync = requires_gradient_sync
+            group.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keeps the full parameters after backward (saves the next forward's all-gather).
@@ -129,7 +127,7 @@ class FSDPModule(CommSettings, nn.Module):
         True for the last micro-batch) before stepping.
         """
         for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
+            group.settings.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Changes ``reshard_after_forward`` at run time, e.g. False for the root
@@ -154,7 +152,7 @@ class FSDPModule(CommSettings, nn.Module):
         last micro-batch. No effect without a replicate dimension.
         """
         for group in self._groups(recurse):
-            group.reduce_settings.all_reduce = requires_all_reduce
+            group.settings.reduce.all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduced gradients become the sum over all data-parallel ranks divided by
@@ -165,7 +163,7 @@ class FSDPModule(CommSettings, nn.Module):
                 f"set_gradient_divide_factor expects a positive factor but got {factor} for {type(self).__name__}"
             )
         for group in self._groups(recurse=False):
-            group.reduce_settings.divide_factor = float(factor)
+            group.settings.reduce.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of ``set_gradient_divide_factor``."""
@@ -181,7 +179,7 @@ class FSDPModule(CommSettings, nn.Module):
         never with AVG: for backends or transports that handle only sums
         (e.g. NCCL's zero-copy collectives). The same result up to rounding."""
         for group in self._groups(recurse=False):
-            group.reduce_settings.sum_only = enable
+            group.settings.reduce.sum_only = enable
 
     def reset_iter_state(self) -> None:
         """Forgets a step that an exception cut short in forward or backward (an
@@ -201,7 +199,7 @@ class FSDPModule(CommSettings, nn.Module):
         reduces at the end of their backward: keep conditionally used parameters
         in a unit every rank runs (e.g. the whole expert layer)."""
         for group in self._groups(recurse):
-            group.reduce_settings.include_unused = reduce_scatter_unused_params
+            group.settings.reduce.include_unused = reduce_scatter_unused_params
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Calls ``hook(reduced)`` with this unit's reduced gradient shards (one flat
@@ -215,7 +213,7 @@ class FSDPModule(CommSettings, nn.Module):
                 "a separate stream is not supported: pass stream=None"
             )
         for group in self._groups(recurse=False):
-            group.reduce_settings.post_reduce_hook = hook
+            group.settings.reduce.post_reduce_hook = hook
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the step's last (default True). Only the last
@@ -230,7 +228,7 @@ class FSDPModule(CommSettings, nn.Module):
         reads no parameter values (an embedding's gradient needs only its
         indices). A backward that does read them then fails or is wrong."""
         for group in self._groups(recurse=False):
-            group.unshard_in_backward = unshard_in_backward
+            group.settings.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gathers ``modules`` as soon as this module's forward starts (replaces implicit prefetch)."""
@@ -241,18 +239,10 @@ class FSDPModule(CommSettings, nn.Module):
         self._fsdp_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # to_empty()/to()/half() give the shards new tensors: re-pack them into
-        # the unit's flat buffer so the all-gather stays copy-free.
-        # A unit over several modules ([norm, head]) is visited one module at a
-        # time: re-pack once all its shards share a device again, since packing
-        # a moved half with a meta half would leave the whole unit on meta.
         result = super()._apply(*args, **kwargs)
         group = self._fsdp_state().group
-        if (
-            group is not None
-            and len({getattr(p.module_registration(), "device", None) for p in group.spec.params}) == 1
-        ):
-            group.buffers.rebind(group.spec.name)
+        if group is not None:
+            group.repack_after_apply()
         return result
 
     def __deepcopy__(self, memo: dict) -> NoReturn:

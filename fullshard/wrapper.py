@@ -299,7 +299,7 @@ class FullyShardedDataParallel(nn.Module):
         result = super()._apply(*args, **kwargs)
         group = self._state.group
         if group is not None:
-            group.buffers.rebind(group.spec.name)
+            group.repack_after_apply()
         return result
 
     def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
@@ -329,11 +329,11 @@ class FullyShardedDataParallel(nn.Module):
                     f"register_comm_hook does not support hybrid strategies, but {module_class_name(unit.module)} "
                     f"uses {unit.sharding_strategy.name} (reduce-scatter and all-reduce: no single hook fits)"
                 )
-            if unit._state.group is not None and unit._state.group.reduce_settings.comm_hook is not None:
+            if unit._state.group is not None and unit._state.group.settings.reduce.comm_hook is not None:
                 raise RuntimeError("register_comm_hook was already called: a communication hook is registered")
         for unit in units:
             if unit._state.group is not None:
-                unit._state.group.reduce_settings.comm_hook = (hook, state)
+                unit._state.group.settings.reduce.comm_hook = (hook, state)
 
     def check_is_root(self) -> bool:
         """Whether this wrapper is the root, the one whose forward starts an iteration.
@@ -366,7 +366,7 @@ class FullyShardedDataParallel(nn.Module):
         if not self._state.is_root:
             raise RuntimeError("no_sync expects to be called on the root FullyShardedDataParallel instance")
         groups = [s.group for s in states_below(self) if s.group is not None]
-        previous = [(g.requires_gradient_sync, g.reshard_after_backward) for g in groups]
+        previous = [(g.settings.requires_gradient_sync, g.settings.reshard_after_backward) for g in groups]
         # As FSDP1: the strategies that keep parameters after forward keep them through the
         # accumulation too (no all-gather per micro-batch); they are resharded after the synced backward.
         keeping = {
@@ -375,13 +375,13 @@ class FullyShardedDataParallel(nn.Module):
             if isinstance(unit, FullyShardedDataParallel) and unit.sharding_strategy in _KEEPING_STRATEGIES
         }
         for group in groups:
-            group.requires_gradient_sync = False
-            group.reshard_after_backward = group.reshard_after_backward and id(group) not in keeping
+            group.settings.requires_gradient_sync = False
+            group.settings.reshard_after_backward = group.settings.reshard_after_backward and id(group) not in keeping
         try:
             yield
         finally:
             for group, (sync, reshard) in zip(groups, previous):
-                group.requires_gradient_sync, group.reshard_after_backward = sync, reshard
+                group.settings.requires_gradient_sync, group.settings.reshard_after_backward = sync, reshard
 
     summon_full_params = staticmethod(wrapper_summon.summon_full_params)
 

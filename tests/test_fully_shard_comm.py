@@ -89,9 +89,9 @@ def _check_int_validation():
     with pytest.raises(ValueError, match=rf"divides the shard size {world}, but got 3 for MLP"):
         fully_shard(MLP(4), reshard_after_forward=3)
     # 1 means "keep everything"; the shard size means "reshard fully".
-    assert fully_shard.state(fully_shard(MLP(4), reshard_after_forward=1)).group.reshard_after_forward is False
+    assert fully_shard.state(fully_shard(MLP(4), reshard_after_forward=1)).group.settings.reshard_after_forward is False
     group = fully_shard.state(fully_shard(MLP(4), reshard_after_forward=world)).group
-    assert group.reshard_after_forward is True and group.post_forward_group is None
+    assert group.settings.reshard_after_forward is True and group.settings.post_forward_group is None
 
 
 # -- prefetch ---------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_a_library_looking_for_torchs_class_finds_our_units():
         assert units == [model, model[0]]
         for unit in units:
             unit.set_requires_gradient_sync(False)  # the methods a library calls are ours
-        assert all(not g.requires_gradient_sync for u in units for g in u._groups(recurse=False))
+        assert all(not g.settings.requires_gradient_sync for u in units for g in u._groups(recurse=False))
 
 
 def test_undo_restores_modules_first_imported_by_the_rebinding():

@@ -68,8 +68,8 @@ def test_fully_shard_with_policy():
     model = CompositeParamModel(dim=16)
     policy = CustomPolicy(lambda m: {"reshard_after_forward": False} if m is model.u2 else isinstance(m, UnitModule))
     fully_shard(model, policy=policy)
-    assert get_state(model.u1).group.reshard_after_forward is True
-    assert get_state(model.u2).group.reshard_after_forward is False
+    assert get_state(model.u1).group.settings.reshard_after_forward is True
+    assert get_state(model.u2).group.settings.reshard_after_forward is False
     assert {p.fqn for p in get_state(model).group.spec.params} == {"l.weight", "l.bias", "p"}
     model(torch.randn(4, 16)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -207,7 +207,7 @@ def test_enable_wrap_trains_like_one_process():
         ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD
     ]
     # The override reaches the engine: SHARD_GRAD_OP keeps its parameters after forward.
-    assert [get_state(u).group.reshard_after_forward for u in units] == [True, False, True]
+    assert [get_state(u).group.settings.reshard_after_forward for u in units] == [True, False, True]
     assert len(FSDP.fsdp_modules(model)) == 4
     with FSDP.summon_full_params(model):
         assert_params_equal(model, ref, match_names=False)  # wrapping left the initialization alone

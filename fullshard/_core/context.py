@@ -58,6 +58,9 @@ class RootContext:
             self.schedule, gate = checked, checked.gate_reduction
         for unit in self._units:
             unit.join_root(self.schedule, self.reductions, gate)
+        root_unit = states[0].group
+        if root_unit is not None:  # backward needs the root's parameters first
+            root_unit.settings.keep_unsharded_as_root()
 
     # -- forward ---------------------------------------------------------------------
     def begin_iteration(self, root: ContextState) -> None:

@@ -140,7 +140,7 @@ class CheckedSchedule(Schedule):
         super().abandon_step()
         self.validator = ExecOrderValidator()
 
-    def prefetch(self, unit: ParamGroup) -> None:
+    def prefetch(self, unit: ParamGroup, in_backward: bool = False) -> None:
         pass  # every gather passes the order check instead
 
     def _gather_for_forward(self, unit: ParamGroup) -> None:
@@ -149,7 +149,7 @@ class CheckedSchedule(Schedule):
         super()._gather_for_forward(unit)
 
     def _gather_for_backward(self, unit: ParamGroup) -> None:
-        gathers = unit.unshard_in_backward and unit.unshard_needs_collective()
+        gathers = unit.unshard_needs_collective(in_backward=True)
         self._run_agreed_all_gathers(self.validator.gate(self._fingerprint("backward", unit, gathers)), unit)
         super()._gather_for_backward(unit)
 
@@ -180,7 +180,6 @@ class CheckedSchedule(Schedule):
             unit = self._units[index]
             if unit is mine and unit.unshard_needs_collective():
                 unit.unshard()
-                unit.wait_for_unshard()
             else:
                 unit.join_all_gather()
 

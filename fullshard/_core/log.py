@@ -62,14 +62,14 @@ def _log_unit(group: ParamGroup) -> None:
         sorted({str(p.param_dtype) for p in params}),
         group.buffers.reduce_dtype,
         group.spec.offload,
-        group.reshard_after_forward,
+        group.settings.reshard_after_forward,
     )
     shard, replicate = group.spec.mesh_info.shard, group.spec.mesh_info.replicate
     gather_layout = group.buffers.gather_layout
     gather_bytes = gather_layout.total * gather_layout.dtype.itemsize * shard.size
     grad_numel = sum(p.shard_numel for p in params if p.sharded_param.requires_grad)
     reduce_bytes = grad_numel * group.buffers.reduce_dtype.itemsize
-    num_gathers = (1 + int(group.reshard_after_forward)) if shard.size > 1 else 0
+    num_gathers = (1 + int(group.settings.reshard_after_forward)) if shard.size > 1 else 0
     logger.debug(
         "unit %s bytes per step: all-gather %d (%d calls), reduce-scatter %d, all-reduce %d",
         group.spec.name,

@@ -33,6 +33,7 @@ from .presentation import DTENSOR_SHARDS
 from .spec import UnitSpec
 from .state import ModuleState, get_state
 from .trace import unit_labels
+from .unit_settings import UnitSettings
 
 
 def resolve_reshard_after_forward(
@@ -115,7 +116,8 @@ def manage_module(
             f"{'CPU offload' if spec.offload else 'an int reshard_after_forward'} is not yet supported with "
             f"tensor-subclass parameters ({extended[0]} in {owner})"
         )
-    group = ParamGroup(spec, reshard, post_forward, chosen=config.reshard_after_forward is not None)
+    chosen = config.reshard_after_forward is not None
+    group = ParamGroup(spec, UnitSettings(reshard, post_forward, reshard_after_forward_chosen=chosen))
     return ModuleState(roots, group, config, device, buffer_dtypes)
 
 

@@ -88,7 +88,6 @@ class Schedule:
         # Finish this unit's gather before starting the next one's: at most one
         # all-gather output is alive (its own was usually prefetched already).
         unit.unshard()
-        unit.wait_for_unshard()
 
     def after_forward(self, unit: ParamGroup) -> None:
         """A forward use of ``unit`` whose backward will run (grad enabled) ended."""
@@ -96,18 +95,14 @@ class Schedule:
         self.post_forward_order.append(unit)
 
     def end_forward(self) -> None:
-        """Reshards units whose prefetch went unused (the order changed)."""
+        """Finishes the units whose prefetch went unused (the order changed)."""
         for unit in self.prefetched:
-            unit.wait_for_unshard()
-            if unit.reshard_after_forward:
-                unit.reshard()
+            unit.finish_unused_prefetch()
         self.prefetched.clear()
 
-    def prefetch(self, unit: ParamGroup) -> None:
-        if unit.is_unsharded or unit.training_state is TrainingState.POST_BACKWARD:
-            return
-        self.prefetched.add(unit)
-        unit.unshard(async_op=True)
+    def prefetch(self, unit: ParamGroup, in_backward: bool = False) -> None:
+        if unit.prefetch(in_backward):
+            self.prefetched.add(unit)
 
     # -- backward --------------------------------------------------------------------
     def before_backward(self, state: ScheduledState, use: UnitUse | None) -> None:
@@ -115,14 +110,9 @@ class Schedule:
         unit (once per backward) and prefetches the one that ran before it."""
         self.queue_end_of_backward()
         unit = state.group
-        if unit is not None:
-            unit.start_use_backward(use)
-        if state.training_state is TrainingState.PRE_BACKWARD:
-            if unit is not None:
-                unit.gather_for_another_use()
-            return
+        again = state.training_state is TrainingState.PRE_BACKWARD  # another use's backward came first
         state.training_state = TrainingState.PRE_BACKWARD
-        if unit is None or unit.training_state is TrainingState.PRE_BACKWARD:
+        if unit is None or not unit.start_use_backward(use, again):
             return
         self._gather_for_backward(unit)  # waits for it before prefetching: see before_forward
         self.prefetched.discard(unit)  # used: what remains at the end of backward is stale
@@ -133,12 +123,11 @@ class Schedule:
             targets = [s.group for s in state.backward_prefetch if s.group is not None]
         else:
             targets = [self.post_forward_order[index - 1]] if index and mode is not None else []
-        targets = [target for target in targets if target.unshard_in_backward]
         if mode is BackwardPrefetch.BACKWARD_POST:
             self._after_backward[unit] = targets  # issued once this unit's gradients are out
             return
         for target in targets:
-            self.prefetch(target)
+            self.prefetch(target, in_backward=True)
 
     def _gather_for_backward(self, unit: ParamGroup) -> None:
         unit.pre_backward()
@@ -146,7 +135,7 @@ class Schedule:
     def after_backward(self, unit: ParamGroup) -> None:
         """``unit`` handed its gradients to reduction: its BACKWARD_POST prefetches."""
         for target in self._after_backward.pop(unit, ()):
-            self.prefetch(target)
+            self.prefetch(target, in_backward=True)
 
     def end_backward(self, is_last: bool) -> None:
         for unit in self.prefetched:

@@ -143,22 +143,19 @@ class ModuleState:
         self.ctx.adopt(list(states), validate=validation_enabled())
         for state in states:
             state.ctx = self.ctx
-        if self.group is not None:
-            self.group.keep_unsharded_as_root()
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
-        self._init_fqns(states)
+        self._init_names()
         log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
 
-    def _init_fqns(self, states: list[ModuleState]) -> None:
-        by_param = {p.sharded_param: p for s in states if s.group for p in s.group.spec.params}
-        for name, param in (item for root in self.modules for item in root.named_parameters()):
-            if param in by_param:
-                by_param[param].fqn = self.config.model_name(name)
+    def _init_names(self) -> None:
+        """Names each unit and its parameters as the model names them (``set_names``)."""
+        model_name = self.config.model_name
+        fqns = {p: model_name(name) for root in self.modules for name, p in root.named_parameters()}
         for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
             if state is not None and state.group is not None:
-                state.group.set_module_path(self.config.model_name(name))
+                state.group.set_names(model_name(name), fqns)
 
     # -- forward -------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -208,7 +205,6 @@ class ModuleState:
         if self.recomputing:
             if self.group is not None:
                 self.group.unshard()
-                self.group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
         self.lazy_init()
         if self.ctx.iteration_root is None:

@@ -1,0 +1,190 @@
+"""The forms of a unit's parameters and the moves between them: sharded (only
+this rank's shards exist), sharded post-forward (a larger shard kept for a
+re-gather within a smaller group) and unsharded (the full parameters registered
+on the modules). ``unshard`` all-gathers, ``reshard`` frees.
+
+``ParamForms`` knows nothing of the step: when a unit changes form is decided
+by its lifecycle (``group.ParamGroup``, which extends it) and the root's
+schedule. The shard buffer is in buffers.py (see [Note: Unit buffers]), the
+all-gather's steps in all_gather.py.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from . import trace
+from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
+from .buffers import UnitBuffers
+from .common import outside_transforms
+from .layout import Layout
+from .mesh import GroupInfo
+from .spec import UnitSpec
+
+
+class ShardedState(enum.Enum):
+    SHARDED = enum.auto()  # only this rank's shards exist
+    SHARDED_POST_FORWARD = enum.auto()  # a larger shard for the smaller post-forward group
+    UNSHARDED = enum.auto()  # full parameters registered on the modules
+
+
+class ParamForms:
+    """One unit's parameters in their forms (see the module docstring); what the
+    unit is (parameters, mesh, devices, name) is its ``spec`` (see [Note: Unit spec])."""
+
+    def __init__(self, spec: UnitSpec) -> None:
+        self.spec = spec
+        self.buffers = UnitBuffers(spec, [p.bound_rows for p in spec.params])
+        self.gather = AllGather(spec, self.buffers)
+        self.sharded_state = ShardedState.SHARDED
+        self._all_gather: AllGatherInFlight | None = None
+        self._shows_shards_unsharded = False  # see show_shards
+        self._post_forward_shard: PostForwardShard | None = None
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
+
+    @outside_transforms
+    def unshard(self, async_op: bool = False) -> None:
+        """Gathers the full parameters and registers them (no-op if unsharded);
+        ``async_op`` only starts the all-gather: ``wait_for_unshard`` finishes it."""
+        if not self.is_unsharded and self._all_gather is None and self.spec.params:
+            self._start_all_gather(async_op)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _start_all_gather(self, async_op: bool) -> None:
+        spec, buffers = self.spec, self.buffers
+        buffers.check_materialized()
+        if self._post_forward_shard is None and spec.mesh_info.shard.size == 1:
+            if not buffers.needs_cast and not buffers.extended and not spec.offload:
+                self._alias_unsharded()
+                return
+        self._all_gather = self.gather.start(*self._gather_input(), async_op, spec.labels)
+
+    def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
+        """What this unit's all-gather sends (copied in), its layout and its group."""
+        kept = self._post_forward_shard
+        if kept is not None:
+            return kept.source, kept.layout, kept.group
+        source, layout = self.gather.input(self.spec.labels)
+        return source, layout, self.spec.mesh_info.shard
+
+    def unshard_needs_collective(self) -> bool:
+        """Whether ``unshard()`` would issue an all-gather now."""
+        if self.is_unsharded or self._all_gather is not None or not self.spec.params:
+            return False
+        if self._post_forward_shard is not None:
+            return self._post_forward_shard.group.size > 1
+        return self.spec.mesh_info.shard.size > 1
+
+    def join_all_gather(self) -> None:
+        """Takes part in another rank's all-gather of this unit, into scratch
+        (execution-order validation, see [Note: Execution order])."""
+        self.gather.join(*self._gather_input(), self.spec.labels)
+
+    def _alias_unsharded(self) -> None:
+        buffers = self.buffers
+        if buffers.view is not None:
+            buffers.view.sync_requires_grad()
+        for index, param in enumerate(self.spec.params):
+            param.alias_unsharded(buffers.storage_layout.region(buffers.shard_buffer, index, param.orig_dtype))
+            param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    @outside_transforms
+    def wait_for_unshard(self) -> None:
+        """Finishes an in-flight unshard: copy-out and registration of full parameters."""
+        in_flight, self._all_gather = self._all_gather, None
+        if in_flight is None:
+            if self._shows_shards_unsharded:  # kept unsharded but showing the shards
+                self._register_unsharded()
+            return
+        self.gather.copy_out(in_flight, self.spec.labels)
+        self._post_forward_shard = None
+        self._register_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _register_unsharded(self) -> None:
+        if self.buffers.view is not None:
+            self.buffers.view.sync_requires_grad()
+        for param in self.spec.params:
+            param.to_unsharded()
+        self._shows_shards_unsharded = False
+
+    def show_shards(self) -> None:
+        """Registers the shards but keeps the full parameters for the next use
+        (a no-grad forward under a presentation that asks for it)."""
+        for param in self.spec.params:
+            param.to_sharded()
+        self._shows_shards_unsharded = True
+
+    @outside_transforms
+    def reshard(self) -> None:
+        """Frees the full parameters and registers the shards."""
+        if self._all_gather is not None:
+            self.wait_for_unshard()
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        if self.spec.presentation.refuses_unsharded_data_assignment and self.is_unsharded:
+            self._refuse_unsharded_data_assignment()
+        with trace.span(self.spec.labels.reshard):
+            for param in self.spec.params:
+                if param.aliases_shard:
+                    continue
+                param.free_unsharded()
+            for param in self.spec.params:
+                param.to_sharded()
+        self._shows_shards_unsharded = False
+        self._post_forward_shard = None
+        self.sharded_state = ShardedState.SHARDED
+
+    def _refuse_unsharded_data_assignment(self) -> None:
+        assigned = [p.fqn for p in self.spec.params if p.unsharded_data_assigned()]
+        if assigned:
+            raise RuntimeError(
+                f"{self.spec.name}: the .data of gathered parameters {assigned} was assigned a new tensor while "
+                "they were unsharded (between forward and backward, or after unshard()); its values cannot "
+                "reach the shards. Assign .data outside forward and backward, or copy values in place "
+                "inside summon_full_params(writeback=True)"
+            )
+
+    def reshard_to_post_forward(self, group: GroupInfo) -> None:
+        """Keeps 1/k of the full parameters for a re-gather within the k-group."""
+        kept = self.gather.keep_post_forward(self.spec.mesh_info.shard.size, group)
+        self.reshard()
+        self._post_forward_shard = kept
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def drop_post_forward_shard(self) -> None:
+        """Forgets the larger shard kept since forward (the shards are registered)."""
+        if self._post_forward_shard is not None:
+            self._post_forward_shard = None
+            self.sharded_state = ShardedState.SHARDED
+
+    def set_full_precision(self, full_precision: bool) -> None:
+        """Gathers and computes in the parameters' own dtype (True) instead of the
+        mixed-precision ``param_dtype``; the unsharded forms change dtype, so a
+        change reshards first."""
+        params = self.spec.params
+        if all(p.full_precision == full_precision for p in params):
+            return
+        self.reshard()
+        for param in params:
+            param.full_precision = full_precision
+        self.buffers.set_gather_layout()
+
+    def repack_after_apply(self) -> None:
+        """``nn.Module._apply`` (``to_empty``, ``to``, ``half``) gave the shards new
+        tensors: re-packs them into the shard buffer so the all-gather stays
+        copy-free. ``_apply`` visits a unit over several modules (``[norm, head]``)
+        one module at a time: re-packs once all its shards share a device again,
+        since packing a moved half with a meta half would leave it all on meta."""
+        if len({getattr(p.module_registration(), "device", None) for p in self.spec.params}) == 1:
+            self.buffers.rebind(self.spec.name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec.name}, {len(self.spec.params)} params)"
