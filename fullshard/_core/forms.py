@@ -3,6 +3,18 @@ this rank's shards exist), sharded post-forward (a larger shard kept for a
 re-gather within a smaller group) and unsharded (the full parameters registered
 on the modules). ``unshard`` all-gathers, ``reshard`` frees.
 
+[Note: Kept forms go stale]
+A unit can keep its unsharded (or post-forward) form past the step that
+gathered it: a no-grad forward has no backward to reshard it, and
+``reshard_after_forward=False`` or a kept 1/k shard exist for reuse. If the
+shards then change in place (an optimizer step after an evaluation forward, a
+state-dict load), reusing the kept form would compute with the old values.
+The shards' version counters are recorded when a form is gathered: the
+buffer's (shared by its views: plain shards, the flat parameter) and each
+sharded parameter's (a DTensor counts its in-place ops on itself, not on its
+local tensor); ``unshard`` drops a form whose shards moved on and gathers again. Torch's FSDP
+reuses such forms as they are.
+
 ``ParamForms`` knows nothing of the step: when a unit changes form is decided
 by its lifecycle (``group.ParamGroup``, which extends it) and the root's
 schedule. The shard buffer is in buffers.py (see [Note: Unit buffers]), the
@@ -42,6 +54,7 @@ class ParamForms:
         self._all_gather: AllGatherInFlight | None = None
         self._shows_shards_unsharded = False  # see show_shards
         self._post_forward_shard: PostForwardShard | None = None
+        self._gathered_version: int | None = None  # the shards' version behind a kept form, see the Note
 
     @property
     def is_unsharded(self) -> bool:
@@ -51,6 +64,8 @@ class ParamForms:
     def unshard(self, async_op: bool = False) -> None:
         """Gathers the full parameters and registers them (no-op if unsharded);
         ``async_op`` only starts the all-gather: ``wait_for_unshard`` finishes it."""
+        if self._kept_form_stale():
+            self.reshard()
         if not self.is_unsharded and self._all_gather is None and self.spec.params:
             self._start_all_gather(async_op)
         if not async_op:
@@ -65,6 +80,20 @@ class ParamForms:
                 return
         self._all_gather = self.gather.start(*self._gather_input(), async_op, spec.labels)
 
+    def _kept_form_stale(self) -> bool:
+        """Whether the shards changed in place since the kept form was gathered (see
+        [Note: Kept forms go stale]); traced graphs keep their own forms."""
+        version = self._gathered_version
+        return (
+            version is not None
+            and version != self._shards_version()
+            and not torch.compiler.is_compiling()
+        )
+
+    def _shards_version(self) -> int:
+        """Grows with every in-place change of the shards (versions never decrease)."""
+        return self.buffers.shard_buffer._version + sum(p.sharded_param._version for p in self.spec.params)
+
     def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
         """What this unit's all-gather sends (copied in), its layout and its group."""
         kept = self._post_forward_shard
@@ -75,6 +104,8 @@ class ParamForms:
 
     def unshard_needs_collective(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
+        if self._kept_form_stale():
+            return self.spec.mesh_info.shard.size > 1
         if self.is_unsharded or self._all_gather is not None or not self.spec.params:
             return False
         if self._post_forward_shard is not None:
@@ -104,6 +135,8 @@ class ParamForms:
                 self._register_unsharded()
             return
         self.gather.copy_out(in_flight, self.spec.labels)
+        if self._post_forward_shard is None:  # else still the version the kept shard came from
+            self._gathered_version = self._shards_version()
         self._post_forward_shard = None
         self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -140,6 +173,7 @@ class ParamForms:
                 param.to_sharded()
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
+        self._gathered_version = None
         self.sharded_state = ShardedState.SHARDED
 
     def _refuse_unsharded_data_assignment(self) -> None:
@@ -154,15 +188,16 @@ class ParamForms:
 
     def reshard_to_post_forward(self, group: GroupInfo) -> None:
         """Keeps 1/k of the full parameters for a re-gather within the k-group."""
-        kept = self.gather.keep_post_forward(self.spec.mesh_info.shard.size, group)
+        kept, version = self.gather.keep_post_forward(self.spec.mesh_info.shard.size, group), self._gathered_version
         self.reshard()
-        self._post_forward_shard = kept
+        self._post_forward_shard, self._gathered_version = kept, version
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def drop_post_forward_shard(self) -> None:
         """Forgets the larger shard kept since forward (the shards are registered)."""
         if self._post_forward_shard is not None:
             self._post_forward_shard = None
+            self._gathered_version = None
             self.sharded_state = ShardedState.SHARDED
 
     def set_full_precision(self, full_precision: bool) -> None:
