@@ -84,11 +84,7 @@ class ParamForms:
         """Whether the shards changed in place since the kept form was gathered (see
         [Note: Kept forms go stale]); traced graphs keep their own forms."""
         version = self._gathered_version
-        return (
-            version is not None
-            and version != self._shards_version()
-            and not torch.compiler.is_compiling()
-        )
+        return version is not None and version != self._shards_version() and not torch.compiler.is_compiling()
 
     def _shards_version(self) -> int:
         """Grows with every in-place change of the shards (versions never decrease)."""
