@@ -86,9 +86,13 @@ class ParamForms:
         version = self._gathered_version
         return version is not None and version != self._shards_version() and not torch.compiler.is_compiling()
 
-    def _shards_version(self) -> int:
-        """Grows with every in-place change of the shards (versions never decrease)."""
-        return self.buffers.shard_buffer._version + sum(p.sharded_param._version for p in self.spec.params)
+    def _shards_version(self) -> int | None:
+        """Grows with every in-place change of the shards (versions never decrease);
+        None for shards made under ``torch.inference_mode`` (they keep no versions)."""
+        buffer = self.buffers.shard_buffer
+        if buffer.is_inference():
+            return None
+        return buffer._version + sum(p.sharded_param._version for p in self.spec.params)
 
     def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
         """What this unit's all-gather sends (copied in), its layout and its group."""
