@@ -30,7 +30,8 @@ from .._core.param import ShardParam
 from .._core.param_units import buffer_param
 from .._names import model_name
 from ..api import StateDictType
-from .settings import default_settings, get_state_dict_type, rank0_only
+from .settings import default_settings, get_state_dict_type, rank0_only, unit_record
+from .sharded_tensor import as_fsdp1_optim_state, loadable
 
 Entry = tuple[str, ShardParam | None, ParamGroup | None]
 
@@ -122,7 +123,8 @@ def optim_state_dict(
     """``optim``'s state keyed by parameter FQN, full or sharded like the model's state dict.
 
     Per-parameter states (``exp_avg``, ``momentum_buffer``, ...) are DTensor
-    shards for SHARDED, full tensors for FULL (``rank0_only``: other ranks get
+    shards for SHARDED (ShardedTensors for FSDP1 wrappers without a device mesh,
+    see [Note: ShardedTensor form]), full tensors for FULL (``rank0_only``: other ranks get
     ``{}``); a flat parameter's states are split into its original parameters'.
     A collective: every rank must call it.
 
@@ -151,10 +153,17 @@ def optim_state_dict(
         if index_of[id(p)] in saved["state"]
     ]
     _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
+    as_sharded_tensors = set() if full else _units_saving_sharded_tensors(model)
     state: dict[str, dict[str, Any]] = {}
     for param in stepped:
         for fqn, shard_param, unit in entries[id(param)]:
-            state[fqn] = _split_state(saved["state"][index_of[id(param)]], param, shard_param, unit, full, offload)
+            values = saved["state"][index_of[id(param)]]
+            state[fqn] = _split_state(values, param, shard_param, unit, full, offload)
+            if unit is not None and id(unit) in as_sharded_tensors:
+                flat = buffer_param(unit) is not None
+                state[fqn] = {
+                    k: as_fsdp1_optim_state(v, flat) if isinstance(v, DTensor) else v for k, v in state[fqn].items()
+                }
     param_groups = [
         {**saved_group, "params": [fqn for p in group["params"] for fqn, _, _ in entries[id(p)]]}
         for saved_group, group in zip(saved["param_groups"], optim.param_groups)
@@ -162,6 +171,11 @@ def optim_state_dict(
     if full and rank0_only(settings.optim_state_dict_config) and dist.get_rank() != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
+
+
+def _units_saving_sharded_tensors(model: nn.Module) -> set[int]:
+    """id() of the units whose sharded states are ShardedTensors (see [Note: ShardedTensor form])."""
+    return {id(s.group) for s in states_below(model) if s.group is not None and unit_record(s).sharded_tensors}
 
 
 def _split_state(
@@ -306,12 +320,12 @@ def _join_state(
             flat = torch.zeros_like(param)
             for shard_param, values in per_param:
                 if values is not None and shard_param is not None:  # a flat parameter's originals have both
-                    local = shard_param.shard_from_full(values[key])._local_tensor
+                    local = shard_param.shard_from_full(loadable(values[key], shard_param))._local_tensor
                     full_params.write_shard(unit, unit.spec.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:
             shard_param = per_param[0][0]
-            result[key] = shard_param.present(shard_param.shard_from_full(value)._local_tensor)
+            result[key] = shard_param.present(shard_param.shard_from_full(loadable(value, shard_param))._local_tensor)
         elif isinstance(param, DTensor):
             result[key] = _like(param, value)
         else:

@@ -216,18 +216,6 @@ OPEN: tuple[Row, ...] = (
         _TODO + "between forward and backward, FSDP1's named_parameters() lists only the flat parameters "
         "(use_orig_params=False); fullshard lists the unsharded original parameters of units kept gathered",
     ),
-    Row(
-        lambda s: (
-            _wrapper(s)
-            and s.probe in ("sd_sharded", "osd_sharded")
-            and "HYBRID" not in s.strategy
-            and (s.strategy != "NO_SHARD" or s.probe == "osd_sharded")
-        ),
-        ("type",),
-        r"^(sd|osd):",
-        _TODO + "FSDP1's SHARDED_STATE_DICT without a device mesh holds ShardedTensors (model and optimizer "
-        "states), fullshard DTensors: same values, other type",
-    ),
 )
 
 

@@ -1,0 +1,128 @@
+"""FSDP1's sharded values without a device mesh: torch's ``ShardedTensor``.
+
+[Note: ShardedTensor form]
+An FSDP1 wrapper built without ``device_mesh`` saves SHARDED model and
+optimizer state dicts as ``ShardedTensor``s, one with a mesh as DTensors. The
+ShardedTensor cuts the global tensor along dim 0 as ``torch.chunk`` does over
+the unit's shard group (the whole group under NO_SHARD): chunks of
+``ceil(rows / world)`` rows, one shard per rank that has a chunk, none on the
+ranks past the last one. That is our row layout (DTensor ``Shard(0)``), so a
+rank's shard is its DTensor's local rows: no copy, no communication. Values a
+ShardedTensor cannot express (tensor-parallel placements, scalars) stay DTensors.
+
+Loading takes either form: a ShardedTensor laid out as ours is read as the
+DTensor it came from; any other layout is first assembled in full.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard as ShardPlacement
+
+from .._core import comm
+from .._core.param import ShardParam
+
+
+def as_sharded_tensor(value: DTensor) -> torch.Tensor:
+    """``value`` (laid out like a unit's shard) as FSDP1's ShardedTensor; see [Note: ShardedTensor form]."""
+    placements = value.placements
+    split = [axis for axis, p in enumerate(placements) if not p.is_replicate()]
+    if value.dim() == 0 or len(split) > 1 or (split and placements[split[0]] != ShardPlacement(0)):
+        return value  # tensor parallel (or a scalar): only a DTensor says how it is laid out
+    if not split and value.device_mesh.ndim != 1:
+        return value
+    axis = split[0] if split else 0
+    mesh = value.device_mesh
+    group, rank, world = mesh.get_group(axis), mesh.get_local_rank(axis), mesh.size(axis)
+    local = value._local_tensor
+    if not split:  # replicated (NO_SHARD): this rank's chunk of its full copy
+        chunks = local.chunk(world)
+        local = chunks[rank] if rank < len(chunks) else local.narrow(0, 0, 0)
+    metadata = _chunk_metadata(value.shape, group, local.device)
+    own = [m for m in metadata if m.placement is not None and m.placement.rank() == dist.get_rank()]
+    shards = [Shard(local.contiguous(), own[0])] if own else []
+    properties = TensorProperties(
+        dtype=value.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=local.is_pinned(),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(metadata, value.shape, properties), process_group=group
+    )
+
+
+def as_fsdp1_optim_state(value: DTensor, flat: bool) -> torch.Tensor:
+    """An optimizer state in FSDP1's sharded form: a ShardedTensor, except a replicated (NO_SHARD)
+    state of a unit without a flat parameter (``use_orig_params=True``), which FSDP1 hands out whole."""
+    if not flat and all(p.is_replicate() for p in value.placements):
+        return value._local_tensor
+    return as_sharded_tensor(value)
+
+
+def _chunk_metadata(size: torch.Size, group: dist.ProcessGroup, device: torch.device) -> list[ShardMetadata]:
+    """One entry per ``torch.chunk`` chunk of ``size`` over ``group``'s ranks, in rank order."""
+    chunks = torch.empty(size, device="meta").chunk(group.size())
+    metadata, offset = [], 0
+    for group_rank, chunk in enumerate(chunks):
+        global_rank = dist.get_global_rank(group, group_rank)
+        offsets = [offset] + [0] * (len(size) - 1)
+        metadata.append(
+            ShardMetadata(offsets, list(chunk.shape), f"rank:{global_rank}/{_device_of(global_rank, device)}")
+        )
+        offset += chunk.shape[0]
+    return metadata
+
+
+def _device_of(global_rank: int, local_device: torch.device) -> torch.device:
+    """Where ``global_rank``'s shard lives: this rank's own device, or (accelerators) the one
+    its local rank has, as FSDP1 assumes."""
+    if global_rank == dist.get_rank() or local_device.type == "cpu":
+        return local_device
+    count = torch.get_device_module(local_device.type).device_count()
+    return torch.device(local_device.type, global_rank % max(count, 1))
+
+
+def loadable(value: torch.Tensor, param: ShardParam) -> torch.Tensor:
+    """A saved value ``param.shard_from_full`` takes: a ShardedTensor becomes a DTensor
+    (laid out as ``param``: its shard, no communication) or the full tensor."""
+    if not isinstance(value, ShardedTensor):
+        return value
+    like = param.shard_as_dtensor()
+    sharded = any(not p.is_replicate() for p in like.placements)  # replicated: the full value is needed
+    if sharded and tuple(like.placements) == tuple(param.mesh_info.dp_placements):
+        mine = as_sharded_tensor(like)
+        if isinstance(mine, ShardedTensor) and _same_layout(mine, value):
+            shards = value.local_shards()
+            local = shards[0].tensor if shards else like._local_tensor.new_empty(like._local_tensor.shape)
+            return param.dtensor_from_rows(local.to(like._local_tensor.dtype))
+    return _assembled(value)
+
+
+def _same_layout(a: ShardedTensor, b: ShardedTensor) -> bool:
+    def key(t: ShardedTensor) -> list[tuple]:
+        return [
+            (m.shard_offsets, m.shard_sizes, m.placement.rank() if m.placement else None)
+            for m in t.metadata().shards_metadata
+        ]
+
+    return a.size() == b.size() and key(a) == key(b)
+
+
+def _assembled(value: ShardedTensor) -> torch.Tensor:
+    """The global tensor on every rank of ``value``'s group: each writes its shards, one sum."""
+    shards = value.local_shards()
+    device = shards[0].tensor.device if shards else comm.backend_device(value._process_group)
+    full = torch.zeros(value.size(), dtype=value.dtype, device=device)
+    for shard in shards:
+        region = full
+        for dim, (offset, length) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
+            region = region.narrow(dim, offset, length)
+        region.copy_(shard.tensor)
+    comm.all_reduce(full, value._process_group, dist.ReduceOp.SUM, async_op=False)
+    return full
