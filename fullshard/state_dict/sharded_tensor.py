@@ -101,7 +101,7 @@ def loadable(value: torch.Tensor, param: ShardParam) -> torch.Tensor:
             shards = value.local_shards()
             local = shards[0].tensor if shards else like._local_tensor.new_empty(like._local_tensor.shape)
             return param.dtensor_from_rows(local.to(like._local_tensor.dtype))
-    return _assembled(value)
+    return full_tensor(value)
 
 
 def _same_layout(a: ShardedTensor, b: ShardedTensor) -> bool:
@@ -114,8 +114,8 @@ def _same_layout(a: ShardedTensor, b: ShardedTensor) -> bool:
     return a.size() == b.size() and key(a) == key(b)
 
 
-def _assembled(value: ShardedTensor) -> torch.Tensor:
-    """The global tensor on every rank of ``value``'s group: each writes its shards, one sum."""
+def full_tensor(value: ShardedTensor) -> torch.Tensor:
+    """The global tensor on every rank of ``value``'s group (a collective): each writes its shards, one sum."""
     shards = value.local_shards()
     device = shards[0].tensor.device if shards else comm.backend_device(value._process_group)
     full = torch.zeros(value.size(), dtype=value.dtype, device=device)
