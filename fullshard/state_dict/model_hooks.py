@@ -13,7 +13,8 @@ the requested form without any special entry point:
     for a wrapper without a device mesh; the full tensor for FULL), so tied
     parameters appear under every name, like nn.Module's;
   - the wrapper's flat parameter appears only in LOCAL state dicts, cast
-    buffers in their original dtype;
+    buffers in their original dtype (in LOCAL ones, as FSDP1's, in the dtype
+    the unit computes with);
   - load pre-hooks do the reverse: a parameter's value (full, DTensor or
     ShardedTensor, any layout) becomes this rank's rows, written into the
     unit's shard buffer.
@@ -38,7 +39,7 @@ from .._core.group import ParamGroup
 from .._core.state import ModuleState
 from .._names import WRAPPER_PREFIX, model_name
 from ..api import StateDictSettings, StateDictType
-from .settings import UnitStateDict, rank0_only, register_unit
+from .settings import UnitStateDict, rank0_only, register_unit, unit_record
 from .sharded_tensor import as_sharded_tensor, loadable
 
 
@@ -162,6 +163,8 @@ def _save_params(
 def _save_buffers_in_original_dtype(
     state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
 ) -> None:
+    if unit_record(state).model_settings().state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return  # as FSDP1: a local state dict holds the buffers as the unit computes with them
     for name, buffer in module._buffers.items():
         key = prefix + name
         if buffer is not None and id(buffer) in state.buffer_dtypes and key in state_dict:

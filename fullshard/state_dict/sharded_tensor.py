@@ -43,18 +43,42 @@ def as_sharded_tensor(value: DTensor) -> torch.Tensor:
         chunks = local.chunk(world)
         local = chunks[rank] if rank < len(chunks) else local.narrow(0, 0, 0)
     metadata = _chunk_metadata(value.shape, group, local.device)
-    own = [m for m in metadata if m.placement is not None and m.placement.rank() == dist.get_rank()]
-    shards = [Shard(local.contiguous(), own[0])] if own else []
+    own = [m for m in metadata if _rank_of(m) == dist.get_rank()]
+    return sharded_tensor(value.shape, value.dtype, metadata, [local] if own else [], group)
+
+
+def sharded_tensor(
+    size: torch.Size,
+    dtype: torch.dtype,
+    metadata: list[ShardMetadata],
+    local: list[torch.Tensor],
+    group: dist.ProcessGroup,
+) -> ShardedTensor:
+    """A ShardedTensor from every rank's shard metadata (the same on each rank: no communication) and
+    this rank's shards, in the order ``metadata`` lists them."""
+    own = [m for m in metadata if _rank_of(m) == dist.get_rank()]
+    if len(own) != len(local):
+        raise AssertionError(f"rank {dist.get_rank()}: {len(local)} local shards for {len(own)} shard entries")
     properties = TensorProperties(
-        dtype=value.dtype,
+        dtype=dtype,
         layout=torch.strided,
         requires_grad=False,
         memory_format=torch.contiguous_format,
-        pin_memory=local.is_pinned(),
+        pin_memory=bool(local) and local[0].is_pinned(),
     )
+    shards = [Shard(tensor.contiguous(), entry) for tensor, entry in zip(local, own)]
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(metadata, value.shape, properties), process_group=group
+        shards, ShardedTensorMetadata(metadata, size, properties), process_group=group
     )
+
+
+def shard_entry(offsets: list[int], sizes: list[int], global_rank: int, device: torch.device) -> ShardMetadata:
+    """The metadata of one shard held by ``global_rank`` (``device``: this rank's)."""
+    return ShardMetadata(offsets, sizes, f"rank:{global_rank}/{_device_of(global_rank, device)}")
+
+
+def _rank_of(entry: ShardMetadata) -> int | None:
+    return entry.placement.rank() if entry.placement is not None else None
 
 
 def as_fsdp1_optim_state(value: DTensor, flat: bool) -> torch.Tensor:
@@ -70,11 +94,8 @@ def _chunk_metadata(size: torch.Size, group: dist.ProcessGroup, device: torch.de
     chunks = torch.empty(size, device="meta").chunk(group.size())
     metadata, offset = [], 0
     for group_rank, chunk in enumerate(chunks):
-        global_rank = dist.get_global_rank(group, group_rank)
         offsets = [offset] + [0] * (len(size) - 1)
-        metadata.append(
-            ShardMetadata(offsets, list(chunk.shape), f"rank:{global_rank}/{_device_of(global_rank, device)}")
-        )
+        metadata.append(shard_entry(offsets, list(chunk.shape), dist.get_global_rank(group, group_rank), device))
         offset += chunk.shape[0]
     return metadata
 
@@ -105,13 +126,16 @@ def loadable(value: torch.Tensor, param: ShardParam) -> torch.Tensor:
 
 
 def _same_layout(a: ShardedTensor, b: ShardedTensor) -> bool:
-    def key(t: ShardedTensor) -> list[tuple]:
-        return [
-            (m.shard_offsets, m.shard_sizes, m.placement.rank() if m.placement else None)
-            for m in t.metadata().shards_metadata
-        ]
+    return a.size() == b.size() and same_shards(a.metadata().shards_metadata, b.metadata().shards_metadata)
 
-    return a.size() == b.size() and key(a) == key(b)
+
+def same_shards(a: list[ShardMetadata], b: list[ShardMetadata]) -> bool:
+    """Whether two layouts cut the same regions for the same ranks (devices aside)."""
+
+    def key(metadata: list[ShardMetadata]) -> list[tuple]:
+        return [(m.shard_offsets, m.shard_sizes, _rank_of(m)) for m in metadata]
+
+    return key(a) == key(b)
 
 
 def full_tensor(value: ShardedTensor) -> torch.Tensor:

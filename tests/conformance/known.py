@@ -185,13 +185,6 @@ DELIBERATE: tuple[Row, ...] = (
 _TODO = "TODO(conformance): open difference of issue 23, "
 OPEN: tuple[Row, ...] = (
     Row(
-        lambda s: _wrapper(s) and not s.use_orig_params and s.probe == "sd_local" and s.strategy != "NO_SHARD",
-        ("keys", "type"),
-        r"^(keys$|sd:)",
-        _TODO + "FSDP1's LOCAL_STATE_DICT holds each flat parameter as a ShardedTensor of the unpadded total "
-        "(fullshard: a plain tensor of the padded shard), and low-precision buffers in their compute dtype",
-    ),
-    Row(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
         ("type", "keys"),
         r"after_forward:",

@@ -56,6 +56,13 @@ class Record:
             )
         self.items[key] = plain(value)
 
+    def put_flat(self, key: str, value: Any) -> None:
+        """A flat parameter's value: type and global shape compared under ``key``, this rank's elements
+        as a layout (each framework flattens a unit its own way)."""
+        self.put("local:" + key, value)
+        for suffix in (":type", ":shape"):
+            self.items[key + suffix] = self.items["local:" + key + suffix]
+
 
 _API_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
