@@ -220,3 +220,105 @@ def test_dcp_round_trip_at_another_world_size_and_into_fully_shard(tmp_path):
     path = str(tmp_path / "checkpoint")
     params, exp_avgs = run_distributed(_save, 4, path)[0]
     run_distributed(_load, 2, path, params, exp_avgs)
+
+
+# -- LOCAL_STATE_DICT: flat parameters ---------------------------------------------------------------
+def local_dict(lib: str, model: nn.Module) -> dict:
+    fsdp, _ = api(lib)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fsdp.FullyShardedDataParallel.state_dict_type(model, fsdp.StateDictType.LOCAL_STATE_DICT):
+            return model.state_dict()
+
+
+class WithBuffer(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((3,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+@distributed(world_size=4)
+def test_local_flat_parameters_hold_torchs_global_tensor():
+    """Each flat parameter's ShardedTensor assembles to FSDP1's (the unit's parameters concatenated),
+    and FSDP1's local state dict loads into ours (another layout: assembled, then cut)."""
+    theirs, _ = trained("torch", False)
+    ours, _ = trained("ours", False)
+    their_sd, our_sd = local_dict("torch", theirs), local_dict("ours", ours)
+    assert set(their_sd) == set(our_sd) and "block._flat_param" in our_sd
+    for key in their_sd:
+        assert type(our_sd[key]) is type(their_sd[key]), key
+        torch.testing.assert_close(full_value(our_sd[key]), full_value(their_sd[key]), msg=lambda m: f"{key}: {m}")
+    fresh = wrapped("ours", False)
+    with fullshard.FSDP.state_dict_type(fresh, fullshard.StateDictType.LOCAL_STATE_DICT):
+        fresh.load_state_dict(their_sd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+        with TorchFSDP.summon_full_params(theirs):
+            expected = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in theirs.named_parameters()}
+    for name, value in full_parameters(fresh).items():
+        torch.testing.assert_close(value, expected[name], msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=2)
+def test_local_buffers_stay_in_the_compute_dtype():
+    for lib in ("torch", "ours"):
+        fsdp, policy = api(lib)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = fsdp.FullyShardedDataParallel(
+                WithBuffer(),
+                auto_wrap_policy=policy({Block}),
+                device_id=CPU,
+                mixed_precision=fsdp.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16),
+            )
+        assert local_dict(lib, model)["scale"].dtype == torch.bfloat16, lib
+
+
+def _save_local(path: str) -> dict:
+    model, _ = trained("ours", False)
+    dcp.save(local_dict("ours", model), checkpoint_id=path)
+    return full_parameters(model)
+
+
+def _load_local(path: str, expected: dict) -> None:
+    model = wrapped("ours", False)
+    sd = local_dict("ours", model)
+    dcp.load(sd, checkpoint_id=path)
+    with fullshard.FSDP.state_dict_type(model, fullshard.StateDictType.LOCAL_STATE_DICT):
+        model.load_state_dict(sd)
+    for name, value in full_parameters(model).items():
+        torch.testing.assert_close(value, expected[name], msg=lambda m: f"{name}: {m}")
+    # torch's FSDP1 reads the same checkpoint: the global tensors are its own.
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    theirs = wrapped("torch", False)
+    sd = local_dict("torch", theirs)
+    with torch.no_grad():  # its local shards are views of its flat parameter made under no_grad
+        dcp.load(sd, checkpoint_id=path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TorchFSDP.state_dict_type(theirs, _torch_local()):
+            theirs.load_state_dict(sd)
+        with TorchFSDP.summon_full_params(theirs):
+            for name, param in theirs.named_parameters():
+                clean = name.replace("_fsdp_wrapped_module.", "")
+                torch.testing.assert_close(param, expected[clean], msg=lambda m: f"torch {clean}: {m}")
+
+
+def _torch_local():
+    from torch.distributed.fsdp import StateDictType
+
+    return StateDictType.LOCAL_STATE_DICT
+
+
+def test_local_state_dict_reshards_through_dcp(tmp_path):
+    """Saved at 4 ranks, loaded at 2 (by fullshard and by torch's FSDP1): the flat parameters' global
+    tensors do not depend on the world size or the framework."""
+    path = str(tmp_path / "local")
+    expected = run_distributed(_save_local, 4, path)[0]
+    run_distributed(_load_local, 2, path, expected)
