@@ -193,16 +193,6 @@ OPEN: tuple[Row, ...] = (
         "fullshard the unsharded Parameters in the compute dtype: same values where both are full",
     ),
     Row(
-        lambda s: _wrapper(s) and s.probe == "change_between_forward_backward",
-        ("exception", "keys", "type", "message"),
-        r"",
-        _TODO + "parameters changed between forward and backward: FSDP1 raises (AssertionError naming the "
-        "strategy under SHARD_GRAD_OP / NO_SHARD, autograd's in-place error under FULL_SHARD); fullshard "
-        "raises RuntimeError naming the parameters when a gathered parameter's .data was assigned "
-        "(use_orig_params=True, units kept gathered), and otherwise backward uses the values gathered in "
-        "forward and the assignment is adopted at the next forward",
-    ),
-    Row(
         lambda s: _wrapper(s) and not s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
         ("keys", "type"),
         r"after_forward:",
