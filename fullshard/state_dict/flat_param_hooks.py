@@ -89,10 +89,11 @@ def _layout(unit: ParamGroup, device: torch.device) -> tuple[list[ShardMetadata]
     """Every rank's shards of the unit's concatenated parameters (see [Note: Local flat parameters]),
     and the index of the parameter behind each of this rank's, in order."""
     shard = unit.spec.mesh_info.shard
+    group = _shard_group(unit)
     metadata: list[ShardMetadata] = []
     mine: list[int] = []
     for group_rank in range(shard.size):
-        global_rank = dist.get_global_rank(shard.group, group_rank) if shard.group is not None else dist.get_rank()
+        global_rank = dist.get_global_rank(group, group_rank)
         offset = 0
         for index, p in enumerate(unit.spec.params):
             first_row = min(group_rank * p.shard_rows, p.num_rows)
@@ -106,6 +107,13 @@ def _layout(unit: ParamGroup, device: torch.device) -> tuple[list[ShardMetadata]
     return metadata, mine
 
 
+def _shard_group(unit: ParamGroup) -> dist.ProcessGroup:
+    group = unit.spec.mesh_info.shard.group
+    if group is None:  # only a one-rank shard group has none, and its units save full state dicts
+        raise AssertionError(f"rank {dist.get_rank()}: {unit.spec.name} is sharded over no process group")
+    return group
+
+
 def _total_numel(unit: ParamGroup) -> int:
     return sum(p.num_rows * p.row_numel for p in unit.spec.params)
 
@@ -115,10 +123,7 @@ def flat_sharded_tensor(unit: ParamGroup, flat: torch.Tensor) -> ShardedTensor:
     [Note: Local flat parameters]: views, no copy."""
     metadata, mine = _layout(unit, flat.device)
     local = [full_params.read_shard(unit, index, flat)._local_tensor.reshape(-1) for index in mine]
-    group = unit.spec.mesh_info.shard.group
-    if group is None:
-        raise AssertionError(f"rank {dist.get_rank()}: {unit.spec.name} is sharded over no process group")
-    return sharded_tensor(torch.Size([_total_numel(unit)]), flat.dtype, metadata, local, group)
+    return sharded_tensor(torch.Size([_total_numel(unit)]), flat.dtype, metadata, local, _shard_group(unit))
 
 
 def flat_shard_from(unit: ParamGroup, value: ShardedTensor, like: torch.Tensor) -> torch.Tensor:
