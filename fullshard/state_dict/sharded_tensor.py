@@ -120,8 +120,10 @@ def loadable(value: torch.Tensor, param: ShardParam) -> torch.Tensor:
         mine = as_sharded_tensor(like)
         if isinstance(mine, ShardedTensor) and _same_layout(mine, value):
             shards = value.local_shards()
-            local = shards[0].tensor if shards else like._local_tensor.new_empty(like._local_tensor.shape)
-            return param.dtensor_from_rows(local.to(like._local_tensor.dtype))
+            mine_local = like._local_tensor
+            local = shards[0].tensor if shards else mine_local.new_empty(mine_local.shape)
+            # Where and as the shard is (a saved dict may be offloaded to the CPU).
+            return param.dtensor_from_rows(local.to(device=mine_local.device, dtype=mine_local.dtype))
     return full_tensor(value)
 
 
@@ -141,12 +143,13 @@ def same_shards(a: list[ShardMetadata], b: list[ShardMetadata]) -> bool:
 def full_tensor(value: ShardedTensor) -> torch.Tensor:
     """The global tensor on every rank of ``value``'s group (a collective): each writes its shards, one sum."""
     shards = value.local_shards()
-    device = shards[0].tensor.device if shards else comm.backend_device(value._process_group)
+    group = value._process_group
+    device = comm.device_for(group, shards[0].tensor.device) if shards else comm.backend_device(group)
     full = torch.zeros(value.size(), dtype=value.dtype, device=device)
     for shard in shards:
         region = full
         for dim, (offset, length) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
             region = region.narrow(dim, offset, length)
         region.copy_(shard.tensor)
-    comm.all_reduce(full, value._process_group, dist.ReduceOp.SUM, async_op=False)
+    comm.all_reduce(full, group, dist.ReduceOp.SUM, async_op=False)
     return full
