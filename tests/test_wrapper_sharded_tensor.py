@@ -53,7 +53,7 @@ def api(lib: str):
     return fsdp, ModuleWrapPolicy
 
 
-def wrapped(lib: str, use_orig_params: bool, strategy: str = "FULL_SHARD", mesh=None) -> nn.Module:
+def wrapped(lib: str, use_orig_params: bool, strategy: str = "FULL_SHARD", mesh=None, groups=None) -> nn.Module:
     fsdp, policy = api(lib)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -64,11 +64,20 @@ def wrapped(lib: str, use_orig_params: bool, strategy: str = "FULL_SHARD", mesh=
             use_orig_params=use_orig_params,
             sharding_strategy=getattr(fsdp.ShardingStrategy, strategy),
             device_mesh=mesh,
+            process_group=groups,
         )
 
 
-def trained(lib: str, use_orig_params: bool, strategy: str = "FULL_SHARD", mesh=None):
-    model = wrapped(lib, use_orig_params, strategy, mesh)
+def hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard, replicate) groups of a 2 x 2 layout, made in the same order on every rank."""
+    rank, made = dist.get_rank(), {}
+    for ranks in ([0, 1], [2, 3], [0, 2], [1, 3]):
+        made[tuple(ranks)] = dist.new_group(ranks)
+    return made[(0, 1) if rank < 2 else (2, 3)], made[(0, 2) if rank % 2 == 0 else (1, 3)]
+
+
+def trained(lib: str, use_orig_params: bool, strategy: str = "FULL_SHARD", mesh=None, groups=None):
+    model = wrapped(lib, use_orig_params, strategy, mesh, groups)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(dist.get_rank() + 1)
     model(torch.randn(4, 3, generator=gen)).pow(2).mean().backward()
@@ -90,7 +99,9 @@ def layout(value: torch.Tensor) -> object:
         return ("DTensor", tuple(value.placements), value.to_local())
     if not isinstance(value, ShardedTensor):
         return (type(value).__name__, value)
-    shards = [(s.metadata.shard_offsets, s.metadata.shard_sizes, str(s.metadata.placement)) for s in value.local_shards()]
+    # A local shard's placement is left out: FSDP1 names the rank in the unit's group there (its global
+    # metadata names global ranks, as both of ours do); they differ under a hybrid group pair.
+    shards = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in value.local_shards()]
     everyone = [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in value.metadata().shards_metadata]
     values = [s.tensor for s in value.local_shards()]
     return ("ShardedTensor", tuple(value.size()), value.metadata().tensor_properties.dtype, everyone, shards, values)
@@ -109,9 +120,14 @@ def assert_same(theirs: object, ours: object, where: str) -> None:
 
 @distributed(world_size=4)
 def test_sharded_tensors_equal_torchs_shard_by_shard():
+    groups = hybrid_groups()
     for use_orig_params in (False, True):
-        for strategy in ("FULL_SHARD", "NO_SHARD"):
-            results = {lib: sharded_dicts(lib, *trained(lib, use_orig_params, strategy)) for lib in ("torch", "ours")}
+        for strategy in ("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"):  # hybrid: a group pair, no mesh
+            hybrid = groups if strategy == "HYBRID_SHARD" else None
+            results = {
+                lib: sharded_dicts(lib, *trained(lib, use_orig_params, strategy, groups=hybrid))
+                for lib in ("torch", "ours")
+            }
             (their_sd, their_osd), (our_sd, our_osd) = results["torch"], results["ours"]
             case = f"use_orig_params={use_orig_params} {strategy}"
             assert set(their_sd) == set(our_sd), case
