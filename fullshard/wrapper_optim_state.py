@@ -18,7 +18,6 @@ import torch.nn as nn
 from . import state_dict as state_dicts
 from ._core import comm
 from ._core.common import map_tensors
-from ._core.manage import states_below
 from .api import FullOptimStateDictConfig, OptimStateKeyType, StateDictType
 from .state_dict import optim as fqn_optim_state
 
@@ -35,8 +34,7 @@ def optim_state_dict(
     state dict (see ``fullshard.state_dict.optim_state_dict``). ``optim_state_dict``:
     the index-keyed dict to convert instead of ``optim.state_dict()``."""
     _warn_if_group_given(group, "FSDP.optim_state_dict")
-    _check_whole_units(model, optim, "FSDP.optim_state_dict")
-    return state_dicts.optim_state_dict(model, optim, optim_state_dict)
+    return state_dicts.optim_state_dict(model, optim, optim_state_dict, whole_units=True)
 
 
 def optim_state_dict_to_load(
@@ -79,10 +77,9 @@ def full_optim_state_dict(
     """
     _param_groups(optim, optim_input, "FSDP.full_optim_state_dict")
     _warn_if_group_given(group, "FSDP.full_optim_state_dict")
-    _check_whole_units(model, optim, "FSDP.full_optim_state_dict")
     config = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)
     with state_dicts.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=config):
-        return state_dicts.optim_state_dict(model, optim)
+        return state_dicts.optim_state_dict(model, optim, whole_units=True)
 
 
 def sharded_optim_state_dict(
@@ -91,9 +88,8 @@ def sharded_optim_state_dict(
     """``optim_state_dict`` under SHARDED_STATE_DICT: states as ShardedTensors (DTensors
     for wrappers given a device mesh), whatever the model's state-dict type (load with ``optim_state_dict_to_load``)."""
     _warn_if_group_given(group, "FSDP.sharded_optim_state_dict")
-    _check_whole_units(model, optim, "FSDP.sharded_optim_state_dict")
     with state_dicts.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        return state_dicts.optim_state_dict(model, optim)
+        return state_dicts.optim_state_dict(model, optim, whole_units=True)
 
 
 def shard_full_optim_state_dict(
@@ -199,31 +195,6 @@ def _param_groups(
     if items and isinstance(items[0], dict):
         return [list(group["params"]) for group in items]
     return [items]
-
-
-def _check_whole_units(model: nn.Module, optim: torch.optim.Optimizer, caller: str) -> None:
-    """FSDP1 saves a unit's states together: an optimizer holding states for some of a unit's trainable
-    parameters and not the others (``use_orig_params=True``; a flat parameter is all or nothing) raises,
-    as FSDP1's calls do.
-
-    Raises:
-        RuntimeError: naming the unit, the parameters without states and the fix.
-    """
-    stated = {id(p) for p, values in optim.state.items() if any(isinstance(v, torch.Tensor) for v in values.values())}
-    for state in states_below(model):
-        unit = state.group
-        if unit is None or not unit.spec.presentation.keeps_user_param:
-            continue
-        trainable = [p for p in unit.spec.params if p.sharded_param.requires_grad]
-        missing = [p.fqn for p in trainable if id(p.sharded_param) not in stated]
-        if missing and len(missing) < len(trainable):
-            held = [p.fqn for p in trainable if id(p.sharded_param) in stated]
-            raise RuntimeError(
-                f"{caller} expects the optimizer to hold states for all trainable parameters of a unit or for "
-                f"none, but of {unit.spec.name}'s it holds {held} and not {missing} (FSDP1 saves a unit's "
-                "states together); give this optimizer all of the unit's parameters, or wrap the modules of "
-                "the others in a FullyShardedDataParallel unit of their own"
-            )
 
 
 def _warn_if_group_given(group: dist.ProcessGroup | None, caller: str) -> None:

@@ -118,7 +118,11 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
 
 
 def optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any] | None = None
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    *,
+    whole_units: bool = False,
 ) -> dict[str, Any]:
     """``optim``'s state keyed by parameter FQN, full or sharded like the model's state dict.
 
@@ -131,10 +135,13 @@ def optim_state_dict(
     Args:
         optim_state_dict: the index-keyed dict to convert (default:
             ``optim.state_dict()``); its indices count ``optim``'s parameters.
+        whole_units: refuse an optimizer with states for part of a ``use_orig_params=True``
+            wrapper unit's trainable parameters, as FSDP1's calls do (they pass True).
 
     Raises:
         KeyError: ``optim`` holds a parameter ``model`` does not have.
-        RuntimeError: the ranks' optimizers hold states for different parameters.
+        RuntimeError: the ranks' optimizers hold states for different parameters, or (``whole_units``)
+            for part of a unit's trainable parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
     settings = get_state_dict_type(model) if states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
@@ -153,6 +160,9 @@ def optim_state_dict(
         if index_of[id(p)] in saved["state"]
     ]
     _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
+    # After the check above: every rank of a unit holds the same states, so all raise or none.
+    if whole_units:
+        _check_whole_units(model, {id(p) for p in stepped if _has_tensor_state(saved["state"][index_of[id(p)]])})
     as_sharded_tensors = set() if full else _units_saving_sharded_tensors(model)
     state: dict[str, dict[str, Any]] = {}
     for param in stepped:
@@ -171,6 +181,34 @@ def optim_state_dict(
     if full and rank0_only(settings.optim_state_dict_config) and dist.get_rank() != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
+
+
+def _has_tensor_state(values: dict[str, Any]) -> bool:
+    return any(isinstance(value, torch.Tensor) for value in values.values())
+
+
+def _check_whole_units(model: nn.Module, stated: set[int]) -> None:
+    """A unit showing the user's own parameters (the wrapper's ``use_orig_params=True``) has its states
+    saved together, as FSDP1's: an optimizer with tensor states for some of its trainable parameters and
+    not the others is refused, as FSDP1 refuses it (``stated``: id() of the parameters with states).
+
+    Raises:
+        RuntimeError: naming the unit, the parameters without states and the fix.
+    """
+    for state in states_below(model):
+        unit = state.group
+        if unit is None or not unit.spec.presentation.keeps_user_param:
+            continue
+        trainable = [p for p in unit.spec.params if p.sharded_param.requires_grad]
+        missing = [p.fqn for p in trainable if id(p.sharded_param) not in stated]
+        if missing and len(missing) < len(trainable):
+            held = [p.fqn for p in trainable if id(p.sharded_param) in stated]
+            raise RuntimeError(
+                f"optim_state_dict expects the optimizer to hold states for all trainable parameters of a unit "
+                f"or for none, but of {unit.spec.name}'s it holds {held} and not {missing} (FSDP1 saves a "
+                "unit's states together); give this optimizer all of the unit's parameters, or wrap the "
+                "modules of the others in a FullyShardedDataParallel unit of their own"
+            )
 
 
 def _units_saving_sharded_tensors(model: nn.Module) -> set[int]:
