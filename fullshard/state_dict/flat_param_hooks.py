@@ -134,10 +134,11 @@ def flat_shard_from(unit: ParamGroup, value: ShardedTensor, like: torch.Tensor) 
         ValueError: its size is not the unit's total number of elements.
     """
     total = _total_numel(unit)
-    if tuple(value.size()) != (total,):
+    size = tuple(value.metadata().size)  # metadata: its tensor methods warn that torch deprecates the class
+    if size != (total,):
         raise ValueError(
             f"loading the flat parameter of {unit.spec.name} expects a ShardedTensor of {total} elements (its "
-            f"parameters' total) but got {tuple(value.size())}; save and load with the same wrapping"
+            f"parameters' total) but got {size}; save and load with the same wrapping"
         )
     flat = torch.zeros_like(like)
     metadata, mine = _layout(unit, like.device)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._core import comm, full_params
@@ -350,7 +351,7 @@ def _join_state(
     first = next(values for _, values in per_param if values is not None)
     result: dict[str, Any] = {}
     for key, value in first.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if not isinstance(value, torch.Tensor) or (not isinstance(value, ShardedTensor) and value.dim() == 0):
             # A copy, or the loaded parameters would all step one shared counter.
             result[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue

@@ -128,7 +128,9 @@ def loadable(value: torch.Tensor, param: ShardParam) -> torch.Tensor:
 
 
 def _same_layout(a: ShardedTensor, b: ShardedTensor) -> bool:
-    return a.size() == b.size() and same_shards(a.metadata().shards_metadata, b.metadata().shards_metadata)
+    # Metadata only: a ShardedTensor's tensor methods warn that torch deprecates the class.
+    first, second = a.metadata(), b.metadata()
+    return first.size == second.size and same_shards(first.shards_metadata, second.shards_metadata)
 
 
 def same_shards(a: list[ShardMetadata], b: list[ShardMetadata]) -> bool:
@@ -145,7 +147,8 @@ def full_tensor(value: ShardedTensor) -> torch.Tensor:
     shards = value.local_shards()
     group = value._process_group
     device = comm.device_for(group, shards[0].tensor.device) if shards else comm.backend_device(group)
-    full = torch.zeros(value.size(), dtype=value.dtype, device=device)
+    metadata = value.metadata()  # not value.size(): its tensor methods warn that torch deprecates the class
+    full = torch.zeros(metadata.size, dtype=metadata.tensor_properties.dtype, device=device)
     for shard in shards:
         region = full
         for dim, (offset, length) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
