@@ -31,7 +31,8 @@ nothing is copied. Loads need no aliases (DCP copies into the views in place)
 and are measurably slower with them, so they get the shard views themselves.
 
 The model and optimizer are saved in their sharded form (DTensors keyed by
-parameter FQN, see fullshard.state_dict); DCP reads them back into whatever
+parameter FQN, or FSDP1's ShardedTensors for a wrapper without a device mesh:
+see fullshard.state_dict); DCP reads them back into whatever
 layout the loading model has: another world size, another strategy, or a plain
 unsharded model in a single process.
 """
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
@@ -175,13 +177,18 @@ def _exactly_sized(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _for_dcp(tree: Any) -> Any:
-    """``tree`` with every tensor exactly sized (DTensors keep their layout)."""
+    """``tree`` with every tensor exactly sized (DTensors and ShardedTensors keep their layout)."""
     if isinstance(tree, DTensor):
         local = _exactly_sized(tree._local_tensor)
         if local is tree._local_tensor:
             return tree
         return DTensor.from_local(
             local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
+        )
+    if isinstance(tree, ShardedTensor):  # FSDP1's sharded form: its local shards, exactly sized
+        shards = [Shard(_exactly_sized(shard.tensor), shard.metadata) for shard in tree.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, tree.metadata(), process_group=tree._process_group
         )
     if isinstance(tree, torch.Tensor):
         return _exactly_sized(tree)

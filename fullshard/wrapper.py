@@ -179,7 +179,9 @@ class FullyShardedDataParallel(nn.Module):
                 register_param_unit(param.sharded_param, state.group)
             warn_if_mixed_requires_grad(state.group.spec.params, state.group.spec.name)
         always_full = strategy is ShardingStrategy.NO_SHARD  # as FSDP1: NO_SHARD units save full state dicts
-        install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT), always_full)
+        # As FSDP1: sharded state dicts hold ShardedTensors unless the wrapper was given a device mesh.
+        sharded_tensors = device_mesh is None
+        install_state_dict_hooks(state, default_settings(StateDictType.FULL_STATE_DICT), always_full, sharded_tensors)
         install_prefix_hooks(self)
         # Before the engine's own pre-forward (registered first, so prepended after).
         self.register_forward_pre_hook(wrapper_summon.adopt_user_params_before_forward, prepend=True)
@@ -475,6 +477,8 @@ def _wrap_selected(
             "sharding_strategy": child_strategy,
             "ignored_states": ignored_below or None,
             "_mesh_info": child_mesh,
+            # Only what decides the state-dict form (the mesh is child_mesh): FSDP1's children see the root's.
+            "device_mesh": None if "process_group" in overrides else overrides.get("device_mesh", settings.device_mesh),
         }
         wrapper = FullyShardedDataParallel(child, **kwargs)
         for parent, name in parents.get(id(child), []):

@@ -204,6 +204,9 @@ class WrapperSettings:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skipped}
 
 
+_KEEPING_STRATEGIES = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
 def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitConfig:
     precision = settings.mixed_precision or MixedPrecision()
     offload = settings.cpu_offload
@@ -232,7 +235,13 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
         # Read when wrapping, as PyTorch's FSDP1 does.
         full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
-        presentation=LocalViews(flatten=strategy is not ShardingStrategy.NO_SHARD)
+        presentation=LocalViews(
+            flatten=strategy is not ShardingStrategy.NO_SHARD,
+            # FSDP1's types: its own check under the strategies that keep parameters gathered after
+            # forward, autograd's error (a RuntimeError) under the others.
+            refusal=AssertionError if strategy in _KEEPING_STRATEGIES else RuntimeError,
+            refusal_setting=f" ({strategy})",
+        )
         if settings.use_orig_params
         else None,
         sync_module_states=settings.sync_module_states,

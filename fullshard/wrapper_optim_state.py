@@ -34,7 +34,7 @@ def optim_state_dict(
     state dict (see ``fullshard.state_dict.optim_state_dict``). ``optim_state_dict``:
     the index-keyed dict to convert instead of ``optim.state_dict()``."""
     _warn_if_group_given(group, "FSDP.optim_state_dict")
-    return state_dicts.optim_state_dict(model, optim, optim_state_dict)
+    return state_dicts.optim_state_dict(model, optim, optim_state_dict, whole_units=True)
 
 
 def optim_state_dict_to_load(
@@ -79,17 +79,17 @@ def full_optim_state_dict(
     _warn_if_group_given(group, "FSDP.full_optim_state_dict")
     config = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)
     with state_dicts.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=config):
-        return state_dicts.optim_state_dict(model, optim)
+        return state_dicts.optim_state_dict(model, optim, whole_units=True)
 
 
 def sharded_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
-    """``optim_state_dict`` under SHARDED_STATE_DICT: states as DTensor shards,
-    whatever the model's state-dict type (load with ``optim_state_dict_to_load``)."""
+    """``optim_state_dict`` under SHARDED_STATE_DICT: states as ShardedTensors (DTensors
+    for wrappers given a device mesh), whatever the model's state-dict type (load with ``optim_state_dict_to_load``)."""
     _warn_if_group_given(group, "FSDP.sharded_optim_state_dict")
     with state_dicts.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        return state_dicts.optim_state_dict(model, optim)
+        return state_dicts.optim_state_dict(model, optim, whole_units=True)
 
 
 def shard_full_optim_state_dict(

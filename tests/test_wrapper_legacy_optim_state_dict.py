@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from fullshard import FSDP, OptimStateKeyType
 from fullshard.testing import clone_tree, distributed
@@ -234,7 +235,8 @@ def test_sharded_optim_state_dict_round_trip(use_orig_params):
     train(model, optim, range(2))
     model_sd = clone_tree(model.state_dict())
     sharded = clone_tree(FSDP.sharded_optim_state_dict(model, optim))
-    assert all(isinstance(v["exp_avg"], torch.distributed.tensor.DTensor) for v in sharded["state"].values())
+    # As torch's (no device mesh given): ShardedTensors.
+    assert all(isinstance(v["exp_avg"], ShardedTensor) for v in sharded["state"].values())
     assert FSDP.get_state_dict_type(model).state_dict_type.name == "FULL_STATE_DICT"
     others = []
     for convert in (FSDP.optim_state_dict_to_load, FSDP.flatten_sharded_optim_state_dict):
@@ -252,3 +254,53 @@ def test_sharded_optim_state_dict_round_trip(use_orig_params):
         train(other, other_optim, range(2, 3))
         assert_same_params(model, other)
 
+
+
+def clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _partial_optimizer_calls(model: nn.Module, optim: torch.optim.Optimizer, lib) -> dict[str, str]:
+    """Each FSDP1 optimizer-state call on ``optim``: the exception's type name, or "ok"."""
+    calls = {
+        "optim_state_dict": lambda: lib.optim_state_dict(model, optim),
+        "full_optim_state_dict": lambda: lib.full_optim_state_dict(model, optim),
+        "sharded_optim_state_dict": lambda: lib.sharded_optim_state_dict(model, optim),
+    }
+    outcome = {}
+    for name, call in calls.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                call()
+            outcome[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is compared
+            outcome[name] = type(exc).__name__
+            if lib is FSDP:
+                assert "block.lin.weight" in str(exc) and "unit of their own" in str(exc), str(exc)
+    return outcome
+
+
+@distributed(world_size=2)
+def test_optimizer_with_part_of_a_units_parameters_raises_as_torch():
+    """use_orig_params=True: an optimizer with states for some of a unit's trainable parameters (block.lin's
+    weight left out) makes FSDP1's optimizer-state calls raise RuntimeError; none or all of them is fine,
+    and so is an optimizer keeping no tensor state (SGD without momentum)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    for kind, expected in (("adam", "RuntimeError"), ("sgd", "RuntimeError"), ("plain_sgd", "ok")):
+        outcomes = []
+        for make, lib in ((theirs, TorchFSDP), (ours, FSDP)):
+            model = make(True)
+            part = [p for name, p in model.named_parameters() if clean(name) != "block.lin.weight"]
+            if kind == "plain_sgd":
+                optim = torch.optim.SGD(part, lr=1e-2)
+            else:
+                optim = OPTIMIZERS[kind](part)
+            train(model, optim, range(1))
+            outcomes.append(_partial_optimizer_calls(model, optim, lib))
+        assert outcomes[0] == outcomes[1] == dict.fromkeys(outcomes[0], expected), (kind, outcomes)
+    model = ours(True)  # the whole unit left out: no error
+    optim = OPTIMIZERS["adam"]([p for name, p in model.named_parameters() if not clean(name).startswith("block.")])
+    train(model, optim, range(1))
+    assert set(_partial_optimizer_calls(model, optim, FSDP).values()) == {"ok"}

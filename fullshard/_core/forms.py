@@ -179,11 +179,12 @@ class ParamForms:
     def _refuse_unsharded_data_assignment(self) -> None:
         assigned = [p.fqn for p in self.spec.params if p.unsharded_data_assigned()]
         if assigned:
-            raise RuntimeError(
-                f"{self.spec.name}: the .data of gathered parameters {assigned} was assigned a new tensor while "
-                "they were unsharded (between forward and backward, or after unshard()); its values cannot "
-                "reach the shards. Assign .data outside forward and backward, or copy values in place "
-                "inside summon_full_params(writeback=True)"
+            presentation = self.spec.presentation
+            raise presentation.refusal(
+                f"{self.spec.name}{presentation.refusal_setting}: the .data of gathered parameters {assigned} was "
+                "assigned a new tensor while they were unsharded (between forward and backward, or after "
+                "unshard()); its values cannot reach the shards. Assign .data outside forward and backward, or "
+                "copy values in place inside summon_full_params(writeback=True)"
             )
 
     def reshard_to_post_forward(self, group: GroupInfo) -> None:

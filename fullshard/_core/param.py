@@ -447,7 +447,14 @@ class ShardParam:
             # Registered lazily: a frozen parameter may be unfrozen later.
             unsharded.register_post_accumulate_grad_hook(self._grad_accumulated)
             self._hooked = True
-        self._register(unsharded)
+        if self.register_sharded:
+            self._register(unsharded)
+            return
+        # Under a flat parameter, a plain attribute as the shard is: parameters() keeps yielding the flat
+        # one between forward and backward (as FSDP1's), only summon_full_params registers full ones.
+        info = self.module_info
+        for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+            set_module_tensor(module, name, unsharded)
 
     def __repr__(self) -> str:
         return f"ShardParam({self.fqn}, size={tuple(self.global_size)})"

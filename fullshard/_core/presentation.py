@@ -47,6 +47,8 @@ class DTensorShards:
     # Whether resharding raises when the user gave a gathered parameter's ``.data`` a tensor of its own,
     # whose values cannot reach the shards (FSDP1 raises; FSDP2 drops the assignment, and so do we).
     refuses_unsharded_data_assignment = False
+    refusal: type[Exception] = RuntimeError  # what that refusal raises, and the setting its message names
+    refusal_setting = ""
 
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (this rank's unpadded rows of ``param``) in the presented form."""
@@ -69,14 +71,17 @@ class LocalViews(DTensorShards):
     Args:
         flatten: show 1D views (sharded strategies) rather than the parameter's
             shape (NO_SHARD, where the rows are the whole parameter).
+        refusal, refusal_setting: the exception type of an unsharded ``.data`` assignment
+            and the setting its message names (the front end's, as its users know them).
     """
 
     keeps_user_param = True
     sharded_after_no_grad_forward = True
     refuses_unsharded_data_assignment = True
 
-    def __init__(self, flatten: bool) -> None:
+    def __init__(self, flatten: bool, refusal: type[Exception] = RuntimeError, refusal_setting: str = "") -> None:
         self.flatten = flatten
+        self.refusal, self.refusal_setting = refusal, refusal_setting
 
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
         return rows.reshape(-1) if self.flatten else rows

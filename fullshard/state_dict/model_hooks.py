@@ -9,12 +9,15 @@ the requested form without any special entry point:
     built unit by unit: rank 0 never holds more than the full model plus one
     unit);
   - a post-save hook on every module holding managed parameters writes each
-    of them under its own name (a DTensor for SHARDED, the full tensor for
-    FULL), so tied parameters appear under every name, like nn.Module's;
+    of them under its own name (a DTensor for SHARDED, or FSDP1's ShardedTensor
+    for a wrapper without a device mesh; the full tensor for FULL), so tied
+    parameters appear under every name, like nn.Module's;
   - the wrapper's flat parameter appears only in LOCAL state dicts, cast
-    buffers in their original dtype;
-  - load pre-hooks do the reverse: a parameter's value (full or DTensor, any
-    layout) becomes this rank's rows, written into the unit's shard buffer.
+    buffers in their original dtype (in LOCAL ones, as FSDP1's, in the dtype
+    the unit computes with);
+  - load pre-hooks do the reverse: a parameter's value (full, DTensor or
+    ShardedTensor, any layout) becomes this rank's rows, written into the
+    unit's shard buffer.
 The FSDP1 wrapper additionally removes (and on load re-inserts) its
 ``_fsdp_wrapped_module.`` prefix: keys look like the unsharded model's.
 """
@@ -36,13 +39,17 @@ from .._core.group import ParamGroup
 from .._core.state import ModuleState
 from .._names import WRAPPER_PREFIX, model_name
 from ..api import StateDictSettings, StateDictType
-from .settings import UnitStateDict, rank0_only, register_unit
+from .settings import UnitStateDict, rank0_only, register_unit, unit_record
+from .sharded_tensor import as_sharded_tensor, loadable
 
 
-def install_state_dict_hooks(state: ModuleState, settings: StateDictSettings, always_full: bool = False) -> None:
+def install_state_dict_hooks(
+    state: ModuleState, settings: StateDictSettings, always_full: bool = False, sharded_tensors: bool = False
+) -> None:
     """Registers the hooks of [Note: State dict hooks] for one unit; ``always_full``: its model state dicts
-    are full whatever type is set, with a warning (FSDP1's NO_SHARD units)."""
-    record = register_unit(state, settings, always_full)
+    are full whatever type is set, with a warning (FSDP1's NO_SHARD units); ``sharded_tensors``: its
+    sharded values are ShardedTensors (FSDP1 without a device mesh, see [Note: ShardedTensor form])."""
+    record = register_unit(state, settings, always_full, sharded_tensors)
     group = state.group
     if group is not None:
         for unit_module in state.modules:  # several for fully_shard([a, b]): each subtree saves between its hooks
@@ -140,6 +147,8 @@ def _save_params(
             # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
             local = param.shard_as_dtensor()._local_tensor
             value = param.dtensor_from_rows(local.cpu() if offload and local.device.type != "cpu" else local.clone())
+            if record.sharded_tensors:
+                value = as_sharded_tensor(value)
         else:
             if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
                 raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
@@ -154,6 +163,8 @@ def _save_params(
 def _save_buffers_in_original_dtype(
     state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
 ) -> None:
+    if unit_record(state).model_settings().state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return  # as FSDP1: a local state dict holds the buffers as the unit computes with them
     for name, buffer in module._buffers.items():
         key = prefix + name
         if buffer is not None and id(buffer) in state.buffer_dtypes and key in state_dict:
@@ -182,7 +193,7 @@ def _load_params(
             if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
                 missing_keys.append(key)
             continue
-        shard = param.shard_from_full(state_dict[key])
+        shard = param.shard_from_full(loadable(state_dict[key], param))
         if param.register_sharded:
             state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
         else:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._core import comm, full_params
@@ -30,7 +31,8 @@ from .._core.param import ShardParam
 from .._core.param_units import buffer_param
 from .._names import model_name
 from ..api import StateDictType
-from .settings import default_settings, get_state_dict_type, rank0_only
+from .settings import default_settings, get_state_dict_type, rank0_only, unit_record
+from .sharded_tensor import as_fsdp1_optim_state, loadable
 
 Entry = tuple[str, ShardParam | None, ParamGroup | None]
 
@@ -117,22 +119,30 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
 
 
 def optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any] | None = None
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    *,
+    whole_units: bool = False,
 ) -> dict[str, Any]:
     """``optim``'s state keyed by parameter FQN, full or sharded like the model's state dict.
 
     Per-parameter states (``exp_avg``, ``momentum_buffer``, ...) are DTensor
-    shards for SHARDED, full tensors for FULL (``rank0_only``: other ranks get
+    shards for SHARDED (ShardedTensors for FSDP1 wrappers without a device mesh,
+    see [Note: ShardedTensor form]), full tensors for FULL (``rank0_only``: other ranks get
     ``{}``); a flat parameter's states are split into its original parameters'.
     A collective: every rank must call it.
 
     Args:
         optim_state_dict: the index-keyed dict to convert (default:
             ``optim.state_dict()``); its indices count ``optim``'s parameters.
+        whole_units: refuse an optimizer with states for part of a ``use_orig_params=True``
+            wrapper unit's trainable parameters, as FSDP1's calls do (they pass True).
 
     Raises:
         KeyError: ``optim`` holds a parameter ``model`` does not have.
-        RuntimeError: the ranks' optimizers hold states for different parameters.
+        RuntimeError: the ranks' optimizers hold states for different parameters, or (``whole_units``)
+            for part of a unit's trainable parameters.
     """
     # A model without units (plain tensors) has nothing to gather or split.
     settings = get_state_dict_type(model) if states_below(model) else default_settings(StateDictType.SHARDED_STATE_DICT)
@@ -151,10 +161,20 @@ def optim_state_dict(
         if index_of[id(p)] in saved["state"]
     ]
     _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
+    # After the check above: every rank of a unit holds the same states, so all raise or none.
+    if whole_units:
+        _check_whole_units(model, {id(p) for p in stepped if _has_tensor_state(saved["state"][index_of[id(p)]])})
+    as_sharded_tensors = set() if full else _units_saving_sharded_tensors(model)
     state: dict[str, dict[str, Any]] = {}
     for param in stepped:
         for fqn, shard_param, unit in entries[id(param)]:
-            state[fqn] = _split_state(saved["state"][index_of[id(param)]], param, shard_param, unit, full, offload)
+            values = saved["state"][index_of[id(param)]]
+            state[fqn] = _split_state(values, param, shard_param, unit, full, offload)
+            if unit is not None and id(unit) in as_sharded_tensors:
+                flat = buffer_param(unit) is not None
+                state[fqn] = {
+                    k: as_fsdp1_optim_state(v, flat) if isinstance(v, DTensor) else v for k, v in state[fqn].items()
+                }
     param_groups = [
         {**saved_group, "params": [fqn for p in group["params"] for fqn, _, _ in entries[id(p)]]}
         for saved_group, group in zip(saved["param_groups"], optim.param_groups)
@@ -162,6 +182,39 @@ def optim_state_dict(
     if full and rank0_only(settings.optim_state_dict_config) and dist.get_rank() != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
+
+
+def _has_tensor_state(values: dict[str, Any]) -> bool:
+    return any(isinstance(value, torch.Tensor) for value in values.values())
+
+
+def _check_whole_units(model: nn.Module, stated: set[int]) -> None:
+    """A unit showing the user's own parameters (the wrapper's ``use_orig_params=True``) has its states
+    saved together, as FSDP1's: an optimizer with tensor states for some of its trainable parameters and
+    not the others is refused, as FSDP1 refuses it (``stated``: id() of the parameters with states).
+
+    Raises:
+        RuntimeError: naming the unit, the parameters without states and the fix.
+    """
+    for state in states_below(model):
+        unit = state.group
+        if unit is None or not unit.spec.presentation.keeps_user_param:
+            continue
+        trainable = [p for p in unit.spec.params if p.sharded_param.requires_grad]
+        missing = [p.fqn for p in trainable if id(p.sharded_param) not in stated]
+        if missing and len(missing) < len(trainable):
+            held = [p.fqn for p in trainable if id(p.sharded_param) in stated]
+            raise RuntimeError(
+                f"optim_state_dict expects the optimizer to hold states for all trainable parameters of a unit "
+                f"or for none, but of {unit.spec.name}'s it holds {held} and not {missing} (FSDP1 saves a "
+                "unit's states together); give this optimizer all of the unit's parameters, or wrap the "
+                "modules of the others in a FullyShardedDataParallel unit of their own"
+            )
+
+
+def _units_saving_sharded_tensors(model: nn.Module) -> set[int]:
+    """id() of the units whose sharded states are ShardedTensors (see [Note: ShardedTensor form])."""
+    return {id(s.group) for s in states_below(model) if s.group is not None and unit_record(s).sharded_tensors}
 
 
 def _split_state(
@@ -298,7 +351,7 @@ def _join_state(
     first = next(values for _, values in per_param if values is not None)
     result: dict[str, Any] = {}
     for key, value in first.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if not isinstance(value, torch.Tensor) or (not isinstance(value, ShardedTensor) and value.dim() == 0):
             # A copy, or the loaded parameters would all step one shared counter.
             result[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
@@ -306,12 +359,12 @@ def _join_state(
             flat = torch.zeros_like(param)
             for shard_param, values in per_param:
                 if values is not None and shard_param is not None:  # a flat parameter's originals have both
-                    local = shard_param.shard_from_full(values[key])._local_tensor
+                    local = shard_param.shard_from_full(loadable(values[key], shard_param))._local_tensor
                     full_params.write_shard(unit, unit.spec.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:
             shard_param = per_param[0][0]
-            result[key] = shard_param.present(shard_param.shard_from_full(value)._local_tensor)
+            result[key] = shard_param.present(shard_param.shard_from_full(loadable(value, shard_param))._local_tensor)
         elif isinstance(param, DTensor):
             result[key] = _like(param, value)
         else:

@@ -54,6 +54,9 @@ class UnitStateDict:
     full_values: list[torch.Tensor] | None = None  # the unit's full parameters while a FULL save runs
     # FSDP1's NO_SHARD units: their model state dicts are full whatever type is set (FSDP1 warns so too).
     always_full: bool = False
+    # FSDP1 wrappers built without a device mesh: SHARDED values are ShardedTensors (see
+    # [Note: ShardedTensor form] in sharded_tensor.py), else DTensors.
+    sharded_tensors: bool = False
 
     def model_settings(self) -> StateDictSettings:
         """The form this unit's model state dict takes (a FULL type's own configs are kept)."""
@@ -66,9 +69,11 @@ class UnitStateDict:
 _UNITS: weakref.WeakKeyDictionary[ModuleState, UnitStateDict] = weakref.WeakKeyDictionary()
 
 
-def register_unit(state: ModuleState, settings: StateDictSettings, always_full: bool = False) -> UnitStateDict:
+def register_unit(
+    state: ModuleState, settings: StateDictSettings, always_full: bool = False, sharded_tensors: bool = False
+) -> UnitStateDict:
     """Starts ``state``'s record with ``settings`` (when its unit is made)."""
-    record = _UNITS[state] = UnitStateDict(settings, always_full=always_full)
+    record = _UNITS[state] = UnitStateDict(settings, always_full=always_full, sharded_tensors=sharded_tensors)
     return record
 
 

@@ -15,11 +15,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
+
+from ..state_dict import sharded_tensor
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """The unsharded value of a (possibly DTensor) tensor (a collective for DTensors)."""
+    """The unsharded value of a (possibly DTensor or ShardedTensor) tensor (a collective for those)."""
+    if isinstance(tensor, ShardedTensor):
+        return sharded_tensor.full_tensor(tensor)
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 

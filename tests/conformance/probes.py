@@ -171,7 +171,7 @@ def state_dict_round_trip(r: Run) -> None:
     sd = state_dict_of(r, kind, config)
     r.rec.put("keys", tuple(sorted(sd)))  # FSDP1's order puts a tied parameter's name where it was first seen
     for key, value in sd.items():
-        r.rec.put(f"sd:{key}", value)
+        (r.rec.put_flat if key.endswith("_flat_param") else r.rec.put)(f"sd:{key}", value)
     if config is not None:
         return
     saved = copy.deepcopy(sd)  # values may alias the shards (torch's local ShardedTensors do)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from fullshard.testing import full_value
+
 try:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 except ImportError:  # pragma: no cover - every supported torch has it
@@ -55,6 +57,16 @@ class Record:
                 tuple(value.shape) if not isinstance(value, ShardedTensor) else tuple(value.size())
             )
         self.items[key] = plain(value)
+
+    def put_flat(self, key: str, value: Any) -> None:
+        """A flat parameter's value: type, global shape and (a ShardedTensor, assembled: a collective)
+        global value compared under ``key``; this rank's elements as a layout (each framework cuts a
+        unit its own way)."""
+        self.put("local:" + key, value)
+        for suffix in (":type", ":shape"):
+            self.items[key + suffix] = self.items["local:" + key + suffix]
+        if isinstance(value, ShardedTensor):
+            self.items[key + ":global"] = plain(full_value(value))
 
 
 _API_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
