@@ -70,7 +70,7 @@ def test_fused_codec_gives_the_eager_codecs_bits(
     monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 1 << 40)
     eager_wire, eager_params = _run(QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT), layout, sources)
     monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 0)
-    monkeypatch.setattr(fused_codec._Status, "compiled", 0)
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
     fused = QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "quantized all-gather")  # a failed compile warns and falls back: not here
@@ -93,7 +93,7 @@ def test_a_failed_compile_warns_once_and_the_eager_codec_takes_over(monkeypatch:
     sources = _sources(torch.bfloat16, layout)
     expected = _run(QuantizedGather(BlockQuantizer(torch.int8, BLOCK), EXACT), layout, sources)
     monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 0)
-    monkeypatch.setattr(fused_codec._Status, "compiled", 0)
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
     monkeypatch.setattr(fused_codec._Status, "broken", False)
     monkeypatch.setattr(torch, "compile", broken_compile)
     with pytest.warns(
@@ -115,12 +115,20 @@ def test_no_fused_codec_while_dynamo_traces_or_off_the_cpu(monkeypatch: pytest.M
     assert not fused_codec.fusable(torch.device("cpu"), fused_codec.MIN_FUSED_VALUES)
 
 
-def test_at_most_max_fused_layouts_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_codec._Status, "compiled", 0)
+def test_units_of_one_layout_share_a_codec_and_at_most_max_fused_layouts_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    monkeypatch.setattr(fused_codec._Status, "full", False)
+    first = fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64])
+    assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
+    assert fused_codec.FusedCodec.shared(torch.float8_e4m3fn, BLOCK, [0], [64]) is not first
     made = [
-        fused_codec.FusedCodec.create(torch.int8, BLOCK, [0], [64]) for _ in range(fused_codec.MAX_FUSED_LAYOUTS + 2)
+        fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [size])
+        for size in range(1, fused_codec.MAX_FUSED_LAYOUTS + 1)
     ]
-    assert [codec is not None for codec in made] == [True] * fused_codec.MAX_FUSED_LAYOUTS + [False, False]
+    assert [codec is not None for codec in made] == [True] * (fused_codec.MAX_FUSED_LAYOUTS - 2) + [False, False]
+    assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
 
 
 def _train(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
@@ -146,17 +154,17 @@ def _train(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
 def test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_too():
     """The forward and backward gathers of every unit, fused, under ``unit.compile()`` too
     (the hooks run between the compiled graphs, so the codec compiles on its own)."""
-    saved = fused_codec.MIN_FUSED_VALUES, fused_codec._Status.compiled
+    saved = fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs
     try:
         fused_codec.MIN_FUSED_VALUES = 1 << 40
         eager = _train(compiled=False)
-        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.compiled = 0, 0
+        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = 0, {}
         with warnings.catch_warnings():
             warnings.filterwarnings("error", "quantized all-gather")
             for compiled in (False, True):
                 losses, params = _train(compiled)
                 assert losses == eager[0]
                 assert all(torch.equal(a, b) for a, b in zip(eager[1], params))
-        assert fused_codec._Status.compiled > 0 and not fused_codec._Status.broken
+        assert len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken  # the blocks' (the root's are exact)
     finally:
-        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.compiled = saved
+        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = saved

@@ -22,7 +22,7 @@ units of at least ``MIN_FUSED_VALUES`` coded values per rank are fused, on the
 CPU only (on an accelerator the eager ops are already one kernel each at memory
 bandwidth), never while dynamo traces the caller (the user's compiled model:
 the eager codec is traced into it), and at most ``MAX_FUSED_LAYOUTS`` layouts
-per process (dynamo's recompile limit per function). Where compiling fails (no
+per process, each shared by the units that have it (dynamo's recompile limit). Where compiling fails (no
 C++ compiler, a dynamo error) the eager codec takes over for the rest of the
 process, with one warning.
 """
@@ -73,10 +73,11 @@ def spans(sizes: list[int], block_size: int) -> list[Span]:
 
 
 class _Status:
-    """Process-wide: whether compiling works here, and how many layouts it has compiled."""
+    """Process-wide: whether compiling works here, and the codec of each layout compiled so far."""
 
     broken = False
-    compiled = 0
+    codecs: dict[tuple[object, ...], FusedCodec] = {}  # (code dtype, block size, offsets, sizes): shared by units
+    full = False  # MAX_FUSED_LAYOUTS reached (logged once)
 
 
 def fusable(device: torch.device, num_values: int) -> bool:
@@ -102,19 +103,23 @@ class FusedCodec:
         self._decode: Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], None] | None = None
 
     @classmethod
-    def create(
+    def shared(
         cls, code_dtype: torch.dtype, block_size: int, offsets: list[int], sizes: list[int]
     ) -> FusedCodec | None:
-        """A codec for this layout, or None past ``MAX_FUSED_LAYOUTS`` (logged once)."""
-        if _Status.compiled >= MAX_FUSED_LAYOUTS:
-            if _Status.compiled == MAX_FUSED_LAYOUTS:
-                logger.info(
-                    "quantized all-gather: %d unit layouts fused; the others use the eager codec", _Status.compiled
-                )
-                _Status.compiled += 1
-            return None
-        _Status.compiled += 1
-        return cls(code_dtype, block_size, offsets, sizes)
+        """The codec of this layout, one per process for every unit that has it (the blocks of a
+        model share theirs); None past ``MAX_FUSED_LAYOUTS`` layouts (logged once)."""
+        key = (code_dtype, block_size, tuple(offsets), tuple(sizes))
+        codec = _Status.codecs.get(key)
+        if codec is None:
+            if len(_Status.codecs) >= MAX_FUSED_LAYOUTS:
+                if not _Status.full:
+                    _Status.full = True
+                    logger.info(
+                        "quantized all-gather: %d unit layouts fused, the others use the eager codec", MAX_FUSED_LAYOUTS
+                    )
+                return None
+            codec = _Status.codecs[key] = cls(code_dtype, block_size, offsets, sizes)
+        return codec
 
     def encode(self, source: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The codes (one tensor per span, in order) and the scales (in block order) of the

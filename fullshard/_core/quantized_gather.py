@@ -68,7 +68,7 @@ class QuantizedGather:
         if layout not in self._fused:
             offsets, sizes = [layout.offsets[i] for i in plan.coded], [layout.sizes[i] for i in plan.coded]
             quantizer = self.quantizer
-            self._fused[layout] = FusedCodec.create(quantizer.code_dtype, quantizer.block_size, offsets, sizes)
+            self._fused[layout] = FusedCodec.shared(quantizer.code_dtype, quantizer.block_size, offsets, sizes)
         return self._fused[layout]
 
     def packed_numel(self, layout: Layout) -> int:
