@@ -22,9 +22,9 @@ units of at least ``MIN_FUSED_VALUES`` coded values per rank are fused, on the
 CPU only (on an accelerator the eager ops are already one kernel each at memory
 bandwidth), never while dynamo traces the caller (the user's compiled model:
 the eager codec is traced into it), and at most ``MAX_FUSED_LAYOUTS`` layouts
-per process, each shared by the units that have it (dynamo's recompile limit). Where compiling fails (no
-C++ compiler, a dynamo error) the eager codec takes over for the rest of the
-process, with one warning.
+per process, each shared by the units that have it (dynamo's recompile limit).
+Where compiling fails (no C++ compiler, a dynamo error) the eager codec takes
+over for the rest of the process, with one warning.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ class FusedCodec:
         self.block_size = block_size
         self.offsets = offsets  # 1D: each coded parameter's region in the all-gather input
         self.spans = spans(sizes, block_size)
-        self.num_values = sum(sizes)
         self._encode: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
         self._decode: Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], None] | None = None
 
