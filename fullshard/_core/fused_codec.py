@@ -98,7 +98,10 @@ class FusedCodec:
         self.block_size = block_size
         self.offsets = offsets  # 1D: each coded parameter's region in the all-gather input
         self.spans = spans(sizes, block_size)
-        self._encode: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._code_max = torch.tensor(CODE_MAX[code_dtype], dtype=torch.float32)  # 0D (see _encode_eager)
+        self._encode: Callable[[torch.Tensor, torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = (
+            None
+        )
         self._decode: Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], None] | None = None
 
     @classmethod
@@ -125,7 +128,7 @@ class FusedCodec:
         coded regions of ``source``; None where compiling failed."""
         if self._encode is None:
             self._encode = torch.compile(self._encode_eager, fullgraph=True, dynamic=False)
-        done, result = _guarded(self._encode, source)
+        done, result = _guarded(self._encode, source, self._code_max)
         return result if done else None
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
@@ -143,9 +146,13 @@ class FusedCodec:
         code_max = CODE_MAX[self.code_dtype]
         return scaled.clamp(-code_max, code_max).to(self.code_dtype)  # float8_e4m3fn has no infinity
 
-    def _encode_eager(self, source: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What ``torch.compile`` traces: ``BlockQuantizer.encode``'s arithmetic, span by span."""
-        block_size, code_max = self.block_size, CODE_MAX[self.code_dtype]
+    def _encode_eager(
+        self, source: torch.Tensor, code_max: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What ``torch.compile`` traces: ``BlockQuantizer.encode``'s arithmetic, span by span.
+        ``code_max`` is a tensor so that no compiler turns the division into a multiplication
+        by its reciprocal (inductor of torch 2.8 does for a constant: scales 1 ulp off)."""
+        block_size = self.block_size
         values = [
             source[self.offsets[s.param] + s.offset : self.offsets[s.param] + s.offset + s.length].float()
             for s in self.spans
