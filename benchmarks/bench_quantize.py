@@ -2,12 +2,19 @@
 
     python benchmarks/bench_quantize.py                 # the bench GPT's weights (8 x 576), CPU
     python benchmarks/bench_quantize.py --trained 300   # after 300 steps of fullshard train's corpus
+    python benchmarks/bench_quantize.py --unit           # eager vs fused codec on one block unit
 
 For each code (int8, float8_e4m3fn) and block size: the bytes on the wire per value
 relative to bf16, the relative RMS error of the decoded weights (all coded matrices
 together), and the encode + decode time per million values on this machine's CPU
 (one thread). The default block size (``AllGatherQuantization.block_size``) is the
 smallest one under 0.52x of bf16's bytes whose error is close to the smallest.
+
+``--unit``: the codec of one bench GPT block unit (4.0M values, norms exact, bf16
+compute) as ``QuantizedGather`` runs it, encode of one rank's chunk and decode of
+all chunks into the parameters, eager vs fused (see [Note: Fused codec] in
+``fullshard/_core/fused_codec.py``; compile time included once), at 2 and 4 ranks,
+alternating, next to the bf16 gather's copy-out that the decode replaces.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ import time
 
 import torch
 
+from fullshard._core import fused_codec
+from fullshard._core.layout import Layout
 from fullshard._core.quantize import BlockQuantizer
+from fullshard._core.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer
 
 BLOCK_SIZES = (32, 64, 128, 256, 1024)
@@ -59,18 +69,77 @@ def measure(quantizer: BlockQuantizer, values: torch.Tensor) -> tuple[float, flo
     return packed.numel() / (2 * values.numel()), error.item(), min(times) / values.numel() * 1e6
 
 
+def unit_codec(reps: int) -> None:
+    """Eager vs fused ``QuantizedGather`` on one bench GPT block (ms, min / median of ``reps``)."""
+    block = Transformer(ModelArgs(n_layers=1, vocab_size=256, max_seq_len=128, dim=576, n_heads=8)).layers[0]
+    params = list(block.parameters())
+    print(
+        f"one block unit, {sum(p.numel() for p in params) / 1e6:.1f}M values, bf16 compute; ms, min / median of {reps}"
+    )
+    print(
+        f"{'ranks':>5} {'code':<15} {'path':<6} {'encode':>14} {'decode':>14} {'bf16 copy-out':>14} {'compile (s)':>12}"
+    )
+    for world in (2, 4):
+        layout = Layout.build([-(-p.numel() // world) for p in params], [torch.bfloat16] * len(params))
+        source = torch.randn(layout.total).to(torch.bfloat16)
+        outputs = [torch.empty(size * world, dtype=torch.bfloat16) for size in layout.sizes]
+        bf16_gathered = torch.cat([source] * world)
+        for code in (torch.int8, torch.float8_e4m3fn):
+            codecs = {
+                path: QuantizedGather(BlockQuantizer(code, 128), [p.dim() < 2 for p in params])
+                for path in ("eager", "fused")
+            }
+            gathered = torch.cat([codecs["eager"].encode(source, layout)] * world)
+            fused_codec.MIN_FUSED_VALUES = 0
+            start = time.perf_counter()
+            codecs["fused"].encode(source, layout)
+            codecs["fused"].decode(gathered, world, layout, outputs)
+            compile_s = time.perf_counter() - start
+            times: dict[str, list[float]] = {}
+            for _ in range(reps):
+                for path, codec in codecs.items():
+                    fused_codec.MIN_FUSED_VALUES = 0 if path == "fused" else 1 << 40
+                    calls = {
+                        "encode": (codec.encode, (source, layout)),
+                        "decode": (codec.decode, (gathered, world, layout, outputs)),
+                        "copy-out": (layout.copy_out, (bf16_gathered, world, outputs)),
+                    }
+                    for name, (call, call_args) in calls.items():
+                        start = time.perf_counter()
+                        call(*call_args)
+                        times.setdefault(f"{path} {name}", []).append(1e3 * (time.perf_counter() - start))
+            for path in codecs:
+                cells = [
+                    f"{min(times[f'{path} {n}']):.2f} / {sorted(times[f'{path} {n}'])[reps // 2]:.2f}"
+                    for n in ("encode", "decode", "copy-out")
+                ]
+                compiled = f"{compile_s:.1f}" if path == "fused" else ""
+                print(
+                    f"{world:>5} {str(code).removeprefix('torch.'):<15} {path:<6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {compiled:>12}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trained", type=int, default=0, help="train this many steps first")
+    parser.add_argument("--unit", action="store_true", help="eager vs fused codec on one block unit instead")
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.unit:
+        unit_codec(args.reps)
+        return
     values = coded_weights(args)
-    print(f"{values.numel() / 1e6:.1f}M coded values ({'trained ' + str(args.trained) + ' steps' if args.trained else 'at init'})")
+    print(
+        f"{values.numel() / 1e6:.1f}M coded values ({'trained ' + str(args.trained) + ' steps' if args.trained else 'at init'})"
+    )
     print(f"{'code':<15} {'block':>6} {'bytes vs bf16':>14} {'rel. RMS error':>15} {'ms per 1M values':>17}")
     for code in (torch.int8, torch.float8_e4m3fn):
         for block_size in BLOCK_SIZES:
             ratio, error, seconds = measure(BlockQuantizer(code, block_size), values)
-            print(f"{str(code).removeprefix('torch.'):<15} {block_size:>6} {ratio:>13.4f}x {error:>15.5f} {1e3 * seconds:>17.2f}")
+            print(
+                f"{str(code).removeprefix('torch.'):<15} {block_size:>6} {ratio:>13.4f}x {error:>15.5f} {1e3 * seconds:>17.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ FAST_CASES: dict[str, tuple[str, ...]] = {
         "ShardingStrategy.HYBRID_SHARD-True-False-False",
         "ShardingStrategy._HYBRID_SHARD_ZERO2-False-True-True",
     ),
+    # Compilation dominates (up to 25 s a case on a cold inductor cache): each code and each input dtype once.
+    "test_quantize_fused.py::test_fused_codec_gives_the_eager_codecs_bits": ("int8-bf16", "float8-fp32"),
     # Compilation dominates (7 to 23 s a case): one case per front end.
     "test_compile.py::test_wrapper_under_compile": ("torch.compile(model)-False",),
     "test_compile.py::test_fully_shard_under_compile": ("unit.compile()",),

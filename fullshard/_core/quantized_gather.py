@@ -6,7 +6,9 @@ way) and quantized in one pass (see [Note: Quantized all-gather] in
 quantize.py), then the bytes of the parameters kept exact (norms, biases,
 embeddings by default). Decoding multiplies the codes by their scales and
 scatters the values, like ``Layout.copy_out``, straight into the unsharded
-parameters: one split-copy for the coded ones, one for the exact ones.
+parameters: one split-copy for the coded ones, one for the exact ones. Large
+units on the CPU run the same arithmetic compiled into fused loops instead
+(see [Note: Fused codec] in fused_codec.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from .fused_codec import FusedCodec, fusable
 from .layout import Layout
 from .quantize import BlockQuantizer
 
@@ -38,6 +41,7 @@ class QuantizedGather:
         self.quantizer = quantizer
         self.exact = exact
         self._plans: dict[Layout, _Plan] = {}  # the gather layout, and the post-forward one
+        self._fused: dict[Layout, FusedCodec | None] = {}
 
     def _plan(self, layout: Layout) -> _Plan:
         plan = self._plans.get(layout)
@@ -57,6 +61,16 @@ class QuantizedGather:
             self._plans[layout] = plan
         return plan
 
+    def _fused_codec(self, layout: Layout, plan: _Plan, device: torch.device) -> FusedCodec | None:
+        """The compiled codec of ``layout``, where it pays (see [Note: Fused codec])."""
+        if not plan.coded or not fusable(device, plan.coded_numel):
+            return None
+        if layout not in self._fused:
+            offsets, sizes = [layout.offsets[i] for i in plan.coded], [layout.sizes[i] for i in plan.coded]
+            quantizer = self.quantizer
+            self._fused[layout] = FusedCodec.shared(quantizer.code_dtype, quantizer.block_size, offsets, sizes)
+        return self._fused[layout]
+
     def packed_numel(self, layout: Layout) -> int:
         """Bytes each rank sends for one chunk of ``layout``."""
         return self._plan(layout).packed_numel
@@ -66,6 +80,8 @@ class QuantizedGather:
         """This rank's chunk on the wire, from ``source`` (1D, one chunk of ``layout``)."""
         plan = self._plan(layout)
         packed = torch.empty(plan.packed_numel, dtype=torch.uint8, device=source.device)
+        if self._encode_fused(source, layout, plan, packed):
+            return packed
         if plan.coded:
             # The coded values side by side in fp32 (one pass: the cast rides the copy), zero-padded to whole blocks.
             coded = torch.empty(plan.coded_padded, dtype=torch.float32, device=source.device)
@@ -77,18 +93,43 @@ class QuantizedGather:
             torch.cat([layout.region(source, i, layout.dtype) for i in plan.exact], out=exact)
         return packed
 
+    def _encode_fused(self, source: torch.Tensor, layout: Layout, plan: _Plan, packed: torch.Tensor) -> bool:
+        """``encode`` by the fused codec; False where there is none."""
+        fused = self._fused_codec(layout, plan, source.device)
+        encoded = None if fused is None else fused.encode(source)
+        if encoded is None:
+            return False
+        codes, scales = encoded
+        padding = torch.zeros(plan.coded_padded - plan.coded_numel, dtype=torch.uint8, device=source.device)
+        exact = [layout.region(source, i, layout.dtype) for i in plan.exact]
+        parts = [*codes, padding, *scales, *exact]
+        used = plan.coded_bytes + plan.exact_numel * layout.dtype.itemsize
+        torch.cat([part.view(torch.uint8) for part in parts], out=packed[:used])  # one copy into the wire chunk
+        return True
+
     @torch.no_grad()
     def decode(self, gathered: torch.Tensor, num_chunks: int, layout: Layout, outputs: list[torch.Tensor]) -> None:
         """Fills ``outputs`` (each parameter's padded unsharded storage, ``num_chunks`` chunks of its
         region) from the gathered chunks: the same scatter as ``Layout.copy_out``, from codes."""
         plan = self._plan(layout)
         chunks = gathered.view(num_chunks, -1)
-        if plan.coded:
+        if plan.coded and not self._decode_fused(chunks, layout, plan, outputs):
             values = self.quantizer.decode(chunks[:, : plan.coded_bytes], plan.coded_numel)
             self._split(values, layout, plan.coded, outputs, num_chunks)
         if plan.exact:
             exact = chunks[:, plan.coded_bytes :].view(layout.dtype)[:, : plan.exact_numel]
             self._split(exact, layout, plan.exact, outputs, num_chunks)
+
+    def _decode_fused(self, chunks: torch.Tensor, layout: Layout, plan: _Plan, outputs: list[torch.Tensor]) -> bool:
+        """The coded parameters of ``decode`` by the fused codec; False where there is none."""
+        fused = self._fused_codec(layout, plan, chunks.device)
+        if fused is None:
+            return False
+        scales_start = plan.coded_padded
+        scales_end = scales_start + (plan.coded_bytes - plan.coded_padded)
+        codes = chunks[:, :scales_start].view(self.quantizer.code_dtype)
+        scales = chunks[:, scales_start:scales_end].view(torch.float32)
+        return fused.decode(codes, scales, [outputs[i] for i in plan.coded])
 
     @staticmethod
     def _split(

@@ -1,0 +1,170 @@
+"""The fused (compiled) codec of the quantized all-gather gives the eager codec's bits,
+and steps aside where it cannot run. See [Note: Fused codec] in fullshard/_core/fused_codec.py.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
+from fullshard._core import fused_codec
+from fullshard._core.fused_codec import Span, spans
+from fullshard._core.layout import Layout
+from fullshard._core.quantize import BlockQuantizer
+from fullshard._core.quantized_gather import QuantizedGather
+from fullshard.models import ModelArgs, Transformer
+from fullshard.testing import distributed, train_steps
+
+BLOCK = 32
+# Uneven chunks: blocks straddle parameters, one parameter (5) sits inside a block shared
+# by three, exact parameters lie between coded ones, the last block is partial.
+SIZES = [5, 300, 7, 5, 129, 64, 1000, 3]
+EXACT = [True, False, True, False, False, False, False, True]
+NUM_CHUNKS = 3
+
+
+def test_spans_cut_where_blocks_and_parameters_meet() -> None:
+    assert spans([300, 5, 129], 32) == [
+        Span(0, 0, 0, 288),  # whole blocks
+        Span(0, 288, 288, 12),  # the block 288..320, shared by three parameters
+        Span(1, 0, 300, 5),
+        Span(2, 0, 305, 15),
+        Span(2, 15, 320, 96),
+        Span(2, 111, 416, 18),  # the last block, partial
+    ]
+    assert spans([64, 0, 32], 32) == [Span(0, 0, 0, 64), Span(2, 0, 64, 32)]
+
+
+def _sources(param_dtype: torch.dtype, layout: Layout) -> list[torch.Tensor]:
+    """Each rank's all-gather input: magnitudes that differ by parameter, and an all-zero block."""
+    generator = torch.Generator().manual_seed(0)
+    sources = []
+    for _ in range(NUM_CHUNKS):
+        source = torch.randn(layout.total, generator=generator)
+        for index, (offset, size) in enumerate(zip(layout.offsets, layout.sizes)):
+            source[offset : offset + size] *= 10.0 ** (index - 4)
+        source[layout.offsets[6] + 14 : layout.offsets[6] + 14 + BLOCK] = 0  # coded values 512..544: one block
+        sources.append(source.to(param_dtype))
+    return sources
+
+
+def _run(codec: QuantizedGather, layout: Layout, sources: list[torch.Tensor]) -> tuple[list, list]:
+    """Each rank's chunk on the wire (the bytes that carry data) and the decoded parameters."""
+    plan = codec._plan(layout)
+    used = plan.coded_bytes + plan.exact_numel * layout.dtype.itemsize
+    packed = [codec.encode(source, layout) for source in sources]
+    outputs = [torch.full((size * NUM_CHUNKS,), float("nan"), dtype=layout.dtype) for size in layout.sizes]
+    codec.decode(torch.cat(packed), NUM_CHUNKS, layout, outputs)
+    return [chunk[:used] for chunk in packed], outputs
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_fused_codec_gives_the_eager_codecs_bits(
+    code_dtype: torch.dtype, param_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = Layout.build(SIZES, [param_dtype] * len(SIZES))
+    sources = _sources(param_dtype, layout)
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 1 << 40)
+    eager_wire, eager_params = _run(QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT), layout, sources)
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 0)
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    fused = QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "quantized all-gather")  # a failed compile warns and falls back: not here
+        fused_wire, fused_params = _run(fused, layout, sources)
+    assert fused._fused[layout] is not None  # the fused codec ran
+    for eager, mine in zip(eager_wire, fused_wire):
+        assert torch.equal(eager, mine)
+    for eager, mine in zip(eager_params, fused_params):
+        assert torch.equal(eager.view(torch.uint8), mine.view(torch.uint8))  # bits: NaN would show too
+
+
+def test_a_failed_compile_warns_once_and_the_eager_codec_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return compiled
+
+    layout = Layout.build(SIZES, [torch.bfloat16] * len(SIZES))
+    sources = _sources(torch.bfloat16, layout)
+    expected = _run(QuantizedGather(BlockQuantizer(torch.int8, BLOCK), EXACT), layout, sources)
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 0)
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    monkeypatch.setattr(fused_codec._Status, "broken", False)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.warns(
+        UserWarning, match=r"compiling the fused codec failed \(RuntimeError: no C\+\+ compiler\)"
+    ) as caught:
+        wire, params = _run(QuantizedGather(BlockQuantizer(torch.int8, BLOCK), EXACT), layout, sources)
+        _run(QuantizedGather(BlockQuantizer(torch.int8, BLOCK), EXACT), layout, sources)
+    assert len(caught) == 1
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], wire))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], params))
+
+
+def test_no_fused_codec_while_dynamo_traces_or_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_codec._Status, "broken", False)
+    assert fused_codec.fusable(torch.device("cpu"), fused_codec.MIN_FUSED_VALUES)
+    assert not fused_codec.fusable(torch.device("cpu"), fused_codec.MIN_FUSED_VALUES - 1)
+    assert not fused_codec.fusable(torch.device("meta"), fused_codec.MIN_FUSED_VALUES)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fused_codec.fusable(torch.device("cpu"), fused_codec.MIN_FUSED_VALUES)
+
+
+def test_units_of_one_layout_share_a_codec_and_at_most_max_fused_layouts_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    monkeypatch.setattr(fused_codec._Status, "full", False)
+    first = fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64])
+    assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
+    assert fused_codec.FusedCodec.shared(torch.float8_e4m3fn, BLOCK, [0], [64]) is not first
+    made = [
+        fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [size])
+        for size in range(1, fused_codec.MAX_FUSED_LAYOUTS + 1)
+    ]
+    assert [codec is not None for codec in made] == [True] * (fused_codec.MAX_FUSED_LAYOUTS - 2) + [False, False]
+    assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
+
+
+def _train(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
+    """Three bf16 steps of a GPT whose blocks gather their weights as float8 codes."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=64, n_heads=4))
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        if compiled:
+            layer.compile(backend="aot_eager")
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    set_all_gather_quantization(model, AllGatherQuantization(dtype=torch.float8_e4m3fn, block_size=32))
+    generator = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    batches = [torch.randint(32, (2, 9), generator=generator) for _ in range(3)]
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = train_steps(
+        model, optim, batches, lambda m, t: F.cross_entropy(m(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten())
+    )
+    return losses, [p.to_local().detach().clone() for p in model.parameters()]
+
+
+@distributed(world_size=2)
+def test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_too():
+    """The forward and backward gathers of every unit, fused, under ``unit.compile()`` too
+    (the hooks run between the compiled graphs, so the codec compiles on its own)."""
+    saved = fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs
+    try:
+        fused_codec.MIN_FUSED_VALUES = 1 << 40
+        eager = _train(compiled=False)
+        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = 0, {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "quantized all-gather")
+            for compiled in (False, True):
+                losses, params = _train(compiled)
+                assert losses == eager[0]
+                assert all(torch.equal(a, b) for a, b in zip(eager[1], params))
+        assert len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken  # the blocks' (the root's are exact)
+    finally:
+        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = saved
