@@ -48,6 +48,39 @@ class PostForwardShard:
     group: GroupInfo
 
 
+class CopyOutTargets:
+    """Where a unit's plain all-gather output goes, kept from one gather to the next.
+
+    The unsharded storages are freed by resharding and re-allocated in place
+    (see [Note: Parameter forms]), so the ``(W, chunk)`` views that copy-out
+    writes through stay valid: built once, they save every gather the per-
+    parameter views and checks (many small units spend more on those than on
+    the copy). They serve while every parameter keeps the same padded tensor
+    and the gather the same layout object (a dtype change builds a new one)."""
+
+    def __init__(self, layout: Layout, num_chunks: int, params: list[ShardParam], padded: list[torch.Tensor]) -> None:
+        self.layout = layout
+        self.num_chunks = num_chunks
+        self.padded = tuple(padded)
+        self._pairs = tuple(zip(params, self.padded))
+        self._storages = tuple((t.untyped_storage(), t.untyped_storage().nbytes()) for t in padded)
+        self.sizes = list(layout.sizes)
+        self.chunks = layout.chunk_views(padded, num_chunks)
+
+    def serves(self, in_flight: AllGatherInFlight) -> bool:
+        return (
+            in_flight.layout is self.layout
+            and in_flight.num_chunks == self.num_chunks
+            and all(param.padded_unsharded is padded for param, padded in self._pairs)
+        )
+
+    def allocate(self) -> None:
+        """Re-allocates the storages that resharding freed."""
+        for storage, nbytes in self._storages:
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+
+
 def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
     """Per-rank views for parameters sharded on a dim other than 0 (see layout.py)."""
     if all(p.shard_dim == 0 for p in params):
@@ -64,6 +97,7 @@ class AllGather:
         self.device = spec.device  # where compute and communication happen
         self.codec: QuantizedGather | None = None  # set_all_gather_quantization
         self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
+        self._targets: CopyOutTargets | None = None  # the plain path's, see CopyOutTargets
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
@@ -155,6 +189,18 @@ class AllGather:
         if in_flight.work is not None:
             in_flight.work.wait()
         offload.join_stream(self.device, offload.ALL_GATHER)
+        targets = self._targets
+        if targets is None or not targets.serves(in_flight):
+            targets = self._targets = self._plain_targets(in_flight)
+        if targets is not None:
+            targets.allocate()
+            padded_tuple = targets.padded
+            versions = tuple(tensor._version for tensor in padded_tuple)  # see below
+            with trace.span(labels.copy_out):
+                blocks = in_flight.output.view(targets.num_chunks, -1)
+                torch.split_with_sizes_copy(blocks, targets.sizes, dim=1, out=targets.chunks)
+            torch._C._autograd._unsafe_set_version_counter(padded_tuple, versions)
+            return
         padded = [p.unsharded_storage(self.device) if p.extension is None else self._no_region() for p in self.params]
         views = split_views(self.params, padded)
         for param in in_flight.extended:
@@ -175,6 +221,18 @@ class AllGather:
             for param in in_flight.extended:
                 param.rebuild_unsharded()
         torch._C._autograd._unsafe_set_version_counter(restored, versions)
+
+    def _plain_targets(self, in_flight: AllGatherInFlight) -> CopyOutTargets | None:
+        """The copy-out targets of ``in_flight`` when one fused copy serves it (no extension,
+        no codec, every parameter split on dim 0, regions that tile), else None. Not built
+        under inference mode, whose views may not be written outside it."""
+        layout = in_flight.layout
+        if in_flight.extended or in_flight.codec is not None or torch.is_inference_mode_enabled():
+            return None
+        if not layout.tiles or any(p.shard_dim != 0 for p in self.params):
+            return None
+        padded = [p.unsharded_storage(self.device) for p in self.params]
+        return CopyOutTargets(layout, in_flight.num_chunks, self.params, padded)
 
     def _no_region(self) -> torch.Tensor:
         """An extended parameter's (empty) region among the plain ones."""

@@ -113,7 +113,8 @@ class ShardParam:
         )
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
-        self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
+        # 1D, shard.size * shard_numel; its storage is freed and re-allocated, the tensor kept.
+        self.padded_unsharded: torch.Tensor | None = None
         # False under the wrapper's flat parameter: the module then shows the
         # shard as a plain attribute, and parameters() yields the flat one.
         self.register_sharded = True
@@ -346,10 +347,10 @@ class ShardParam:
     def unsharded_storage(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""
         numel = self.mesh_info.shard.size * self.shard_numel
-        padded = self._padded_unsharded
+        padded = self.padded_unsharded
         if padded is None or self.aliases_shard or padded.device != device or padded.dtype != self.param_dtype:
             padded = torch.empty(numel, dtype=self.param_dtype, device=device)
-            self._padded_unsharded = padded
+            self.padded_unsharded = padded
             self.unsharded_param = None
             self.aliases_shard = False
         elif padded.untyped_storage().size() == 0:
@@ -360,9 +361,9 @@ class ShardParam:
 
     def alias_unsharded(self, shard_region: torch.Tensor) -> None:
         """For a shard group of one: the unsharded parameter IS the shard (no copy)."""
-        padded = self._padded_unsharded
+        padded = self.padded_unsharded
         if not self.aliases_shard or padded is None or padded.data_ptr() != shard_region.data_ptr():
-            self._padded_unsharded = shard_region
+            self.padded_unsharded = shard_region
             self.aliases_shard = True
             self._make_unsharded_param(shard_region)
 
@@ -389,7 +390,7 @@ class ShardParam:
     def unsharded_data_assigned(self) -> bool:
         """Whether the user gave the gathered parameter's ``.data`` a tensor of its own (not the
         gathered storage): its values cannot be written back into the shard."""
-        unsharded, padded = self.unsharded_param, self._padded_unsharded
+        unsharded, padded = self.unsharded_param, self.padded_unsharded
         if unsharded is None or padded is None or self.extension is not None or isinstance(unsharded, DTensor):
             return False
         return unsharded.untyped_storage().data_ptr() != padded.untyped_storage().data_ptr()
@@ -398,13 +399,13 @@ class ShardParam:
         if self.extension is not None:
             self.extension.free()
             return
-        padded = self._padded_unsharded
+        padded = self.padded_unsharded
         if padded is not None and padded.untyped_storage().size() != 0:
             padded.untyped_storage().resize_(0)
 
     def forget_unsharded(self) -> None:
         """Drops the unsharded form (after a device or dtype change)."""
-        self._padded_unsharded = None
+        self.padded_unsharded = None
         self.unsharded_param = None
         self.aliases_shard = False
 
