@@ -312,7 +312,7 @@ class ShardParam:
         sharded = getattr(self, "sharded_param", None)  # None while __init__ builds it
         if isinstance(sharded, DTensor) and sharded.dtype == local.dtype and sharded.shape == self.global_size:
             # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
-            return DTensor(local, sharded._spec, requires_grad=False)
+            return compat.dtensor_with_spec(local, sharded._spec)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_from_full(self, value: torch.Tensor) -> DTensor:
