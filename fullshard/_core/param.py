@@ -115,6 +115,7 @@ class ShardParam:
         self.unsharded_param: nn.Parameter | None = None
         # 1D, shard.size * shard_numel; its storage is freed and re-allocated, the tensor kept.
         self.padded_unsharded: torch.Tensor | None = None
+        self._unsharded_storage: torch.UntypedStorage | None = None  # padded_unsharded's (cached: every reshard)
         # False under the wrapper's flat parameter: the module then shows the
         # shard as a plain attribute, and parameters() yields the flat one.
         self.register_sharded = True
@@ -350,11 +351,11 @@ class ShardParam:
         padded = self.padded_unsharded
         if padded is None or self.aliases_shard or padded.device != device or padded.dtype != self.param_dtype:
             padded = torch.empty(numel, dtype=self.param_dtype, device=device)
-            self.padded_unsharded = padded
+            self._set_padded_unsharded(padded)
             self.unsharded_param = None
             self.aliases_shard = False
-        elif padded.untyped_storage().size() == 0:
-            padded.untyped_storage().resize_(numel * padded.element_size())
+        elif self._unsharded_storage is not None and self._unsharded_storage.nbytes() == 0:
+            self._unsharded_storage.resize_(numel * padded.element_size())
         if self.unsharded_param is None:
             self._make_unsharded_param(padded)
         return padded
@@ -363,9 +364,13 @@ class ShardParam:
         """For a shard group of one: the unsharded parameter IS the shard (no copy)."""
         padded = self.padded_unsharded
         if not self.aliases_shard or padded is None or padded.data_ptr() != shard_region.data_ptr():
-            self.padded_unsharded = shard_region
+            self._set_padded_unsharded(shard_region)
             self.aliases_shard = True
             self._make_unsharded_param(shard_region)
+
+    def _set_padded_unsharded(self, padded: torch.Tensor | None) -> None:
+        self.padded_unsharded = padded
+        self._unsharded_storage = None if padded is None else padded.untyped_storage()
 
     def _make_unsharded_param(self, padded: torch.Tensor) -> None:
         data = self.full_from_tp_local(self.full_from_padded(padded))
@@ -399,13 +404,13 @@ class ShardParam:
         if self.extension is not None:
             self.extension.free()
             return
-        padded = self.padded_unsharded
-        if padded is not None and padded.untyped_storage().size() != 0:
-            padded.untyped_storage().resize_(0)
+        storage = self._unsharded_storage
+        if storage is not None and storage.nbytes() != 0:
+            storage.resize_(0)
 
     def forget_unsharded(self) -> None:
         """Drops the unsharded form (after a device or dtype change)."""
-        self.padded_unsharded = None
+        self._set_padded_unsharded(None)
         self.unsharded_param = None
         self.aliases_shard = False
 
