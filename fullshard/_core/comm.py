@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -142,8 +143,16 @@ def _finish(pending: _Pending, async_op: bool) -> _Pending | None:
     return None
 
 
+_IS_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+
+
 def _is_gloo(group: dist.ProcessGroup) -> bool:
-    return dist.get_backend(group) == "gloo"
+    """Whether ``group`` runs on gloo, asked of torch once per group (``get_backend``
+    checks membership and looks the group up on every call, twice per unit and step)."""
+    is_gloo = _IS_GLOO.get(group)
+    if is_gloo is None:
+        is_gloo = _IS_GLOO[group] = dist.get_backend(group) == "gloo"
+    return is_gloo
 
 
 # See [Note: Gloo collectives]: below this many gathered bytes, on more than two ranks, one
