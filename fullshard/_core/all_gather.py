@@ -31,7 +31,7 @@ def _extension(param: ShardParam) -> GatherExtension:
 class AllGatherInFlight:
     work: comm.Waitable | None  # None: nothing to wait for (a group of one)
     input: torch.Tensor  # kept alive until the collective is done
-    output: torch.Tensor
+    output: torch.Tensor  # (num_chunks, chunk), or flat
     layout: Layout
     num_chunks: int
     # Parameters whose extension inputs follow the plain regions, in order (see extension.py).
@@ -156,13 +156,14 @@ class AllGather:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
         with self._copy_stream():  # after the copy-in
             source = self._encode(source, layout, labels)
-            numel, custom = source.numel() * group.size, self.custom
+            custom = self.custom
             with trace.span(labels.all_gather):
                 if custom is None:
-                    output = torch.empty(numel, dtype=source.dtype, device=self.device)
+                    # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
+                    output = torch.empty((group.size, source.numel()), dtype=source.dtype, device=self.device)
                     work = comm.all_gather(output, source, group.process_group, async_op=async_op)
                 else:
-                    output = custom.allocate((numel,), dtype=source.dtype, device=self.device)
+                    output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
                     work = comm.custom_all_gather(custom, output, source, group.process_group, async_op)
         return AllGatherInFlight(work, source, output, layout, group.size, extended, self.codec)
 
@@ -197,7 +198,8 @@ class AllGather:
             padded_tuple = targets.padded
             versions = tuple(tensor._version for tensor in padded_tuple)  # see below
             with trace.span(labels.copy_out):
-                blocks = in_flight.output.view(targets.num_chunks, -1)
+                output = in_flight.output
+                blocks = output if output.dim() == 2 else output.view(targets.num_chunks, -1)
                 torch.split_with_sizes_copy(blocks, targets.sizes, dim=1, out=targets.chunks)
             torch._C._autograd._unsafe_set_version_counter(padded_tuple, versions)
             return

@@ -169,12 +169,14 @@ def _latency_bound(output: torch.Tensor, group: dist.ProcessGroup) -> bool:
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | _Pending | None:
-    """``output`` (group size x input) receives every rank's ``input``."""
+    """``output`` (group size x input, flat or ``(W, input)``) receives every rank's ``input``."""
     _check_alive(group)
     if _listeners:
         _notify("all_gather", group, output, [output, input])
-    if not _is_gloo(group) or _latency_bound(output, group):
+    if not _is_gloo(group):
         return compat.all_gather_into(output, input, group, async_op)
+    if _latency_bound(output, group):
+        return compat.all_gather_into(output.view(-1), input, group, async_op)  # gloo: a flat output only
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))
     works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
