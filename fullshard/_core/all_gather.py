@@ -160,7 +160,7 @@ class AllGather:
             with trace.span(labels.all_gather):
                 if custom is None:
                     # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
-                    output = torch.empty((group.size, source.numel()), dtype=source.dtype, device=self.device)
+                    output = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
                     work = comm.all_gather(output, source, group.process_group, async_op=async_op)
                 else:
                     output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)

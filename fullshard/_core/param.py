@@ -96,7 +96,7 @@ class ShardParam:
         first_row = shard.rank * self.shard_rows
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
-        self._local_size: torch.Size | None = None  # this rank's unpadded rows' size (cached: every gradient)
+        self._local_size: tuple[int, ...] | None = None  # this rank's unpadded rows' size (cached: every gradient)
         if is_tensor_subclass(local):
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
@@ -280,9 +280,10 @@ class ShardParam:
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         size = self._local_size
         if size is None:
-            size = self._local_size = self.chunk_size(self.num_valid_rows)
+            size = self._local_size = tuple(self.chunk_size(self.num_valid_rows))
         numel = self.num_valid_rows * self.row_numel
-        return (padded_shard if padded_shard.numel() == numel else padded_shard.narrow(0, 0, numel)).view(size)
+        # view(*ints): a torch.Size argument costs as much again as the view itself
+        return (padded_shard if padded_shard.numel() == numel else padded_shard.narrow(0, 0, numel)).view(*size)
 
     def chunk_size(self, num_rows: int) -> torch.Size:
         """The size of ``num_rows`` rows along the shard dim."""
