@@ -74,11 +74,16 @@ class CopyOutTargets:
             and all(param.padded_unsharded is padded for param, padded in self._pairs)
         )
 
-    def allocate(self) -> None:
-        """Re-allocates the storages that resharding freed."""
+    def fill(self, output: torch.Tensor) -> None:
+        """Re-allocates the storages that resharding freed and copies the gathered
+        ``output`` in, the version counters left as they were (see ``AllGather.copy_out``)."""
         for storage, nbytes in self._storages:
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
+        versions = tuple([tensor._version for tensor in self.padded])
+        blocks = output if output.dim() == 2 else output.view(self.num_chunks, -1)
+        torch.split_with_sizes_copy(blocks, self.sizes, dim=1, out=self.chunks)
+        torch._C._autograd._unsafe_set_version_counter(self.padded, versions)
 
 
 def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
@@ -194,14 +199,8 @@ class AllGather:
         if targets is None or not targets.serves(in_flight):
             targets = self._targets = self._plain_targets(in_flight)
         if targets is not None:
-            targets.allocate()
-            padded_tuple = targets.padded
-            versions = tuple(tensor._version for tensor in padded_tuple)  # see below
             with trace.span(labels.copy_out):
-                output = in_flight.output
-                blocks = output if output.dim() == 2 else output.view(targets.num_chunks, -1)
-                torch.split_with_sizes_copy(blocks, targets.sizes, dim=1, out=targets.chunks)
-            torch._C._autograd._unsafe_set_version_counter(padded_tuple, versions)
+                targets.fill(in_flight.output)
             return
         padded = [p.unsharded_storage(self.device) if p.extension is None else self._no_region() for p in self.params]
         views = split_views(self.params, padded)

@@ -81,10 +81,8 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     and is one op per unit (the copy-in of many small units).
     A dim other than 0 goes chunk by chunk (``_chunk_cat`` splits on one dim)."""
     dims = dims or [0] * len(tensors)
-    world, offset = out.size(0), 0
-    if not any(dims) and (
-        out.device.type != "cpu" or all(t.size(0) % world == 0 and t.dtype == out.dtype for t in tensors)
-    ):
+    world, offset, dtype = out.size(0), 0, out.dtype
+    if not any(dims) and (not out.is_cpu or all(t.size(0) % world == 0 and t.dtype == dtype for t in tensors)):
         compat.chunk_cat([t for t in tensors if t.numel()], world, out)  # it refuses empty tensors
         return
     targets: list[torch.Tensor] = []
