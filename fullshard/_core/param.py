@@ -351,14 +351,18 @@ class ShardParam:
         numel = self.mesh_info.shard.size * self.shard_numel
         padded = self.padded_unsharded
         if padded is None or self.aliases_shard or padded.device != device or padded.dtype != self.param_dtype:
-            padded = torch.empty(numel, dtype=self.param_dtype, device=device)
+            # Made outside inference mode even when first gathered inside it: training
+            # steps later use the same storage and parameter (and read its versions).
+            with torch.inference_mode(False):
+                padded = torch.empty(numel, dtype=self.param_dtype, device=device)
             self._set_padded_unsharded(padded)
             self.unsharded_param = None
             self.aliases_shard = False
         elif self._unsharded_storage is not None and self._unsharded_storage.nbytes() == 0:
             self._unsharded_storage.resize_(numel * padded.element_size())
         if self.unsharded_param is None:
-            self._make_unsharded_param(padded)
+            with torch.inference_mode(False):
+                self._make_unsharded_param(padded)
         return padded
 
     def alias_unsharded(self, shard_region: torch.Tensor) -> None:
