@@ -11,8 +11,9 @@ messages of ``--sizes`` bytes (the whole gathered or reduced buffer, float32):
   output (``W`` calls, no temporaries);
 - reduce-scatter: gloo's own ``reduce_scatter_single`` (it clones the input and
   all-reduces the clone), one in-place ``all_reduce`` of the input and a copy of
-  this rank's chunk (what fullshard does), and one ``reduce`` per rank onto its
-  owner (``W`` calls, each moving a chunk).
+  this rank's chunk (what fullshard does), one ``reduce`` per rank onto its
+  owner (``W`` calls, each moving a chunk), and one all-gather of every rank's
+  whole input summed locally (W times the bytes, fewer latency steps).
 
 Each call is issued asynchronously and waited for, as a unit's collectives are;
 reported: the median over ``--repeats`` rounds of the mean of ``--calls`` calls,
@@ -77,7 +78,13 @@ def reduce_scatter_ways(world: int, rank: int, numel: int) -> dict[str, Callable
             work.wait()
         output.copy_(chunks[rank])
 
+    def all_gather_and_sum() -> None:
+        gathered = torch.empty(world, numel)
+        dist.all_gather_into_tensor(gathered.view(-1), gradients, async_op=True).wait()
+        torch.sum(gathered.view(world, world, -1)[:, rank], dim=0, out=output)
+
     return {
+        "reduce_scatter: all_gather + local sum": all_gather_and_sum,
         "reduce_scatter: native call": native,
         "reduce_scatter: all_reduce + slice": all_reduce_and_slice,
         "reduce_scatter: reduce per rank": reduce_per_rank,
