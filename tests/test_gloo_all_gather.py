@@ -1,4 +1,4 @@
-"""[Note: Gloo collectives]: which all-gather a gloo group gets, and that both gather right."""
+"""[Note: Gloo collectives]: which all-gather and reduce-scatter a gloo group gets, and that each is right."""
 
 from unittest import mock
 
@@ -48,3 +48,41 @@ def test_small_units_gather_in_one_call_on_more_than_two_ranks():
 @distributed(world_size=2)
 def test_two_ranks_always_broadcast(numel):
     assert _gather_counting(numel) == {"native": 0, "broadcast": 2}
+
+
+def _reduce_scatter_counting(numel: int, op: dist.ReduceOp.RedOpType) -> dict[str, int]:
+    """Reduce-scatters ``numel`` floats (rank r holds r + i / numel at i); checks the chunk
+    against the sum or average over ranks and counts the collectives called."""
+    calls = {"all_gather": 0, "all_reduce": 0}
+    real_native, real_all_reduce = compat._all_gather, dist.all_reduce
+
+    def native(*args, **kwargs):
+        calls["all_gather"] += 1
+        return real_native(*args, **kwargs)
+
+    def all_reduce(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ramp = torch.arange(numel, dtype=torch.float32) / numel
+    output = torch.empty(numel // world)
+    with mock.patch.object(compat, "_all_gather", native), mock.patch.object(dist, "all_reduce", all_reduce):
+        comm.reduce_scatter(output, ramp + rank, dist.group.WORLD, op, async_op=False)
+    total = world * ramp + sum(range(world))
+    expected = (total if op == dist.ReduceOp.SUM else total / world).view(world, -1)[rank]
+    torch.testing.assert_close(output, expected)
+    return calls
+
+
+@pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.AVG])
+@distributed(world_size=4)
+def test_small_reduce_scatters_gather_and_sum_on_more_than_two_ranks(op):
+    limit = comm.GLOO_NATIVE_ALL_GATHER_BYTES // 4
+    assert _reduce_scatter_counting(limit, op) == {"all_gather": 1, "all_reduce": 0}  # latency-bound
+    assert _reduce_scatter_counting(limit + 4, op) == {"all_gather": 0, "all_reduce": 1}
+
+
+@distributed(world_size=2)
+def test_two_ranks_reduce_scatter_with_one_all_reduce():
+    assert _reduce_scatter_counting(8, dist.ReduceOp.AVG) == {"all_gather": 0, "all_reduce": 1}

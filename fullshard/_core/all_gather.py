@@ -31,7 +31,7 @@ def _extension(param: ShardParam) -> GatherExtension:
 class AllGatherInFlight:
     work: comm.Waitable | None  # None: nothing to wait for (a group of one)
     input: torch.Tensor  # kept alive until the collective is done
-    output: torch.Tensor
+    output: torch.Tensor  # (num_chunks, chunk), or flat
     layout: Layout
     num_chunks: int
     # Parameters whose extension inputs follow the plain regions, in order (see extension.py).
@@ -46,6 +46,44 @@ class PostForwardShard:
     source: torch.Tensor  # 1D
     layout: Layout
     group: GroupInfo
+
+
+class CopyOutTargets:
+    """Where a unit's plain all-gather output goes, kept from one gather to the next.
+
+    The unsharded storages are freed by resharding and re-allocated in place
+    (see [Note: Parameter forms]), so the ``(W, chunk)`` views that copy-out
+    writes through stay valid: built once, they save every gather the per-
+    parameter views and checks (many small units spend more on those than on
+    the copy). They serve while every parameter keeps the same padded tensor
+    and the gather the same layout object (a dtype change builds a new one)."""
+
+    def __init__(self, layout: Layout, num_chunks: int, params: list[ShardParam], padded: list[torch.Tensor]) -> None:
+        self.layout = layout
+        self.num_chunks = num_chunks
+        self.padded = tuple(padded)
+        self._pairs = tuple(zip(params, self.padded))
+        self._storages = tuple((t.untyped_storage(), t.untyped_storage().nbytes()) for t in padded)
+        self.sizes = list(layout.sizes)
+        self.chunks = layout.chunk_views(padded, num_chunks)
+
+    def serves(self, in_flight: AllGatherInFlight) -> bool:
+        return (
+            in_flight.layout is self.layout
+            and in_flight.num_chunks == self.num_chunks
+            and all(param.padded_unsharded is padded for param, padded in self._pairs)
+        )
+
+    def fill(self, output: torch.Tensor) -> None:
+        """Re-allocates the storages that resharding freed and copies the gathered
+        ``output`` in, the version counters left as they were (see ``AllGather.copy_out``)."""
+        for storage, nbytes in self._storages:
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        versions = tuple([tensor._version for tensor in self.padded])
+        blocks = output if output.dim() == 2 else output.view(self.num_chunks, -1)
+        torch.split_with_sizes_copy(blocks, self.sizes, dim=1, out=self.chunks)
+        torch._C._autograd._unsafe_set_version_counter(self.padded, versions)
 
 
 def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[list[torch.Tensor] | None] | None:
@@ -64,6 +102,7 @@ class AllGather:
         self.device = spec.device  # where compute and communication happen
         self.codec: QuantizedGather | None = None  # set_all_gather_quantization
         self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
+        self._targets: CopyOutTargets | None = None  # the plain path's, see CopyOutTargets
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
@@ -122,13 +161,14 @@ class AllGather:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
         with self._copy_stream():  # after the copy-in
             source = self._encode(source, layout, labels)
-            numel, custom = source.numel() * group.size, self.custom
+            custom = self.custom
             with trace.span(labels.all_gather):
                 if custom is None:
-                    output = torch.empty(numel, dtype=source.dtype, device=self.device)
+                    # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
+                    output = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
                     work = comm.all_gather(output, source, group.process_group, async_op=async_op)
                 else:
-                    output = custom.allocate((numel,), dtype=source.dtype, device=self.device)
+                    output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
                     work = comm.custom_all_gather(custom, output, source, group.process_group, async_op)
         return AllGatherInFlight(work, source, output, layout, group.size, extended, self.codec)
 
@@ -155,6 +195,13 @@ class AllGather:
         if in_flight.work is not None:
             in_flight.work.wait()
         offload.join_stream(self.device, offload.ALL_GATHER)
+        targets = self._targets
+        if targets is None or not targets.serves(in_flight):
+            targets = self._targets = self._plain_targets(in_flight)
+        if targets is not None:
+            with trace.span(labels.copy_out):
+                targets.fill(in_flight.output)
+            return
         padded = [p.unsharded_storage(self.device) if p.extension is None else self._no_region() for p in self.params]
         views = split_views(self.params, padded)
         for param in in_flight.extended:
@@ -175,6 +222,18 @@ class AllGather:
             for param in in_flight.extended:
                 param.rebuild_unsharded()
         torch._C._autograd._unsafe_set_version_counter(restored, versions)
+
+    def _plain_targets(self, in_flight: AllGatherInFlight) -> CopyOutTargets | None:
+        """The copy-out targets of ``in_flight`` when one fused copy serves it (no extension,
+        no codec, every parameter split on dim 0, regions that tile), else None. Not built
+        under inference mode, whose views may not be written outside it."""
+        layout = in_flight.layout
+        if in_flight.extended or in_flight.codec is not None or torch.is_inference_mode_enabled():
+            return None
+        if not layout.tiles or any(p.shard_dim != 0 for p in self.params):
+            return None
+        padded = [p.unsharded_storage(self.device) for p in self.params]
+        return CopyOutTargets(layout, in_flight.num_chunks, self.params, padded)
 
     def _no_region(self) -> torch.Tensor:
         """An extended parameter's (empty) region among the plain ones."""

@@ -22,7 +22,11 @@ loopback), and reduce-scatter with an in-place all-reduce of the input followed
 by a copy of this rank's chunk (what gloo does, minus the clone). Small units on
 more than two ranks are the exception: there the per-rank broadcasts' latency
 adds up and gloo's single all-gather call wins, temporaries and all (at most
-``GLOO_NATIVE_ALL_GATHER_BYTES`` gathered). The input of
+``GLOO_NATIVE_ALL_GATHER_BYTES`` gathered); and their reduce-scatter (a sum or an
+average of at most that many bytes) all-gathers every rank's whole input and sums
+this rank's chunks locally: W times the bytes, but a ring all-gather takes W-1
+latency steps where gloo's ring all-reduce takes 2(W-1) (about half the time per
+call at 4 ranks, ``benchmarks/bench_gloo_collectives.py``). The input of
 a reduce-scatter is scratch: callers must not read it afterwards. Other
 backends (NCCL) get the native collectives.
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -142,8 +147,16 @@ def _finish(pending: _Pending, async_op: bool) -> _Pending | None:
     return None
 
 
+_IS_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+
+
 def _is_gloo(group: dist.ProcessGroup) -> bool:
-    return dist.get_backend(group) == "gloo"
+    """Whether ``group`` runs on gloo, asked of torch once per group (``get_backend``
+    checks membership and looks the group up on every call, twice per unit and step)."""
+    is_gloo = _IS_GLOO.get(group)
+    if is_gloo is None:
+        is_gloo = _IS_GLOO[group] = dist.get_backend(group) == "gloo"
+    return is_gloo
 
 
 # See [Note: Gloo collectives]: below this many gathered bytes, on more than two ranks, one
@@ -160,12 +173,14 @@ def _latency_bound(output: torch.Tensor, group: dist.ProcessGroup) -> bool:
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | _Pending | None:
-    """``output`` (group size x input) receives every rank's ``input``."""
+    """``output`` (group size x input, flat or ``(W, input)``) receives every rank's ``input``."""
     _check_alive(group)
     if _listeners:
         _notify("all_gather", group, output, [output, input])
-    if not _is_gloo(group) or _latency_bound(output, group):
+    if not _is_gloo(group):
         return compat.all_gather_into(output, input, group, async_op)
+    if _latency_bound(output, group):
+        return compat.all_gather_into(output.view(-1), input, group, async_op)  # gloo: a flat output only
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))
     works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
@@ -242,9 +257,31 @@ def reduce_scatter(
         _notify("reduce_scatter", group, input, [output, input])
     if not _is_gloo(group):
         return compat.reduce_scatter_into(output, input, op, group, async_op)
+    if op in _LOCALLY_REDUCED and _latency_bound(input, group):
+        return _reduce_scatter_by_all_gather(output, input, group, op, async_op)
     mine = input.view(group.size(), -1)[group.rank()]
     work = dist.all_reduce(input, op=op, group=group, async_op=True)
     return _finish(_Pending([work], then=lambda: output.copy_(mine)), async_op)
+
+
+_LOCALLY_REDUCED = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+def _reduce_scatter_by_all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, async_op: bool
+) -> _Pending | None:
+    """Gloo, a small input on more than two ranks: every rank's whole input in one
+    all-gather, then this rank's chunks summed here (see [Note: Gloo collectives])."""
+    world, rank = group.size(), group.rank()
+    gathered = torch.empty(world, input.numel(), dtype=input.dtype, device=input.device)
+    work = compat.all_gather_into(gathered.view(-1), input.view(-1), group, async_op=True)
+
+    def reduce_mine() -> None:
+        torch.sum(gathered.view(world, world, -1)[:, rank], dim=0, out=output.view(-1))
+        if op == dist.ReduceOp.AVG:
+            output.div_(world)
+
+    return _finish(_Pending([work] if work is not None else [], then=reduce_mine), async_op)
 
 
 def default_group() -> dist.ProcessGroup:

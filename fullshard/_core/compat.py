@@ -34,6 +34,7 @@ __all__ = [
     "chunk_cat",
     "concatenate_meshes",
     "dtensor_of_local",
+    "dtensor_with_spec",
     "local_region",
     "native_device_type",
     "reduce_scatter_into",
@@ -104,7 +105,16 @@ def dtensor_of_local(
     and make the parameter a copy of its buffer region instead of a view.
     """
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local, spec, requires_grad=False)
+    return dtensor_with_spec(local, spec)
+
+
+def dtensor_with_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor around ``local`` under an existing ``spec`` (its dtype ``local``'s).
+
+    Calls ``DTensor.__new__`` alone: newer torch's ``DTensor.__init__`` only enters the
+    base class's, through a dynamo-disabled wrapper that costs three times the
+    construction (once per gradient and step on the hot path)."""
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def local_region(value: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:

@@ -109,10 +109,7 @@ class Layout:
         """
         blocks = gathered.view(num_chunks, -1)
         if split_views is None and self.tiles:
-            dsts = [out if out.dtype == self.dtype else out.view(self.dtype) for out in outputs]
-            torch.split_with_sizes_copy(
-                blocks, list(self.sizes), dim=1, out=[d.view(num_chunks, s) for d, s in zip(dsts, self.sizes)]
-            )
+            torch.split_with_sizes_copy(blocks, list(self.sizes), dim=1, out=self.chunk_views(outputs, num_chunks))
             return
         for index, (start, size, out) in enumerate(zip(self.offsets, self.sizes, outputs)):
             block = blocks[:, start : start + size]
@@ -124,6 +121,14 @@ class Layout:
             block = block if block.dtype == out.dtype else block.view(out.dtype)
             for rank, view in enumerate(views):
                 view.copy_(block[rank, : view.numel()].view(view.shape))
+
+    def chunk_views(self, outputs: list[torch.Tensor], num_chunks: int) -> list[torch.Tensor]:
+        """``outputs`` (each parameter's padded flat data) viewed as ``(num_chunks, size)``
+        blocks of this layout's dtype: where ``copy_out`` writes when the regions tile."""
+        return [
+            (out if out.dtype == self.dtype else out.view(self.dtype)).view(num_chunks, size)
+            for out, size in zip(outputs, self.sizes)
+        ]
 
     @functools.cached_property
     def tiles(self) -> bool:

@@ -96,7 +96,7 @@ class ShardParam:
         first_row = shard.rank * self.shard_rows
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
-        self._local_size: torch.Size | None = None  # this rank's unpadded rows' size (cached: every gradient)
+        self._local_size: tuple[int, ...] | None = None  # this rank's unpadded rows' size (cached: every gradient)
         if is_tensor_subclass(local):
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
@@ -113,7 +113,9 @@ class ShardParam:
         )
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
-        self._padded_unsharded: torch.Tensor | None = None  # 1D, shard.size * shard_numel
+        # 1D, shard.size * shard_numel; its storage is freed and re-allocated, the tensor kept.
+        self.padded_unsharded: torch.Tensor | None = None
+        self._unsharded_storage: torch.UntypedStorage | None = None  # padded_unsharded's (cached: every reshard)
         # False under the wrapper's flat parameter: the module then shows the
         # shard as a plain attribute, and parameters() yields the flat one.
         self.register_sharded = True
@@ -278,9 +280,10 @@ class ShardParam:
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         size = self._local_size
         if size is None:
-            size = self._local_size = self.chunk_size(self.num_valid_rows)
+            size = self._local_size = tuple(self.chunk_size(self.num_valid_rows))
         numel = self.num_valid_rows * self.row_numel
-        return (padded_shard if padded_shard.numel() == numel else padded_shard.narrow(0, 0, numel)).view(size)
+        # view(*ints): a torch.Size argument costs as much again as the view itself
+        return (padded_shard if padded_shard.numel() == numel else padded_shard.narrow(0, 0, numel)).view(*size)
 
     def chunk_size(self, num_rows: int) -> torch.Size:
         """The size of ``num_rows`` rows along the shard dim."""
@@ -311,7 +314,7 @@ class ShardParam:
         sharded = getattr(self, "sharded_param", None)  # None while __init__ builds it
         if isinstance(sharded, DTensor) and sharded.dtype == local.dtype and sharded.shape == self.global_size:
             # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
-            return DTensor(local, sharded._spec, requires_grad=False)
+            return compat.dtensor_with_spec(local, sharded._spec)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_from_full(self, value: torch.Tensor) -> DTensor:
@@ -346,25 +349,33 @@ class ShardParam:
     def unsharded_storage(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""
         numel = self.mesh_info.shard.size * self.shard_numel
-        padded = self._padded_unsharded
+        padded = self.padded_unsharded
         if padded is None or self.aliases_shard or padded.device != device or padded.dtype != self.param_dtype:
-            padded = torch.empty(numel, dtype=self.param_dtype, device=device)
-            self._padded_unsharded = padded
+            # Made outside inference mode even when first gathered inside it: training
+            # steps later use the same storage and parameter (and read its versions).
+            with torch.inference_mode(False):
+                padded = torch.empty(numel, dtype=self.param_dtype, device=device)
+            self._set_padded_unsharded(padded)
             self.unsharded_param = None
             self.aliases_shard = False
-        elif padded.untyped_storage().size() == 0:
-            padded.untyped_storage().resize_(numel * padded.element_size())
+        elif self._unsharded_storage is not None and self._unsharded_storage.nbytes() == 0:
+            self._unsharded_storage.resize_(numel * padded.element_size())
         if self.unsharded_param is None:
-            self._make_unsharded_param(padded)
+            with torch.inference_mode(False):
+                self._make_unsharded_param(padded)
         return padded
 
     def alias_unsharded(self, shard_region: torch.Tensor) -> None:
         """For a shard group of one: the unsharded parameter IS the shard (no copy)."""
-        padded = self._padded_unsharded
+        padded = self.padded_unsharded
         if not self.aliases_shard or padded is None or padded.data_ptr() != shard_region.data_ptr():
-            self._padded_unsharded = shard_region
+            self._set_padded_unsharded(shard_region)
             self.aliases_shard = True
             self._make_unsharded_param(shard_region)
+
+    def _set_padded_unsharded(self, padded: torch.Tensor | None) -> None:
+        self.padded_unsharded = padded
+        self._unsharded_storage = None if padded is None else padded.untyped_storage()
 
     def _make_unsharded_param(self, padded: torch.Tensor) -> None:
         data = self.full_from_tp_local(self.full_from_padded(padded))
@@ -389,7 +400,7 @@ class ShardParam:
     def unsharded_data_assigned(self) -> bool:
         """Whether the user gave the gathered parameter's ``.data`` a tensor of its own (not the
         gathered storage): its values cannot be written back into the shard."""
-        unsharded, padded = self.unsharded_param, self._padded_unsharded
+        unsharded, padded = self.unsharded_param, self.padded_unsharded
         if unsharded is None or padded is None or self.extension is not None or isinstance(unsharded, DTensor):
             return False
         return unsharded.untyped_storage().data_ptr() != padded.untyped_storage().data_ptr()
@@ -398,13 +409,13 @@ class ShardParam:
         if self.extension is not None:
             self.extension.free()
             return
-        padded = self._padded_unsharded
-        if padded is not None and padded.untyped_storage().size() != 0:
-            padded.untyped_storage().resize_(0)
+        storage = self._unsharded_storage
+        if storage is not None and storage.nbytes() != 0:
+            storage.resize_(0)
 
     def forget_unsharded(self) -> None:
         """Drops the unsharded form (after a device or dtype change)."""
-        self._padded_unsharded = None
+        self._set_padded_unsharded(None)
         self.unsharded_param = None
         self.aliases_shard = False
 

@@ -77,17 +77,13 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     there, one ``_foreach_copy_`` of every chunk block into its view of ``out``
     (and one ``_foreach_zero_`` of the padding) casts on the way and allocates
     nothing: one op per unit as well, and as fast (faster when it would pad).
-    When nothing pads or casts, one ``torch.cat`` of the (W, -1) views into
-    ``out`` does it with less Python per unit (the copy-in of many small units).
+    When nothing pads or casts, ``_chunk_cat`` makes no temporary on CPU either
+    and is one op per unit (the copy-in of many small units).
     A dim other than 0 goes chunk by chunk (``_chunk_cat`` splits on one dim)."""
     dims = dims or [0] * len(tensors)
-    if out.device.type != "cpu" and not any(dims):
-        compat.chunk_cat(tensors, out.size(0), out)
-        return
-    world, offset = out.size(0), 0
-    # Nothing pads and nothing casts (cat would cast each input into a temporary first): one cat.
-    if not any(dims) and all(t.size(0) % world == 0 and t.dtype == out.dtype for t in tensors):
-        torch.cat([t.view(world, -1) for t in tensors if t.numel()], dim=1, out=out)
+    world, offset, dtype = out.size(0), 0, out.dtype
+    if not any(dims) and (not out.is_cpu or all(t.size(0) % world == 0 and t.dtype == dtype for t in tensors)):
+        compat.chunk_cat([t for t in tensors if t.numel()], world, out)  # it refuses empty tensors
         return
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
@@ -221,11 +217,14 @@ class GradReduction:
         device = grads[0].device
         total = sum(plan.shard_numels)
         custom = settings.custom_reduce_scatter if shard.size > 1 else None
-        allocate = torch.empty if custom is None else custom.allocate
-        self._output = allocate((total,), dtype=reduce_dtype, device=device)  # 1D, shard layout
-        reduced = self._output
-        if shard.size > 1:
-            reduced = allocate((shard.size * total,), dtype=reduce_dtype, device=device)
+        if custom is None:  # sizes as ints: a tuple argument costs a third more
+            self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
+            reduced = self._output
+            if shard.size > 1:
+                reduced = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+        else:
+            self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
+            reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
         with span(self._labels.reduce_copy_in):
             chunk_cat(grads, reduced.view(shard.size, -1), plan.shard_dims)
         self._final_divide = 1.0
