@@ -97,3 +97,19 @@ def test_kept_unsharded_form_serves_forwards_until_the_shards_change():
         model(x)
         model(x)
     assert [r.op for r in records].count("all_gather") == 1  # only the changed unit, once
+
+
+@distributed(world_size=2)
+def test_model_built_in_inference_mode_keeps_its_forms():
+    """Shards made under ``torch.inference_mode`` keep no version counters: their
+    kept forms are reused without a check (nothing outside that mode can change them)."""
+    with torch.inference_mode():
+        ref = _model()
+        model = _shard(copy.deepcopy(ref), "fully_shard", False, 2)
+        x = torch.randn(3, 8)
+        with comm.record_comms() as records:
+            outputs = [model(x) for _ in range(2)]
+        want = ref(x)
+    assert [r.op for r in records].count("all_gather") == 3
+    for output in outputs:
+        torch.testing.assert_close(output, want)
