@@ -338,3 +338,23 @@ def test_local_state_dict_reshards_through_dcp(tmp_path):
     path = str(tmp_path / "local")
     expected = run_distributed(_save_local, 4, path)[0]
     run_distributed(_load_local, 2, path, expected)
+
+
+@distributed(world_size=4)
+def test_sharded_state_dict_after_destroyed_groups_over_the_same_ranks():
+    """DeviceMesh equality ignores the process groups, so torch's sharding-propagation cache hands the
+    optimizer step's in-place outputs the mesh of earlier, destroyed groups over the same ranks; the
+    state dicts still cut the values over the unit's own groups."""
+    first = hybrid_groups()
+    trained("ours", False, "HYBRID_SHARD", groups=first)  # primes the cache with a mesh over `first`
+    for group in first:
+        dist.destroy_process_group(group)
+    model, optim = trained("ours", False, "HYBRID_SHARD", groups=hybrid_groups())
+    model_sd, optim_sd = sharded_dicts("ours", model, optim)
+    with fullshard.FullyShardedDataParallel.summon_full_params(model):
+        full = {name.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for name, p in model.named_parameters()}
+    assert set(model_sd) == set(full)
+    for name, value in model_sd.items():
+        assert isinstance(value, ShardedTensor), name
+        torch.testing.assert_close(full_value(value), full[name], msg=name)
+    assert all(isinstance(v, ShardedTensor) for s in optim_sd["state"].values() for k, v in s.items() if k != "step")

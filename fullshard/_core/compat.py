@@ -108,6 +108,15 @@ def dtensor_of_local(
     return dtensor_with_spec(local, spec)
 
 
+def same_groups(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """Whether two meshes run over the same process groups. DeviceMesh equality
+    compares only the layout, so torch's sharding-propagation cache can give an
+    in-place op's output (an optimizer step on a DTensor parameter) an equal mesh
+    of an earlier process group that no longer exists (one process that destroys
+    and re-creates its groups)."""
+    return a == b and list(a._dim_group_names) == list(b._dim_group_names)
+
+
 def dtensor_with_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor around ``local`` under an existing ``spec`` (its dtype ``local``'s).
 

@@ -314,7 +314,9 @@ class ShardParam:
         sharded = getattr(self, "sharded_param", None)  # None while __init__ builds it
         if isinstance(sharded, DTensor) and sharded.dtype == local.dtype and sharded.shape == self.global_size:
             # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
-            return compat.dtensor_with_spec(local, sharded._spec)
+            spec = sharded._spec
+            if spec.mesh is self.spmd_mesh or compat.same_groups(spec.mesh, self.spmd_mesh):
+                return compat.dtensor_with_spec(local, spec)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_from_full(self, value: torch.Tensor) -> DTensor:
