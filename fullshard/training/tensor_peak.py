@@ -20,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import sys
+import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -40,6 +43,35 @@ def _allocator_tracks_every_thread() -> Iterator[None]:
         flag.value = False
 
 
+# What the profiler's C++ side prints about itself on every start, stop and free of a tensor
+# older than the window: a progress bar should not be broken by them.
+_PROFILER_CHATTER = re.compile(
+    r"USDT:[^\n]*?SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)\n?"
+    r"|(?:\[rank\d+\]:)?\[W[^\]]*CPUAllocator\.cpp:\d+\] Memory block of unknown size[^\n]*\n?"
+)
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Captures file descriptor 2 (where C++ logs go) for the block and passes on all of it
+    but the profiler's chatter, so nothing else a step prints is lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = _PROFILER_CHATTER.sub("", capture.read().decode(errors="replace"))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
 class TensorPeak:
     """``with TensorPeak() as peak: ...`` then ``peak.rise``: bytes above the live total at the start."""
 
@@ -47,6 +79,7 @@ class TensorPeak:
 
     def __enter__(self) -> TensorPeak:
         self._stack = contextlib.ExitStack()
+        self._stack.enter_context(_without_profiler_chatter())
         self._stack.enter_context(_allocator_tracks_every_thread())
         self._profile = self._stack.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
         return self
