@@ -24,6 +24,7 @@ from ._core.common import UnitConfig, module_class_name
 from ._core.init import get_managed_modules
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
+from ._flat_param import FLAT_PIECES
 from ._names import model_name
 from .api import (
     HYBRID_STRATEGIES,
@@ -206,6 +207,11 @@ class WrapperSettings:
 
 _KEEPING_STRATEGIES = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
+# use_orig_params=False units in FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py).
+# Off until every reader of per-parameter shards handles a flat piece (state dicts, optimizer
+# states, quantized gathers); tests/test_wrapper_flat_layout.py turns it on.
+FLAT_LAYOUT = False
+
 
 def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitConfig:
     precision = settings.mixed_precision or MixedPrecision()
@@ -243,7 +249,8 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
             refusal_setting=f" ({strategy})",
         )
         if settings.use_orig_params
-        else None,
+        else (FLAT_PIECES if FLAT_LAYOUT else None),
+        flat_layout=FLAT_LAYOUT and not settings.use_orig_params,
         sync_module_states=settings.sync_module_states,
     )
 
