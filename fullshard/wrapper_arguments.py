@@ -207,11 +207,6 @@ class WrapperSettings:
 
 _KEEPING_STRATEGIES = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
-# use_orig_params=False units in FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py).
-# Off until every reader of per-parameter shards handles a flat piece (state dicts, optimizer
-# states, quantized gathers); tests/test_wrapper_flat_layout.py turns it on.
-FLAT_LAYOUT = False
-
 
 def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitConfig:
     precision = settings.mixed_precision or MixedPrecision()
@@ -249,8 +244,9 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
             refusal_setting=f" ({strategy})",
         )
         if settings.use_orig_params
-        else (FLAT_PIECES if FLAT_LAYOUT else None),
-        flat_layout=FLAT_LAYOUT and not settings.use_orig_params,
+        else FLAT_PIECES,
+        # One flat parameter per unit, in FSDP1's layout (see [Note: Flat layout] in _core/layout.py).
+        flat_layout=not settings.use_orig_params,
         sync_module_states=settings.sync_module_states,
     )
 

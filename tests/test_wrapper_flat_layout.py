@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fullshard
-import fullshard.wrapper_arguments
 from fullshard.testing import distributed
 
 
@@ -66,11 +65,7 @@ def flat_params(lib: str, steps: int) -> dict[str, tuple[torch.Tensor, torch.Ten
 
 def check_equal_to_torch() -> None:
     theirs = flat_params("torch", steps=2)
-    fullshard.wrapper_arguments.FLAT_LAYOUT = True
-    try:
-        ours = flat_params("ours", steps=2)
-    finally:
-        fullshard.wrapper_arguments.FLAT_LAYOUT = False
+    ours = flat_params("ours", steps=2)
     world = dist.get_world_size()
     assert set(ours) == set(theirs)
     totals = {"_flat_param": 20 + 7 * 1 + 1, "block._flat_param": 42 + 3}

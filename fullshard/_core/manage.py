@@ -125,9 +125,16 @@ def manage_module(
 
 def _use_flat_layout(
     shard_params: list[ShardParam], params: list[nn.Parameter], mesh_info: MeshInfo, owner: str
-) -> int:
+) -> int | None:
     """Shards ``shard_params`` as pieces of FSDP1's flat parameter (see [Note: Flat layout]);
-    returns the chunk each rank holds."""
+    returns the chunk each rank holds. Parameters that one flat tensor cannot hold (several
+    dtypes, frozen next to trainable) keep their rows: the front end's flat parameter refuses them.
+    On one shard rank the row layout is the flat one (each parameter whole, back to back): the
+    parameters keep their rows there."""
+    if len({p.dtype for p in params}) > 1 or len({p.requires_grad for p in params}) > 1:
+        return None
+    if mesh_info.shard.size == 1:
+        return sum(p.numel() for p in params)
     odd = [p.fqn for p in shard_params if p.extension is not None or p.tp_mesh is not None or p.shard_dim != 0]
     if odd:
         raise NotImplementedError(

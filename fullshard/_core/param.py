@@ -289,10 +289,6 @@ class ShardParam:
         """The shard's dtype (the original dtype, or what ``.to(dtype)`` made it)."""
         return self.sharded_param.dtype
 
-    def dtensor_from_padded(self, padded_shard: torch.Tensor) -> DTensor:
-        """A DTensor like the sharded parameter over another padded region (a gradient)."""
-        return self.dtensor_from_rows(self._unpadded(padded_shard))
-
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         size = self._local_size
         if size is None:

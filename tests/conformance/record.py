@@ -59,12 +59,9 @@ class Record:
         self.items[key] = plain(value)
 
     def put_flat(self, key: str, value: Any) -> None:
-        """A flat parameter's value: type, global shape and (a ShardedTensor, assembled: a collective)
-        global value compared under ``key``; this rank's elements as a layout (each framework cuts a
-        unit its own way)."""
-        self.put("local:" + key, value)
-        for suffix in (":type", ":shape"):
-            self.items[key + suffix] = self.items["local:" + key + suffix]
+        """A flat parameter's value: type, global shape, this rank's elements (FSDP1's layout) and (a
+        ShardedTensor, assembled: a collective) its global value."""
+        self.put(key, value)
         if isinstance(value, ShardedTensor):
             self.items[key + ":global"] = plain(full_value(value))
 
