@@ -1,5 +1,6 @@
 """The FSDP1 wrapper's flat parameter (``use_orig_params=False``): a unit's shard
-buffer registered as one ``nn.Parameter`` that the optimizer steps in place.
+buffer, in FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py),
+registered as one ``nn.Parameter`` that the optimizer steps in place.
 
 The engine sees it only as a ``BufferView`` (``_core/buffer_view.py``); state
 dicts, clipping and the scaler find its unit through the engine

@@ -5,6 +5,7 @@ unevenly and a parameter smaller than W elements (see [Note: Flat layout] in _co
 """
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -37,18 +38,28 @@ class Net(nn.Module):
         return self.out(self.block(self.inp(x)))
 
 
-def flat_params(lib: str, steps: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each unit's flat parameter and its gradient after ``steps`` SGD steps and one more backward."""
+def api(lib: str) -> tuple[Any, Any]:
+    """(the FSDP namespace, ModuleWrapPolicy) of torch or of fullshard."""
     if lib == "torch":
         from torch.distributed import fsdp
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    else:
-        fsdp, ModuleWrapPolicy = fullshard, fullshard.wrap.ModuleWrapPolicy
+
+        return fsdp, ModuleWrapPolicy
+    return fullshard, fullshard.wrap.ModuleWrapPolicy
+
+
+def wrapped(lib: str) -> nn.Module:
+    fsdp, ModuleWrapPolicy = api(lib)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = fsdp.FullyShardedDataParallel(
+        return fsdp.FullyShardedDataParallel(
             Net(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), use_orig_params=False
         )
+
+
+def trained(lib: str, steps: int = 2) -> nn.Module:
+    """The wrapped model after ``steps`` SGD steps and one more backward (its gradients kept)."""
+    model = wrapped(lib)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(dist.get_rank() + 1)
     for step in range(steps + 1):
@@ -56,6 +67,12 @@ def flat_params(lib: str, steps: int) -> dict[str, tuple[torch.Tensor, torch.Ten
         model(torch.randn(4, 3, generator=gen)).pow(2).mean().backward()
         if step < steps:
             optim.step()
+    return model
+
+
+def flat_params(lib: str, steps: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each unit's flat parameter and its gradient after ``steps`` SGD steps and one more backward."""
+    model = trained(lib, steps)
     return {
         name: (param.detach().clone(), param.grad.clone())
         for name, param in model.named_parameters()
@@ -81,3 +98,44 @@ def check_equal_to_torch() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_flat_param_equals_torchs_flat_shard(world_size):
     distributed(world_size=world_size)(check_equal_to_torch)()
+
+
+def local_state_dict(lib: str, model: nn.Module) -> dict:
+    fsdp, _ = api(lib)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fsdp.FullyShardedDataParallel.state_dict_type(model, fsdp.StateDictType.LOCAL_STATE_DICT):
+            return model.state_dict()
+
+
+def check_local_state_dicts_load_across() -> None:
+    """LOCAL_STATE_DICT holds FSDP1's ShardedTensors (one shard per rank, same offsets and values), so
+    each framework loads the other's directly (FSDP1's loader takes exactly one local shard)."""
+    models = {lib: trained(lib) for lib in ("torch", "ours")}
+    saved = {lib: local_state_dict(lib, model) for lib, model in models.items()}
+    flat_keys = [k for k in saved["torch"] if k.endswith("_flat_param")]
+    assert flat_keys and set(saved["torch"]) == set(saved["ours"])
+    for key in flat_keys:
+        theirs, ours = saved["torch"][key], saved["ours"][key]
+        assert [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in ours.metadata().shards_metadata] == [
+            (m.shard_offsets, m.shard_sizes, str(m.placement)) for m in theirs.metadata().shards_metadata
+        ], key
+        assert len(ours.local_shards()) == len(theirs.local_shards()) <= 1, key
+        for mine, their in zip(ours.local_shards(), theirs.local_shards()):
+            assert mine.metadata.shard_offsets == their.metadata.shard_offsets, key
+            torch.testing.assert_close(mine.tensor, their.tensor, rtol=1e-6, atol=1e-7, msg=key)
+    for lib, other in (("torch", "ours"), ("ours", "torch")):
+        fresh = wrapped(lib)
+        fsdp, _ = api(lib)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with fsdp.FullyShardedDataParallel.state_dict_type(fresh, fsdp.StateDictType.LOCAL_STATE_DICT):
+                fresh.load_state_dict(saved[other])
+        for name, param in fresh.named_parameters():
+            expected = dict(models[other].named_parameters())[name]
+            torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-6, atol=1e-7, msg=f"{lib} {name}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_local_state_dicts_are_fsdp1s(world_size):
+    distributed(world_size=world_size)(check_local_state_dicts_load_across)()
