@@ -108,13 +108,13 @@ class GradIntake:
             raise AssertionError(f"{spec.name} reduced gradients before its root's lazy init")
         queue.make_room()
         partial_only = settings.partial_only(spec.mesh_info.replicate)
-        partial = None
-        if self._partial and not partial_only:
-            params, grads, partial = self._take_partial(params, grads)
         if spec.flat_chunk is not None and (partial_only or self._partial):
             raise NotImplementedError(
                 f"{spec.name}: a flat parameter's gradients are all-reduced in every step (no partial results)"
             )
+        partial = None
+        if self._partial and not partial_only:
+            params, grads, partial = self._take_partial(params, grads)
         plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.flat_chunk)
         on_done = self._keep_partial if partial_only else self._accept
         reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels)

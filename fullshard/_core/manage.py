@@ -128,18 +128,23 @@ def _use_flat_layout(
 ) -> int | None:
     """Shards ``shard_params`` as pieces of FSDP1's flat parameter (see [Note: Flat layout]);
     returns the chunk each rank holds. Parameters that one flat tensor cannot hold (several
-    dtypes, frozen next to trainable) keep their rows: the front end's flat parameter refuses them.
+    dtypes, frozen next to trainable, tensor subclasses) keep their rows: the front end's flat
+    parameter refuses them.
     On one shard rank the row layout is the flat one (each parameter whole, back to back): the
     parameters keep their rows there."""
-    if len({p.dtype for p in params}) > 1 or len({p.requires_grad for p in params}) > 1:
+    if (
+        len({p.dtype for p in params}) > 1
+        or len({p.requires_grad for p in params}) > 1
+        or any(p.extension is not None for p in shard_params)
+    ):
         return None
     if mesh_info.shard.size == 1:
         return sum(p.numel() for p in params)
-    odd = [p.fqn for p in shard_params if p.extension is not None or p.tp_mesh is not None or p.shard_dim != 0]
+    odd = [p.fqn for p in shard_params if p.tp_mesh is not None or p.shard_dim != 0]
     if odd:
         raise NotImplementedError(
-            f"a flat parameter holds plain parameters sharded on dim 0, but {owner} has {odd[0]} (a tensor "
-            "subclass, a DTensor or another shard dim); use use_orig_params=True"
+            f"a flat parameter holds plain parameters sharded on dim 0, but {owner} has {odd[0]} (a DTensor "
+            "or another shard dim); use use_orig_params=True"
         )
     chunk, pieces = flat_pieces([p.numel() for p in params], mesh_info.shard.size)
     for shard_param, param, ranges in zip(shard_params, params, pieces):

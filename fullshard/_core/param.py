@@ -116,7 +116,7 @@ class ShardParam:
         self.flat_ranges: list[tuple[int, int]] | None = None
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
-        # 1D, shard.size * shard_numel; its storage is freed and re-allocated, the tensor kept.
+        # 1D, unsharded_numel; its storage is freed and re-allocated, the tensor kept.
         self.padded_unsharded: torch.Tensor | None = None
         self._unsharded_storage: torch.UntypedStorage | None = None  # padded_unsharded's (cached: every reshard)
         # False under the wrapper's flat parameter: the module then shows the
