@@ -1,5 +1,6 @@
 """The FSDP1 wrapper's flat parameter (``use_orig_params=False``): a unit's shard
-buffer registered as one ``nn.Parameter`` that the optimizer steps in place.
+buffer, in FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py),
+registered as one ``nn.Parameter`` that the optimizer steps in place.
 
 The engine sees it only as a ``BufferView`` (``_core/buffer_view.py``); state
 dicts, clipping and the scaler find its unit through the engine
@@ -14,8 +15,27 @@ import torch.nn as nn
 from ._core import compat
 from ._core.group import ParamGroup
 from ._core.param_units import register_param_unit
+from ._core.presentation import DTensorShards, PresentedParam
 
 FLAT_PARAM = "_flat_param"
+
+
+class FlatPieces(DTensorShards):
+    """The presentation of a parameter's piece of the flat shard (see [Note: Flat layout]
+    in _core/layout.py): a plain 1D tensor, since a piece may start mid-row (no DTensor
+    describes it). Only the flat parameter is registered; pieces stand behind it."""
+
+    def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def rows_from_presented(self, param: PresentedParam, presented: torch.Tensor) -> torch.Tensor:
+        return presented
+
+    def rebind(self, sharded: nn.Parameter, presented: torch.Tensor) -> None:
+        sharded.data = presented
+
+
+FLAT_PIECES = FlatPieces()
 
 
 class FlatParamView:

@@ -53,6 +53,12 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
                 f"set_all_gather_quantization is not yet supported with tensor-subclass parameters, which gather "
                 f"in their own format ({group.spec.name} holds {names}); leave this unit out of `module`"
             )
+        if group.spec.flat_chunk is not None:  # see [Note: Flat layout] in _core/layout.py
+            raise NotImplementedError(
+                f"set_all_gather_quantization is not yet supported with the FSDP1 wrapper's flat parameters "
+                f"({group.spec.name}, use_orig_params=False: their shards cut parameters mid-row, so each rank's "
+                "share of the exact parameters differs); wrap with use_orig_params=True"
+            )
         other_dims = [p.fqn for p in group.spec.params if p.shard_dim != 0]
         if other_dims:
             raise NotImplementedError(

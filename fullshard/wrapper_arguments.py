@@ -24,6 +24,7 @@ from ._core.common import UnitConfig, module_class_name
 from ._core.init import get_managed_modules
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
+from ._flat_param import FLAT_PIECES
 from ._names import model_name
 from .api import (
     HYBRID_STRATEGIES,
@@ -243,7 +244,9 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
             refusal_setting=f" ({strategy})",
         )
         if settings.use_orig_params
-        else None,
+        else FLAT_PIECES,
+        # One flat parameter per unit, in FSDP1's layout (see [Note: Flat layout] in _core/layout.py).
+        flat_layout=not settings.use_orig_params,
         sync_module_states=settings.sync_module_states,
     )
 

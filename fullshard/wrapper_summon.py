@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ._core import full_params
@@ -50,7 +49,8 @@ def summon_full_params(
         module: a wrapper (or any module containing wrappers / fully_shard modules).
         recurse: also every unit below ``module`` (else ``module``'s own only).
         writeback: copy changes back into the shards on exit.
-        rank0_only: only rank 0 keeps the full parameters (needs writeback=False).
+        rank0_only: only rank 0 of each unit's process group (the shard group under the hybrid
+            strategies, as FSDP1) keeps the full parameters (needs writeback=False).
         offload_to_cpu: hand out CPU copies.
         with_grads: also gather gradients into ``.grad``.
     """
@@ -88,14 +88,13 @@ def _show_full_params(
             )
     for group in groups:
         adopt_user_params(group)
-    keep = not rank0_only or dist.get_rank() == 0
     summoned: list[ParamGroup] = []
     try:
         for group in groups:
             group.reshard()  # drop a low-precision unsharded copy kept after forward
             values = full_params.gather_full_values(group)
             grads = full_params.gather_full_grads(group) if with_grads else [None] * len(values)
-            if not keep:
+            if rank0_only and _group_rank(group) != 0:
                 continue
             if offload_to_cpu:
                 values = [v.cpu() for v in values]
@@ -138,6 +137,13 @@ def adopt_assignments(unit: ParamGroup) -> None:
 
 
 @torch.no_grad()
+def _group_rank(group: ParamGroup) -> int:
+    """This rank in the unit's process group (FSDP1's ``rank``: the shard group's under the hybrid
+    strategies, every rank's under NO_SHARD), the one ``rank0_only`` reads."""
+    info = group.spec.mesh_info
+    return (info.replicate if info.shard_axis is None else info.shard).rank
+
+
 def adopt_user_params(unit: ParamGroup) -> None:
     """The wrapper's ``use_orig_params=True`` contract, checked before the unit is gathered: a Parameter
     the user registered in place of ours, or one whose ``.data`` was assigned a new tensor, becomes the

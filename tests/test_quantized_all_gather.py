@@ -188,12 +188,14 @@ def test_hybrid_mesh_quantizes_the_shard_group_gather():
 
 
 @distributed(world_size=2)
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_wrapper_front_end(use_orig_params: bool):
-    def wrapped() -> FullyShardedDataParallel:
+def test_wrapper_front_end():
+    def wrapped(use_orig_params: bool = True) -> FullyShardedDataParallel:
         torch.manual_seed(0)
         policy = ModuleWrapPolicy({type(Transformer(ARGS).layers[0])})
         return FullyShardedDataParallel(Transformer(ARGS), auto_wrap_policy=policy, use_orig_params=use_orig_params)
+
+    with pytest.raises(NotImplementedError, match=r"flat parameters \(Transformer, use_orig_params=False"):
+        set_all_gather_quantization(wrapped(use_orig_params=False), AllGatherQuantization())
 
     plain_model = wrapped()
     plain, _ = _gathered_bytes(plain_model)

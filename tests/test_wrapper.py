@@ -18,6 +18,7 @@ from fullshard import (
     ShardingStrategy,
     hybrid_mesh,
 )
+from fullshard._core.layout import flat_pieces
 from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
 from fullshard.testing import DataParallelReference, assert_params_equal, case, distributed, mean_over
 from fullshard.wrap import ModuleWrapPolicy
@@ -172,7 +173,7 @@ def wrapped(**kwargs) -> tuple[nn.Module, Transformer]:
 
 @distributed(world_size=2)
 def test_module_process_group_and_fsdp_modules():
-    model, _ = wrapped()
+    model, ref = wrapped()
     assert isinstance(model.module, Transformer)
     assert model.process_group.size() == 2 and model._inter_node_pg is None
     units = FSDP.fsdp_modules(model)
@@ -185,8 +186,13 @@ def test_module_process_group_and_fsdp_modules():
         "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._flat_param",
         "_fsdp_wrapped_module.layers.1._fsdp_wrapped_module._flat_param",
     ]
-    # Outside forward the original attributes show the shards (not as parameters).
-    assert model.module.layers[0].module.attention.wq.weight.to_local().shape == (8, 16)
+    # Outside forward the original attributes show this rank's pieces of the flat shard (not as parameters).
+    block = dict(ref.layers[0].named_parameters())
+    _, pieces = flat_pieces([p.numel() for p in block.values()], 2)
+    start, stop = pieces[list(block).index("attention.wq.weight")][dist.get_rank()]
+    shown = model.module.layers[0].module.attention.wq.weight
+    assert not isinstance(shown, nn.Parameter) and shown.shape == (stop - start,)
+    torch.testing.assert_close(shown, ref.layers[0].attention.wq.weight.detach().reshape(-1)[start:stop])
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -235,13 +241,25 @@ def test_summon_full_params(use_orig_params):
         if dist.get_rank() == 0:
             torch.testing.assert_close(weight, expected["norm.weight"] + 1.0)
         else:
-            assert _local_numel(weight) == 8  # rank 1 keeps its shard
+            assert _local_numel(weight) == _shard_numel(model, "norm.weight")  # rank 1 keeps its shard
     with FSDP.summon_full_params(model.module.layers[0], recurse=False):
         assert model.module.layers[0].module.attention.wq.weight.shape == (16, 16)
-        assert _local_numel(model.module.norm.weight) == 8  # the root stayed sharded
+        assert _local_numel(model.module.norm.weight) == _shard_numel(model, "norm.weight")  # the root stayed sharded
     with pytest.raises(NotImplementedError, match="rank0_only=True is not yet supported with writeback=True"):
         with FSDP.summon_full_params(model, rank0_only=True):
             pass
+
+
+def _shard_numel(model: FSDP, fqn: str) -> int:
+    """Elements of ``fqn`` in this rank's shard of ``model``'s unit: its rows (use_orig_params=True),
+    its piece of FSDP1's flat shard (use_orig_params=False)."""
+    params = model._state.group.spec.params
+    if model.use_orig_params:
+        return next(p for p in params if p.fqn == fqn).shard_numel
+    index = [p.fqn for p in params].index(fqn)
+    _, pieces = flat_pieces([p.num_rows * p.row_numel for p in params], 2)
+    start, stop = pieces[index][dist.get_rank()]
+    return stop - start
 
 
 def _local_numel(tensor: torch.Tensor) -> int:

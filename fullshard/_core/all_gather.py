@@ -64,8 +64,11 @@ class CopyOutTargets:
         self.padded = tuple(padded)
         self._pairs = tuple(zip(params, self.padded))
         self._storages = tuple((t.untyped_storage(), t.untyped_storage().nbytes()) for t in padded)
-        self.sizes = list(layout.sizes)
-        self.chunks = layout.chunk_views(padded, num_chunks)
+        if layout.flat:  # the output's front is the parameters back to back (see [Note: Flat layout])
+            self.sizes, self.chunks, self._dim = [t.numel() for t in padded], list(padded), 0
+        else:
+            self.sizes, self.chunks, self._dim = list(layout.sizes), layout.chunk_views(padded, num_chunks), 1
+        self._numel = sum(self.sizes)
 
     def serves(self, in_flight: AllGatherInFlight) -> bool:
         return (
@@ -81,8 +84,11 @@ class CopyOutTargets:
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
         versions = tuple([tensor._version for tensor in self.padded])
-        blocks = output if output.dim() == 2 else output.view(self.num_chunks, -1)
-        torch.split_with_sizes_copy(blocks, self.sizes, dim=1, out=self.chunks)
+        if self._dim == 0:
+            source = output.view(-1)[: self._numel]
+        else:
+            source = output if output.dim() == 2 else output.view(self.num_chunks, -1)
+        torch.split_with_sizes_copy(source, self.sizes, dim=self._dim, out=self.chunks)
         torch._C._autograd._unsafe_set_version_counter(self.padded, versions)
 
 
@@ -230,7 +236,7 @@ class AllGather:
         layout = in_flight.layout
         if in_flight.extended or in_flight.codec is not None or torch.is_inference_mode_enabled():
             return None
-        if not layout.tiles or any(p.shard_dim != 0 for p in self.params):
+        if not (layout.tiles or layout.flat) or any(p.shard_dim != 0 for p in self.params):
             return None
         padded = [p.unsharded_storage(self.device) for p in self.params]
         return CopyOutTargets(layout, in_flight.num_chunks, self.params, padded)

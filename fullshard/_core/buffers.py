@@ -25,6 +25,7 @@ class UnitBuffers:
         self.storage_device = spec.storage_device  # the host under CPU offload
         self.offload = spec.offload
         self.pin_memory = spec.pin_memory  # pinned host memory: copies to an accelerator are asynchronous
+        self.flat_chunk = spec.flat_chunk  # see [Note: Flat layout] in layout.py
         # A front end's tensor registered in place of the shards (see buffer_view.py).
         self.view: BufferView | None = None
         self.build(shards)
@@ -34,7 +35,9 @@ class UnitBuffers:
         """(Re)packs this rank's shards into one flat buffer."""
         on_meta = any(s.is_meta for s in shards)
         device = torch.device("meta") if on_meta else self.storage_device
-        self.storage_layout = Layout.build([p.buffer_numel for p in self.params], [s.dtype for s in shards])
+        self.storage_layout = Layout.build(
+            [p.buffer_numel for p in self.params], [s.dtype for s in shards], flat_chunk=self.flat_chunk
+        )
         buffer = torch.zeros(
             self.storage_layout.total,
             dtype=self.storage_layout.dtype,
@@ -51,7 +54,7 @@ class UnitBuffers:
         """Makes ``buffer`` (the storage a buffer view was given by ``nn.Module._apply``)
         the home of the shards; they take its dtype (``model.half()``)."""
         dtypes = [buffer.dtype] * len(self.params)
-        self.storage_layout = Layout.build([p.buffer_numel for p in self.params], dtypes)
+        self.storage_layout = Layout.build([p.buffer_numel for p in self.params], dtypes, flat_chunk=self.flat_chunk)
         self._bind(buffer, dtypes)
 
     def install_view(self, view: BufferView, owner: str) -> None:
@@ -126,7 +129,11 @@ class UnitBuffers:
         """The all-gather input's layout: the storage layout unless parameters cast."""
         needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params if p.extension is None)
         self.gather_layout = (
-            Layout.build([p.buffer_numel for p in self.params], [p.param_dtype for p in self.params])
+            Layout.build(
+                [p.buffer_numel for p in self.params],
+                [p.param_dtype for p in self.params],
+                flat_chunk=self.flat_chunk,
+            )
             if needs_cast
             else self.storage_layout
         )

@@ -48,6 +48,7 @@ class UnitConfig:
     sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
     presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
+    flat_layout: bool = False  # FSDP1's flat parameter layout (see [Note: Flat layout] in layout.py)
 
     def model_name(self, name: str) -> str:
         """``name`` (from a module-tree walk) as the user's model names it."""

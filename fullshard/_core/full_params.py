@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .all_gather import split_views
 from .group import ParamGroup
+from .param import ShardParam
 
 
 @torch.no_grad()
@@ -26,7 +27,7 @@ def gather_full_values(unit: ParamGroup) -> list[torch.Tensor]:
             f"summon_full_params and full state dicts are not yet supported with tensor-subclass parameters "
             f"({unit.buffers.extended[0].fqn}); use sharded state dicts"
         )
-    return _gather_storage_layout(unit, unit.buffers.shard_buffer)
+    return gather_like_shards(unit, unit.buffers.shard_buffer)
 
 
 @torch.no_grad()
@@ -34,11 +35,13 @@ def gather_full_grads(unit: ParamGroup) -> list[torch.Tensor | None]:
     """Every parameter's sharded gradient unsharded, like ``gather_full_values``;
     None for a parameter without a gradient on this rank."""
     source, present = _grads_in_storage_layout(unit)
-    return [grad if keep else None for grad, keep in zip(_gather_storage_layout(unit, source), present)]
+    return [grad if keep else None for grad, keep in zip(gather_like_shards(unit, source), present)]
 
 
-def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch.Tensor]:
-    """All-gathers ``source`` (laid out like the shard buffer) into each parameter's full value."""
+@torch.no_grad()
+def gather_like_shards(unit: ParamGroup, source: torch.Tensor) -> list[torch.Tensor]:
+    """All-gathers ``source`` (laid out like the shard buffer: the shards, a gradient, a flat
+    optimizer state) into each parameter's full value, in fresh tensors (a collective)."""
     source = source.to(unit.spec.device)
     shard = unit.spec.mesh_info.shard
     if shard.size > 1:
@@ -46,9 +49,7 @@ def _gather_storage_layout(unit: ParamGroup, source: torch.Tensor) -> list[torch
         comm.all_gather(output, source, shard.process_group, async_op=False)
     else:
         output = source
-    padded = [
-        torch.empty(shard.size * p.shard_numel, dtype=p.orig_dtype, device=unit.spec.device) for p in unit.spec.params
-    ]
+    padded = [torch.empty(p.unsharded_numel, dtype=p.orig_dtype, device=unit.spec.device) for p in unit.spec.params]
     unit.buffers.storage_layout.copy_out(output, shard.size, padded, split_views(unit.spec.params, padded))
     return [p.full_from_padded(t) for p, t in zip(unit.spec.params, padded)]
 
@@ -97,9 +98,23 @@ def write_shard(unit: ParamGroup, index: int, local: torch.Tensor, into: torch.T
     region[: local.numel()].copy_(local.reshape(-1))
 
 
-def read_shard(unit: ParamGroup, index: int, source: torch.Tensor) -> DTensor:
-    """Parameter ``index``'s shard in ``source`` (a tensor laid out like the shard
-    buffer, e.g. a flat optimizer state), as a DTensor like the sharded parameter.
-    The inverse of ``write_shard``."""
-    region = unit.buffers.storage_layout.region(source, index, source.dtype)
-    return unit.spec.params[index].dtensor_from_padded(region)
+def local_part(param: ShardParam, value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``value`` (the full parameter, or a DTensor of any layout) as the
+    shard buffer holds it: its rows, or its piece of the flat shard (see [Note: Flat layout])."""
+    if param.flat_ranges is None:
+        return param.shard_from_full(value)._local_tensor
+    full = comm.full_tensor(value) if isinstance(value, DTensor) else value
+    if tuple(full.shape) != tuple(param.global_size):
+        raise ValueError(f"loading {param.fqn} expects shape {tuple(param.global_size)} but got {tuple(full.shape)}")
+    return param.rows_per_rank(full)[param.mesh_info.shard.rank]
+
+
+def row_shard(param: ShardParam, full: torch.Tensor) -> DTensor:
+    """This rank's dim-0 rows of ``full`` (``param``'s full value or a state of its shape) as
+    a DTensor like a row-sharded parameter's: the sharded form of state dicts, also for a
+    parameter held as a piece of the flat shard (FSDP1 cuts those from the full value too)."""
+    shard = param.mesh_info.shard
+    num_rows = full.size(0)
+    chunk = -(-num_rows // shard.size)
+    start = min(shard.rank * chunk, num_rows)
+    return param.dtensor_from_rows(full.narrow(0, start, min(chunk, num_rows - start)))

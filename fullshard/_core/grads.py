@@ -59,6 +59,11 @@ class GradIntake:
             if grad is not None:
                 params.append(param)
                 grads.append(grad.contiguous())
+        if params and self.spec.flat_chunk is not None and len(params) < len(self.spec.params):
+            # FSDP1's flat gradient covers every parameter: zeros for those autograd did not reach
+            given = dict(zip(params, grads))
+            params = list(self.spec.params)
+            grads = [given[p] if p in given else self.zero_grad(p) for p in params]
         return params, grads
 
     def owes_reduction(self) -> bool:
@@ -103,10 +108,14 @@ class GradIntake:
             raise AssertionError(f"{spec.name} reduced gradients before its root's lazy init")
         queue.make_room()
         partial_only = settings.partial_only(spec.mesh_info.replicate)
+        if spec.flat_chunk is not None and (partial_only or self._partial):
+            raise NotImplementedError(
+                f"{spec.name}: a flat parameter's gradients are all-reduced in every step (no partial results)"
+            )
         partial = None
         if self._partial and not partial_only:
             params, grads, partial = self._take_partial(params, grads)
-        plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial)
+        plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.flat_chunk)
         on_done = self._keep_partial if partial_only else self._accept
         reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels)
         del grads  # the copy-in holds them now; free the unsharded gradients

@@ -32,6 +32,16 @@ the padding at the chunk's end. Copy-out then writes each rank's block into
 its slices of the unsharded parameter (one strided copy per rank), and the
 gradient copy-in reads them back; the unsharded parameter stays contiguous.
 
+[Note: Flat layout]
+The FSDP1 wrapper's ``use_orig_params=False`` units lay out as FSDP1's flat
+parameter instead: the unit's parameters flattened and concatenated (no
+padding between them), padded at the end to a multiple of ``W``; rank ``r``
+holds the contiguous elements ``[r * c, (r + 1) * c)``, ``c = ceil(total / W)``.
+A parameter's piece on a rank is then a 1D range of its elements, possibly
+empty, possibly starting mid-row (``flat_pieces``); the shard buffer is this
+rank's pieces back to back plus the end padding (``Layout.flat``), and the
+all-gather output IS the concatenation: copy-out is one split of its front.
+
 A ``Layout`` records offsets in elements of its dtype. Parameters of different
 dtypes in one unit share a ``uint8`` layout counted in bytes, each offset
 aligned for its dtype. A parameter with a gather extension (a tensor
@@ -55,19 +65,29 @@ class Layout:
     offsets: tuple[int, ...]  # per parameter, in elements of `dtype`
     sizes: tuple[int, ...]  # per parameter, in elements of `dtype`
     total: int
+    # FSDP1's flat layout (see [Note: Flat layout]): the regions are this rank's pieces, ``total`` the
+    # chunk with its end padding, and W such chunks make the concatenation of the parameters.
+    flat: bool = False
 
     @staticmethod
-    def build(numels: list[int], dtypes: list[torch.dtype], in_bytes: bool = False) -> Layout:
+    def build(
+        numels: list[int], dtypes: list[torch.dtype], in_bytes: bool = False, flat_chunk: int | None = None
+    ) -> Layout:
         """Packs chunks of ``numels[i]`` elements of ``dtypes[i]``; in bytes when
         the dtypes of non-empty chunks differ or ``in_bytes`` asks for it (an
-        all-gather that carries extension outputs, see extension.py)."""
+        all-gather that carries extension outputs, see extension.py).
+        ``flat_chunk``: the pieces of [Note: Flat layout] (one dtype), padded to that many elements."""
         kinds = {dtype for numel, dtype in zip(numels, dtypes) if numel} or set(dtypes[:1])
+        if flat_chunk is not None and (len(kinds) > 1 or in_bytes):
+            raise AssertionError(f"a flat layout holds one dtype, not {kinds}")
         if len(kinds) <= 1 and not in_bytes:
             dtype = kinds.pop() if kinds else torch.float32
             offsets, total = [], 0
             for numel in numels:
                 offsets.append(total)
                 total += numel
+            if flat_chunk is not None:
+                return Layout(dtype, tuple(offsets), tuple(numels), flat_chunk, flat=True)
             return Layout(dtype, tuple(offsets), tuple(numels), total)
         offsets, sizes, total = [], [], 0
         for numel, dtype in zip(numels, dtypes):
@@ -80,6 +100,8 @@ class Layout:
 
     def scaled(self, factor: int) -> Layout:
         """The layout of ``factor`` consecutive chunks of every parameter."""
+        if self.flat:
+            raise AssertionError("a flat layout's pieces differ by rank: it does not scale")
         return Layout(
             self.dtype,
             tuple(o * factor for o in self.offsets),
@@ -107,6 +129,10 @@ class Layout:
         ``split_views[i]``, for a parameter sharded on a dim other than 0, holds
         each rank's slices inside ``outputs[i]`` (see ``ShardParam.split_views``).
         """
+        if self.flat:  # the gathered chunks are the concatenation (see [Note: Flat layout])
+            numels = [out.numel() for out in outputs]
+            torch.split_with_sizes_copy(gathered.reshape(-1)[: sum(numels)], numels, out=outputs)
+            return
         blocks = gathered.view(num_chunks, -1)
         if split_views is None and self.tiles:
             torch.split_with_sizes_copy(blocks, list(self.sizes), dim=1, out=self.chunk_views(outputs, num_chunks))
@@ -133,6 +159,8 @@ class Layout:
     @functools.cached_property
     def tiles(self) -> bool:
         """Whether the regions cover the buffer back to back (no alignment gaps)."""
+        if self.flat:  # its blocks are not per-parameter columns
+            return False
         ends = itertools.accumulate(self.sizes, initial=0)
         return all(offset == end for offset, end in zip(self.offsets, ends)) and sum(self.sizes) == self.total
 
@@ -144,3 +172,20 @@ class Layout:
             other.sizes,
             other.total,
         )
+
+
+def flat_pieces(numels: list[int], world: int) -> tuple[int, list[list[tuple[int, int]]]]:
+    """FSDP1's flat split of parameters of ``numels`` elements over ``world`` ranks
+    (see [Note: Flat layout]): the chunk ``c`` and, per parameter, each rank's
+    ``(start, stop)`` range of its flattened elements (empty where it holds none)."""
+    total = sum(numels)
+    chunk = -(-total // world)
+    pieces, offset = [], 0
+    for numel in numels:
+        ranges = []
+        for rank in range(world):
+            start = min(max(rank * chunk - offset, 0), numel)
+            ranges.append((start, min(max((rank + 1) * chunk - offset, start), numel)))
+        pieces.append(ranges)
+        offset += numel
+    return chunk, pieces

@@ -111,9 +111,12 @@ class ShardParam:
             if presentation.keeps_user_param
             else nn.Parameter(self.present(self.bound_rows), requires_grad=param.requires_grad)
         )
+        # Each shard rank's (start, stop) of the flattened elements under FSDP1's flat layout
+        # (see [Note: Flat layout] in layout.py); None: rows split as above.
+        self.flat_ranges: list[tuple[int, int]] | None = None
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
-        # 1D, shard.size * shard_numel; its storage is freed and re-allocated, the tensor kept.
+        # 1D, unsharded_numel; its storage is freed and re-allocated, the tensor kept.
         self.padded_unsharded: torch.Tensor | None = None
         self._unsharded_storage: torch.UntypedStorage | None = None  # padded_unsharded's (cached: every reshard)
         # False under the wrapper's flat parameter: the module then shows the
@@ -125,6 +128,19 @@ class ShardParam:
         self.unsynced_grad: torch.Tensor | None = None
         # Called once autograd accumulated this step's gradient (set by ParamGroup).
         self.on_grad_ready: Callable[[ShardParam], None] | None = None
+
+    def use_flat_pieces(self, ranges: list[tuple[int, int]], value: torch.Tensor) -> None:
+        """Shards as a piece of FSDP1's flat parameter: ``ranges[r]`` of the flattened
+        ``value`` on shard rank ``r`` (see [Note: Flat layout]); "rows" are then elements."""
+        if self.extension is not None or self.tp_mesh is not None or self.shard_dim != 0:
+            raise AssertionError(f"{self.fqn}: a flat piece is a plain parameter's, sharded on dim 0")
+        self.flat_ranges = ranges
+        self.num_rows, self.row_numel = value.numel(), 1
+        start, stop = ranges[self.mesh_info.shard.rank]
+        self.num_valid_rows = self.shard_rows = self.shard_numel = stop - start
+        self._local_size = None
+        self.bound_rows = value.reshape(-1)[start:stop]
+        self.sharded_param = nn.Parameter(self.present(self.bound_rows), requires_grad=self.sharded_param.requires_grad)
 
     def _init_extension(self, local: torch.Tensor) -> torch.Tensor:
         """Shards a tensor-subclass parameter (see [Note: Gather extensions])."""
@@ -273,10 +289,6 @@ class ShardParam:
         """The shard's dtype (the original dtype, or what ``.to(dtype)`` made it)."""
         return self.sharded_param.dtype
 
-    def dtensor_from_padded(self, padded_shard: torch.Tensor) -> DTensor:
-        """A DTensor like the sharded parameter over another padded region (a gradient)."""
-        return self.dtensor_from_rows(self._unpadded(padded_shard))
-
     def _unpadded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         size = self._local_size
         if size is None:
@@ -287,6 +299,8 @@ class ShardParam:
 
     def chunk_size(self, num_rows: int) -> torch.Size:
         """The size of ``num_rows`` rows along the shard dim."""
+        if self.flat_ranges is not None:
+            return torch.Size([num_rows])
         size = list(self.unsharded_size)
         size[self.shard_dim] = num_rows
         return torch.Size(size)
@@ -303,6 +317,9 @@ class ShardParam:
     def rows_per_rank(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Each shard rank's rows of ``full`` (the unsharded, TP-local value): views,
         empty for ranks that hold only padding."""
+        if self.flat_ranges is not None:
+            flat = full.reshape(-1)
+            return [flat[start:stop] for start, stop in self.flat_ranges]
         world, rows = self.mesh_info.shard.size, self.shard_rows
         return [
             full.narrow(self.shard_dim, min(r * rows, self.num_rows), max(0, min(rows, self.num_rows - r * rows)))
@@ -350,7 +367,7 @@ class ShardParam:
 
     def unsharded_storage(self, device: torch.device) -> torch.Tensor:
         """The unsharded parameter's padded flat storage, allocated (1D)."""
-        numel = self.mesh_info.shard.size * self.shard_numel
+        numel = self.unsharded_numel
         padded = self.padded_unsharded
         if padded is None or self.aliases_shard or padded.device != device or padded.dtype != self.param_dtype:
             # Made outside inference mode even when first gathered inside it: training
@@ -366,6 +383,13 @@ class ShardParam:
             with torch.inference_mode(False):
                 self._make_unsharded_param(padded)
         return padded
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the unsharded storage: W padded chunks, or a flat piece's whole parameter."""
+        if self.flat_ranges is not None:
+            return self.num_rows
+        return self.mesh_info.shard.size * self.shard_numel
 
     def alias_unsharded(self, shard_region: torch.Tensor) -> None:
         """For a shard group of one: the unsharded parameter IS the shard (no copy)."""

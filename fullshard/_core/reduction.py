@@ -118,6 +118,15 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
         torch._foreach_zero_(padding)
 
 
+def flat_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out`` (1D) gets ``tensors`` flattened back to back, cast to its dtype, then
+    zeros: FSDP1's flat gradient (see [Note: Flat layout] in layout.py)."""
+    numels = [t.numel() for t in tensors]
+    used = sum(numels)
+    torch._foreach_copy_(list(out[:used].split(numels)), [t.reshape(-1) for t in tensors])
+    out[used:].zero_()
+
+
 def split_reduced(
     output: torch.Tensor,
     numels: list[int],
@@ -169,6 +178,9 @@ class ReductionPlan:
     settings: ReduceSettings
     final: bool  # False: stop after the reduce-scatter and keep a partial result
     partial: torch.Tensor | None  # an earlier partial result, added before the all-reduce
+    # FSDP1's flat layout (see [Note: Flat layout] in layout.py): the output's elements, every
+    # parameter's gradient given in order; None: per-parameter chunks.
+    flat_chunk: int | None = None
 
 
 def plan_reduction(
@@ -177,6 +189,7 @@ def plan_reduction(
     settings: ReduceSettings,
     reduce_dtype: torch.dtype,
     partial: torch.Tensor | None = None,
+    flat_chunk: int | None = None,
 ) -> ReductionPlan:
     """The plan reducing gradients of ``params`` over ``mesh_info``'s groups under ``settings``."""
     return ReductionPlan(
@@ -188,6 +201,7 @@ def plan_reduction(
         settings,
         not settings.partial_only(mesh_info.replicate),
         partial,
+        flat_chunk,
     )
 
 
@@ -215,7 +229,7 @@ class GradReduction:
         self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
-        total = sum(plan.shard_numels)
+        total = sum(plan.shard_numels) if plan.flat_chunk is None else plan.flat_chunk
         custom = settings.custom_reduce_scatter if shard.size > 1 else None
         if custom is None:  # sizes as ints: a tuple argument costs a third more
             self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
@@ -226,7 +240,10 @@ class GradReduction:
             self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
             reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
         with span(self._labels.reduce_copy_in):
-            chunk_cat(grads, reduced.view(shard.size, -1), plan.shard_dims)
+            if plan.flat_chunk is None:
+                chunk_cat(grads, reduced.view(shard.size, -1), plan.shard_dims)
+            else:
+                flat_cat(grads, reduced)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
             hook, state = settings.comm_hook

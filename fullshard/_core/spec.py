@@ -39,6 +39,9 @@ class UnitSpec:
     mp_policy: MixedPrecisionPolicy
     presentation: DTensorShards  # how the shards are shown (see [Note: Presentations])
     keep_low_precision_grads: bool  # reduced gradients stay in the reduce dtype
+    # The shard buffer's elements under FSDP1's flat layout (see [Note: Flat layout] in layout.py);
+    # None: each parameter's rows padded on their own.
+    flat_chunk: int | None
     # The unit's name in messages: its module's path in the model once the root's lazy init
     # ran, else (and for the root, whose path is "") the module's class name.
     name: str

@@ -5,14 +5,12 @@ the original parameters' keys carry its values.
 [Note: Local flat parameters]
 FSDP1 saves a unit's flat parameter as a 1-D ShardedTensor over the
 concatenation of the unit's parameters (flattened, in order, without
-padding), each rank holding its equal-sized contiguous part. Our flat shard
-holds each parameter's rows, padded per parameter, so a rank's elements of that
-same concatenation are one contiguous range per parameter: the ShardedTensor
-has one local shard per parameter with rows here (views of the flat shard, no
-copy). Its global tensor is FSDP1's (same size, same values), so
-``torch.distributed.checkpoint`` reads it back at any world size and a dict of
-another layout (FSDP1's own) loads by assembling it; a plain tensor (this
-rank's padded flat shard) loads as before.
+padding), each rank holding its equal-sized contiguous part. Ours is laid out
+so (see [Note: Flat layout] in _core/layout.py): the ShardedTensor is the flat
+shard without its end padding (a view, no copy), so
+``torch.distributed.checkpoint`` reads it back at any world size, a dict of
+another layout loads by assembling it, and a plain tensor (this rank's padded
+flat shard) loads as it is.
 
 The wrapper hands the parameter and where it is registered: this module does
 not know the flat parameter's class.
@@ -29,7 +27,6 @@ import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
-from .._core import full_params
 from .._core.group import ParamGroup
 from .._core.state import ModuleState
 from ..api import StateDictType
@@ -85,26 +82,24 @@ def _load_flat_param(
         state_dict[key] = flat_shard_from(unit, state_dict[key], param.detach())
 
 
-def _layout(unit: ParamGroup, device: torch.device) -> tuple[list[ShardMetadata], list[int]]:
-    """Every rank's shards of the unit's concatenated parameters (see [Note: Local flat parameters]),
-    and the index of the parameter behind each of this rank's, in order."""
-    shard = unit.spec.mesh_info.shard
+def _flat_layout(unit: ParamGroup, chunk: int, device: torch.device) -> tuple[list[ShardMetadata], int]:
+    """Under FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py): every rank's one
+    contiguous shard of the concatenation, and how many of this rank's elements are not padding."""
+    shard, total = unit.spec.mesh_info.shard, _total_numel(unit)
     group = _shard_group(unit)
-    metadata: list[ShardMetadata] = []
-    mine: list[int] = []
-    for group_rank in range(shard.size):
-        global_rank = dist.get_global_rank(group, group_rank)
-        offset = 0
-        for index, p in enumerate(unit.spec.params):
-            first_row = min(group_rank * p.shard_rows, p.num_rows)
-            rows = min(p.shard_rows, p.num_rows - first_row)
-            if rows > 0:
-                start = offset + first_row * p.row_numel
-                metadata.append(shard_entry([start], [rows * p.row_numel], global_rank, device))
-                if group_rank == shard.rank:
-                    mine.append(index)
-            offset += p.num_rows * p.row_numel
-    return metadata, mine
+    metadata = [
+        shard_entry([r * chunk], [min(chunk, total - r * chunk)], dist.get_global_rank(group, r), device)
+        for r in range(shard.size)
+        if r * chunk < total
+    ]
+    return metadata, max(0, min(chunk, total - shard.rank * chunk))
+
+
+def _chunk(unit: ParamGroup) -> int:
+    chunk = unit.spec.flat_chunk
+    if chunk is None:  # the wrapper lays every use_orig_params=False unit out flat
+        raise AssertionError(f"rank {dist.get_rank()}: {unit.spec.name}'s flat parameter is not laid out flat")
+    return chunk
 
 
 def _shard_group(unit: ParamGroup) -> dist.ProcessGroup:
@@ -121,9 +116,10 @@ def _total_numel(unit: ParamGroup) -> int:
 def flat_sharded_tensor(unit: ParamGroup, flat: torch.Tensor) -> ShardedTensor:
     """``flat`` (this rank's flat shard, or a tensor laid out like it) as the ShardedTensor of
     [Note: Local flat parameters]: views, no copy."""
-    metadata, mine = _layout(unit, flat.device)
-    local = [full_params.read_shard(unit, index, flat)._local_tensor.reshape(-1) for index in mine]
-    return sharded_tensor(torch.Size([_total_numel(unit)]), flat.dtype, metadata, local, _shard_group(unit))
+    entries, valid = _flat_layout(unit, _chunk(unit), flat.device)
+    return sharded_tensor(
+        torch.Size([_total_numel(unit)]), flat.dtype, entries, [flat[:valid]] if valid else [], _shard_group(unit)
+    )
 
 
 def flat_shard_from(unit: ParamGroup, value: ShardedTensor, like: torch.Tensor) -> torch.Tensor:
@@ -141,17 +137,13 @@ def flat_shard_from(unit: ParamGroup, value: ShardedTensor, like: torch.Tensor) 
             f"parameters' total) but got {size}; save and load with the same wrapping"
         )
     flat = torch.zeros_like(like)
-    metadata, mine = _layout(unit, like.device)
-    if same_shards(metadata, value.metadata().shards_metadata):
-        by_offset = {shard.metadata.shard_offsets[0]: shard.tensor for shard in value.local_shards()}
-        own = [m for m in metadata if m.placement is not None and m.placement.rank() == dist.get_rank()]
-        for index, entry in zip(mine, own):
-            full_params.write_shard(unit, index, by_offset[entry.shard_offsets[0]], into=flat)
-        return flat
-    whole = full_tensor(value)
-    offset = 0
-    for index, p in enumerate(unit.spec.params):
-        region = whole.narrow(0, offset, p.num_rows * p.row_numel).view(p.unsharded_size)
-        full_params.write_shard(unit, index, p.rows_per_rank(region)[unit.spec.mesh_info.shard.rank], into=flat)
-        offset += p.num_rows * p.row_numel
+    chunk = _chunk(unit)
+    entries, valid = _flat_layout(unit, chunk, like.device)
+    if same_shards(entries, value.metadata().shards_metadata):
+        local = value.local_shards()
+        if local:
+            flat[:valid].copy_(local[0].tensor)
+    else:
+        start = unit.spec.mesh_info.shard.rank * chunk
+        flat[:valid].copy_(full_tensor(value)[start : start + valid])
     return flat

@@ -108,7 +108,10 @@ def _warn_if_always_full(record: UnitStateDict) -> None:
 def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
     _warn_if_always_full(record)
     _reshard_unit(group)
-    if record.model_settings().state_dict_type is StateDictType.FULL_STATE_DICT:
+    kind = record.model_settings().state_dict_type
+    # A flat piece's sharded value is cut from the full one (see [Note: Flat layout] in _core/layout.py).
+    flat_sharded = kind is StateDictType.SHARDED_STATE_DICT and group.spec.flat_chunk is not None
+    if kind is StateDictType.FULL_STATE_DICT or flat_sharded:
         record.full_values = full_params.gather_full_values(group)
 
 
@@ -145,19 +148,26 @@ def _save_params(
         if kind is StateDictType.SHARDED_STATE_DICT:
             # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
             # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
-            local = param.shard_as_dtensor()._local_tensor
+            if param.flat_ranges is None:
+                local = param.shard_as_dtensor()._local_tensor
+            else:
+                local = full_params.row_shard(param, _gathered(record, key)[index])._local_tensor
             value = param.dtensor_from_rows(local.cpu() if offload and local.device.type != "cpu" else local.clone())
             if record.sharded_tensors:
                 value = as_sharded_tensor(value)
         else:
-            if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
-                raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
-            value = param.full_from_tp_local(record.full_values[index])
+            value = param.full_from_tp_local(_gathered(record, key)[index])
             if isinstance(value, DTensor):  # tensor parallel: the global tensor
                 value = comm.full_tensor(value)
             if offload:
                 value = value.cpu()
         state_dict[key] = value
+
+
+def _gathered(record: UnitStateDict, key: str) -> list[torch.Tensor]:
+    if record.full_values is None:  # set by _gather_unit, the unit module's pre-hook
+        raise AssertionError(f"rank {dist.get_rank()}: {key} is saved before its unit was gathered")
+    return record.full_values
 
 
 def _save_buffers_in_original_dtype(
@@ -193,11 +203,12 @@ def _load_params(
             if not param.register_sharded:  # not a registered parameter: nn.Module would not notice
                 missing_keys.append(key)
             continue
-        shard = param.shard_from_full(loadable(state_dict[key], param))
+        value = loadable(state_dict[key], param)
         if param.register_sharded:
-            state_dict[key] = param.present(shard._local_tensor)  # nn.Module copies it into the registered shard
+            # nn.Module copies it into the registered shard
+            state_dict[key] = param.present(param.shard_from_full(value)._local_tensor)
         else:
-            full_params.write_shard(group, index, shard._local_tensor)
+            full_params.write_shard(group, index, full_params.local_part(param, value))
             del state_dict[key]
 
 

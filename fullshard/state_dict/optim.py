@@ -167,9 +167,10 @@ def optim_state_dict(
     as_sharded_tensors = set() if full else _units_saving_sharded_tensors(model)
     state: dict[str, dict[str, Any]] = {}
     for param in stepped:
+        values = saved["state"][index_of[id(param)]]
+        gathered = _gather_flat_states(param, entries[id(param)][0][2], values)
         for fqn, shard_param, unit in entries[id(param)]:
-            values = saved["state"][index_of[id(param)]]
-            state[fqn] = _split_state(values, param, shard_param, unit, full, offload)
+            state[fqn] = _split_state(values, param, shard_param, unit, full, offload, gathered)
             if unit is not None and id(unit) in as_sharded_tensors:
                 flat = buffer_param(unit) is not None
                 state[fqn] = {
@@ -217,6 +218,20 @@ def _units_saving_sharded_tensors(model: nn.Module) -> set[int]:
     return {id(s.group) for s in states_below(model) if s.group is not None and unit_record(s).sharded_tensors}
 
 
+def _gather_flat_states(
+    param: torch.Tensor, unit: ParamGroup | None, values: dict[str, Any]
+) -> dict[str, list[torch.Tensor]]:
+    """A flat parameter's states in FSDP1's flat layout, each gathered once into its original
+    parameters' full values (see [Note: Flat layout] in _core/layout.py); {} for any other."""
+    if unit is None or unit.spec.flat_chunk is None or param is not buffer_param(unit):
+        return {}
+    return {
+        key: full_params.gather_like_shards(unit, value)
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+
+
 def _split_state(
     values: dict[str, Any],
     param: torch.Tensor,
@@ -224,18 +239,20 @@ def _split_state(
     unit: ParamGroup | None,
     full: bool,
     offload: bool,
+    gathered: dict[str, list[torch.Tensor]],
 ) -> dict[str, Any]:
-    """One parameter's optimizer states in the requested form. Scalar tensors (Adam's
-    ``step``) are copies: the optimizer increments its own in place, and the
-    originals of a flat parameter would otherwise share one."""
+    """One parameter's optimizer states in the requested form (``gathered``: a flat parameter's
+    states gathered, see ``_gather_flat_states``). Scalar tensors (Adam's ``step``) are copies:
+    the optimizer increments its own in place, and the originals of a flat parameter would
+    otherwise share one."""
     result = {}
     for key, value in values.items():
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.clone()
         elif isinstance(value, torch.Tensor):
-            if unit is not None and shard_param is not None and param is buffer_param(unit):
-                value = full_params.read_shard(unit, unit.spec.params.index(shard_param), value)
-                value = comm.full_tensor(value) if full else value
+            if key in gathered and unit is not None and shard_param is not None:
+                whole = gathered[key][unit.spec.params.index(shard_param)]
+                value = whole if full else full_params.row_shard(shard_param, whole)
             elif shard_param is not None:  # presented like the parameter: see [Note: Presentations]
                 value = shard_param.dtensor_from_rows(shard_param.rows_from_presented(value))
                 value = comm.full_tensor(value) if full else value
@@ -359,7 +376,7 @@ def _join_state(
             flat = torch.zeros_like(param)
             for shard_param, values in per_param:
                 if values is not None and shard_param is not None:  # a flat parameter's originals have both
-                    local = shard_param.shard_from_full(loadable(values[key], shard_param))._local_tensor
+                    local = full_params.local_part(shard_param, loadable(values[key], shard_param))
                     full_params.write_shard(unit, unit.spec.params.index(shard_param), local, into=flat)
             result[key] = flat
         elif per_param[0][0] is not None:

@@ -114,6 +114,8 @@ def loadable(value: torch.Tensor, param: ShardParam) -> torch.Tensor:
     (laid out as ``param``: its shard, no communication) or the full tensor."""
     if not isinstance(value, ShardedTensor):
         return value
+    if param.flat_ranges is not None:  # a piece of the flat shard: cut from the full value
+        return full_tensor(value)
     like = param.shard_as_dtensor()
     sharded = any(not p.is_replicate() for p in like.placements)  # replicated: the full value is needed
     if sharded and tuple(like.placements) == tuple(param.mesh_info.dp_placements):

@@ -119,7 +119,9 @@ def measure_step(
 
 
 def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool) -> nn.Module:
-    """``model`` under the FSDP1 wrapper, one unit per block plus the root."""
+    """``model`` under the FSDP1 wrapper, one unit per block plus the root. With ``use_orig_params=True``:
+    its shards are per-parameter rows, the layout ``fullshard plan`` models (``False`` lays a unit out as
+    FSDP1's flat parameter, padded only at its end; see [Note: Flat layout] in _core/layout.py)."""
     from ..wrap import ModuleWrapPolicy
     from ..wrapper import FullyShardedDataParallel
 
@@ -132,6 +134,7 @@ def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offlo
         mixed_precision=mp,
         cpu_offload=CPUOffload(offload_params=True) if offload else None,
         device_id=torch.device("cpu"),
+        use_orig_params=True,
     )
 
 

@@ -82,9 +82,10 @@ def single_state_optimizer(s: Scenario) -> bool:
 
 
 _LAYOUT = (
-    "fullshard shards each parameter by rows (FSDP2's layout, for both front ends); FSDP1 cuts the unit's "
-    "concatenated parameters into equal parts: which elements of a parameter a rank holds, and so each "
-    "rank's local view, differ (full values, state dicts by name and optimizer states are equal)"
+    "with use_orig_params=True, fullshard shards each parameter by rows (FSDP2's layout, for both front ends); "
+    "FSDP1 cuts the unit's concatenated parameters into equal parts: which elements of a parameter a rank "
+    "holds, and so each rank's local view, differ (full values, state dicts by name and optimizer states are "
+    "equal). With use_orig_params=False both hold FSDP1's flat shard: no row"
 )
 
 TORCH_WRONG: tuple[Row, ...] = (
@@ -137,7 +138,7 @@ DELIBERATE: tuple[Row, ...] = (
     ),
     Row(
         lambda s: _wrapper(s) and s.model == "tied" and s.probe in ("policy_lambda", "policy_classes"),
-        ("exception", "keys", "type", "warning"),
+        ("exception", "keys", "type", "warning", "layout"),
         r"",
         "a parameter shared by two units (auto-wrap policies that wrap each Linear of a tied pair): fullshard "
         "raises ValueError at construction and names the fix (as torch's fully_shard raises); FSDP1 accepts it, "
@@ -160,7 +161,7 @@ DELIBERATE: tuple[Row, ...] = (
     ),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and "HYBRID" in s.strategy and s.probe == "sd_local",
-        ("exception", "keys"),
+        ("exception", "keys", "layout"),
         r"",
         "LOCAL_STATE_DICT works for a wrapper given a device mesh (each rank's flat shard, as without one); "
         "FSDP1 raises RuntimeError and asks for SHARDED_STATE_DICT",
@@ -172,7 +173,7 @@ DELIBERATE: tuple[Row, ...] = (
         "apply inside summon_full_params: FSDP1's message names its internal TrainingState values; ours names "
         "the call and the fix (same exception type)",
     ),
-    Row(lambda s: True, ("layout",), r"^local:", _LAYOUT),
+    Row(lambda s: not (_wrapper(s) and not s.use_orig_params), ("layout",), r"^local:", _LAYOUT),
     Row(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe in ("read_after_forward", "two_optimizers"),
         ("type", "keys"),
@@ -186,7 +187,7 @@ DELIBERATE: tuple[Row, ...] = (
     ),
     Row(
         lambda s: _wrapper(s) and not s.use_orig_params and "with_grads" in s.probe,
-        ("exception", "keys", "type", "message"),
+        ("exception", "keys", "type", "message", "layout"),
         r"",
         "summon_full_params(with_grads=True) works with use_orig_params=False too (FSDP1 raises "
         "NotImplementedError): the gradients are gathered like the parameters",

@@ -75,10 +75,13 @@ class Run:
         self.rec.put(f"{'' if full_shape else 'local:'}after_forward:{clean}", param)
 
     def local_params(self) -> None:
-        """What ``named_parameters`` shows outside forward: names, types, shapes (flat numel, FSDP1)."""
+        """What ``named_parameters`` shows outside forward: names, types, shapes; a flat parameter's values
+        too (this rank's flat shard, FSDP1's element for element)."""
         for name, param in self.model.named_parameters():
             self.rec.put(f"local:{name}:type", type(param).__name__)
             self.rec.put(f"local:{name}:shape", tuple(param.shape))
+            if name.endswith("_flat_param"):
+                self.rec.put(f"flat:{name}", param)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,9 +115,9 @@ def grads_after_backward(r: Run) -> None:
     r.backward("loss1")
     if not r.wrapper or r.s.use_orig_params:
         r.full_params(grads=True)
-    else:  # FSDP1 flat parameters: the flat gradient is this rank's public view
+    else:  # FSDP1 flat parameters: the flat gradient is this rank's public view, FSDP1's element for element
         for name, param in r.model.named_parameters():
-            r.rec.put(f"local:grad:{name}", param.grad if param.grad is not None else "None")
+            r.rec.put(f"flat.grad:{name}", param.grad if param.grad is not None else "None")
 
 
 @probe("several_forwards")
@@ -429,14 +432,16 @@ def summon(r: Run) -> None:
     flags = {f: f in r.s.probe.partition(":")[2].split(",") for f in SUMMON_FLAGS}
     r.step("loss0")
     r.backward("loss1")
-    # With rank0_only, the other ranks keep their shards: a layout, not values.
-    where = "local:" if flags["rank0_only"] and dist.get_rank() != 0 else ""
+    # With rank0_only, the ranks other than the process group's first (the shard group's under the hybrid
+    # strategies) keep their shards: a layout, not values.
+    keeps = not flags["rank0_only"] or r.model.rank == 0
+    where = "" if keeps else "local:"
     with r.a.FSDP.summon_full_params(r.model, **flags):
         for name, param in r.model.named_parameters():
             r.rec.put(f"{where}summoned:{name}", param)
             if flags["with_grads"]:
                 r.rec.put(f"{where}summoned.grad:{name}", param.grad if param.grad is not None else "None")
-            if not flags["rank0_only"] or dist.get_rank() == 0:  # elsewhere: this rank's shard, laid out our way
+            if keeps:  # elsewhere: this rank's shard
                 with torch.no_grad():
                     param.add_(1.0)
     r.full_params()

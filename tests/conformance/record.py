@@ -59,12 +59,9 @@ class Record:
         self.items[key] = plain(value)
 
     def put_flat(self, key: str, value: Any) -> None:
-        """A flat parameter's value: type, global shape and (a ShardedTensor, assembled: a collective)
-        global value compared under ``key``; this rank's elements as a layout (each framework cuts a
-        unit its own way)."""
-        self.put("local:" + key, value)
-        for suffix in (":type", ":shape"):
-            self.items[key + suffix] = self.items["local:" + key + suffix]
+        """A flat parameter's value: type, global shape, this rank's elements (FSDP1's layout) and (a
+        ShardedTensor, assembled: a collective) its global value."""
+        self.put(key, value)
         if isinstance(value, ShardedTensor):
             self.items[key + ":global"] = plain(full_value(value))
 
@@ -100,7 +97,7 @@ def compare(theirs: Record, ours: Record, rtol: float, atol: float) -> list[Diff
             continue
         a, b = theirs.items[key], ours.items[key]
         if key.startswith("local:"):  # how this rank's shard is laid out, not a value
-            if not _same(a, b):
+            if not _same(a, b, rtol, atol):
                 out.append(Difference("layout", key, f"torch {_brief(a)} / ours {_brief(b)}"))
         elif key == "message":
             missing = api_words(a) - {w.rpartition(".")[2] for w in _API_WORD.findall(b)}
@@ -135,9 +132,15 @@ def _kind_of(key: str) -> str:
     return "value"
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, rtol: float, atol: float) -> bool:
+    """Whether two local views hold the same elements (up to the scenario's tolerance: both sides
+    compute them, e.g. a flat shard after optimizer steps)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True))
+        )
     return type(a) is type(b) and a == b
 
 
