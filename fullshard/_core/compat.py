@@ -55,8 +55,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # and coalescing look-ups): with three collectives per unit and step that is a
 # measurable share of a small unit's step (benchmarks/RESULTS.md, issue 24). Where
 # the process group has the ``*_single`` methods the functions end in, plain,
-# contiguous, non-complex tensors outside a torch-function mode and outside a
-# coalescing block go to the method directly; anything else takes the functions.
+# non-complex tensors outside a torch-function mode and outside a coalescing block
+# go to the method directly (it checks sizes and layout itself, as it does behind
+# the functions); anything else takes the functions.
 _DIRECT = hasattr(dist.ProcessGroup, "all_gather_single") and hasattr(dist.ProcessGroup, "reduce_scatter_single")
 if _DIRECT:
     from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
@@ -75,8 +76,6 @@ def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup)
         and type(input) is torch.Tensor
         and not torch._C._has_torch_function((output, input))
         and not input.is_complex()
-        and output.is_contiguous()
-        and input.is_contiguous()
         and group not in _world.pg_coalesce_state
     )
 
