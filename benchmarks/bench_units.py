@@ -85,6 +85,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=2, help="0: no breakdown")
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--gloo-all-gather-bytes", type=int, default=None,
+                        help="override comm.GLOO_NATIVE_ALL_GATHER_BYTES (0: every all-gather by broadcasts)")
+    parser.add_argument("--gloo-reduce-scatter-bytes", type=int, default=None,
+                        help="override comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES (0: every reduce-scatter by all-reduce)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a rank's result file (gloo)
     args = parser.parse_args(argv)
@@ -196,8 +200,19 @@ def process_group(args: argparse.Namespace) -> Iterator[tuple[int, Callable[[], 
         dist.destroy_process_group()
 
 
+def _set_gloo_bounds(args: argparse.Namespace) -> None:
+    """The gloo rules' size bounds, when a run compares them ([Note: Gloo collectives])."""
+    from fullshard._core import comm
+
+    if args.gloo_all_gather_bytes is not None:
+        comm.GLOO_NATIVE_ALL_GATHER_BYTES = args.gloo_all_gather_bytes
+    if args.gloo_reduce_scatter_bytes is not None:
+        comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES = args.gloo_reduce_scatter_bytes
+
+
 def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
+    _set_gloo_bounds(args)
     with process_group(args) as (world, barrier):
         torch.manual_seed(0)
         reference = nn.Sequential(*[Unit(args.width) for _ in range(args.units)])
@@ -275,7 +290,8 @@ def main(argv: list[str]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             # the ranks' own arguments, without --nproc (torchrun would take it for --nproc-per-node)
             ranks_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps")]
+                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps",
+                                   "gloo_all_gather_bytes", "gloo_reduce_scatter_bytes") and v is not None]
             ranks_argv.append("--frameworks=" + ",".join(args.frameworks))
             result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),
                                       env={"OMP_NUM_THREADS": "1"})

@@ -50,8 +50,8 @@ def _gloo_substitutes_forbidden():
         raise AssertionError("a gloo substitution ran on a non-gloo backend")
 
     patches = [
-        mock.patch.object(compat, "_all_gather", native("all_gather", compat._all_gather)),
-        mock.patch.object(compat, "_reduce_scatter", native("reduce_scatter", compat._reduce_scatter)),
+        mock.patch.object(compat, "all_gather_into", native("all_gather", compat.all_gather_into)),
+        mock.patch.object(compat, "reduce_scatter_into", native("reduce_scatter", compat.reduce_scatter_into)),
         mock.patch.object(dist, "broadcast", forbidden),
         mock.patch.object(dist, "all_reduce", forbidden),
     ]

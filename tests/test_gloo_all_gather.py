@@ -13,7 +13,7 @@ from fullshard.testing import distributed
 def _gather_counting(numel: int) -> dict[str, int]:
     """All-gathers ``numel`` floats holding each rank's index; counts the calls made."""
     calls = {"native": 0, "broadcast": 0}
-    real_native, real_broadcast = compat._all_gather, dist.broadcast
+    real_native, real_broadcast = compat.all_gather_into, dist.broadcast
 
     def native(*args, **kwargs):
         calls["native"] += 1
@@ -25,7 +25,7 @@ def _gather_counting(numel: int) -> dict[str, int]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     output = torch.empty(world * numel)
-    with mock.patch.object(compat, "_all_gather", native), mock.patch.object(dist, "broadcast", broadcast):
+    with mock.patch.object(compat, "all_gather_into", native), mock.patch.object(dist, "broadcast", broadcast):
         comm.all_gather(output, torch.full((numel,), float(rank)), dist.group.WORLD, async_op=False)
     expected = torch.arange(world, dtype=torch.float32).repeat_interleave(numel)
     torch.testing.assert_close(output, expected, rtol=0, atol=0)
@@ -54,7 +54,7 @@ def _reduce_scatter_counting(numel: int, op: dist.ReduceOp.RedOpType) -> dict[st
     """Reduce-scatters ``numel`` floats (rank r holds r + i / numel at i); checks the chunk
     against the sum or average over ranks and counts the collectives called."""
     calls = {"all_gather": 0, "all_reduce": 0}
-    real_native, real_all_reduce = compat._all_gather, dist.all_reduce
+    real_native, real_all_reduce = compat.all_gather_into, dist.all_reduce
 
     def native(*args, **kwargs):
         calls["all_gather"] += 1
@@ -67,7 +67,7 @@ def _reduce_scatter_counting(numel: int, op: dist.ReduceOp.RedOpType) -> dict[st
     world, rank = dist.get_world_size(), dist.get_rank()
     ramp = torch.arange(numel, dtype=torch.float32) / numel
     output = torch.empty(numel // world)
-    with mock.patch.object(compat, "_all_gather", native), mock.patch.object(dist, "all_reduce", all_reduce):
+    with mock.patch.object(compat, "all_gather_into", native), mock.patch.object(dist, "all_reduce", all_reduce):
         comm.reduce_scatter(output, ramp + rank, dist.group.WORLD, op, async_op=False)
     total = world * ramp + sum(range(world))
     expected = (total if op == dist.ReduceOp.SUM else total / world).view(world, -1)[rank]
@@ -78,9 +78,20 @@ def _reduce_scatter_counting(numel: int, op: dist.ReduceOp.RedOpType) -> dict[st
 @pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.AVG])
 @distributed(world_size=4)
 def test_small_reduce_scatters_gather_and_sum_on_more_than_two_ranks(op):
-    limit = comm.GLOO_NATIVE_ALL_GATHER_BYTES // 4
+    limit = comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES // 4
     assert _reduce_scatter_counting(limit, op) == {"all_gather": 1, "all_reduce": 0}  # latency-bound
     assert _reduce_scatter_counting(limit + 4, op) == {"all_gather": 0, "all_reduce": 1}
+
+
+@distributed(world_size=4)
+def test_the_two_bounds_are_separate():
+    """Broadcast all-gathers (bound 0) leave the small reduce-scatter on its all-gather."""
+    with mock.patch.object(comm, "GLOO_NATIVE_ALL_GATHER_BYTES", 0):
+        assert _gather_counting(8) == {"native": 0, "broadcast": 4}
+        assert _reduce_scatter_counting(8, dist.ReduceOp.SUM) == {"all_gather": 1, "all_reduce": 0}
+    with mock.patch.object(comm, "GLOO_GATHERED_REDUCE_SCATTER_BYTES", 0):
+        assert _gather_counting(8) == {"native": 1, "broadcast": 0}
+        assert _reduce_scatter_counting(8, dist.ReduceOp.SUM) == {"all_gather": 0, "all_reduce": 1}
 
 
 @distributed(world_size=2)

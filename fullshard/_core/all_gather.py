@@ -71,11 +71,12 @@ class CopyOutTargets:
         self._numel = sum(self.sizes)
 
     def serves(self, in_flight: AllGatherInFlight) -> bool:
-        return (
-            in_flight.layout is self.layout
-            and in_flight.num_chunks == self.num_chunks
-            and all(param.padded_unsharded is padded for param, padded in self._pairs)
-        )
+        if in_flight.layout is not self.layout or in_flight.num_chunks != self.num_chunks:
+            return False
+        for param, padded in self._pairs:  # a loop: no generator to build, every gather
+            if param.padded_unsharded is not padded:
+                return False
+        return True
 
     def fill(self, output: torch.Tensor) -> None:
         """Re-allocates the storages that resharding freed and copies the gathered

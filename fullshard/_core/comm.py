@@ -23,10 +23,14 @@ by a copy of this rank's chunk (what gloo does, minus the clone). Small units on
 more than two ranks are the exception: there the per-rank broadcasts' latency
 adds up and gloo's single all-gather call wins, temporaries and all (at most
 ``GLOO_NATIVE_ALL_GATHER_BYTES`` gathered); and their reduce-scatter (a sum or an
-average of at most that many bytes) all-gathers every rank's whole input and sums
-this rank's chunks locally: W times the bytes, but a ring all-gather takes W-1
-latency steps where gloo's ring all-reduce takes 2(W-1) (about half the time per
-call at 4 ranks, ``benchmarks/bench_gloo_collectives.py``). The input of
+average of at most ``GLOO_GATHERED_REDUCE_SCATTER_BYTES``) all-gathers every rank's
+whole input and sums this rank's chunks locally: W times the bytes, but a ring
+all-gather takes W-1 latency steps where gloo's ring all-reduce takes 2(W-1) (about
+half the time per call at 4 ranks, ``benchmarks/bench_gloo_collectives.py``). The
+two bounds are separate settings; measured end to end at 4 ranks, the one-call
+all-gather beat the broadcasts on a loaded machine (0.53-0.67x of FSDP2's step
+against 0.72-0.80x) while isolated calls on an idle one favoured the broadcasts
+slightly, so both stay at 32 KiB (benchmarks/RESULTS.md, issue 24). The input of
 a reduce-scatter is scratch: callers must not read it afterwards. Other
 backends (NCCL) get the native collectives.
 
@@ -159,15 +163,19 @@ def _is_gloo(group: dist.ProcessGroup) -> bool:
     return is_gloo
 
 
-# See [Note: Gloo collectives]: below this many gathered bytes, on more than two ranks, one
-# all-gather call beats one broadcast per rank (measured in benchmarks/RESULTS.md, issue 24).
+# See [Note: Gloo collectives]; both bounds measured in benchmarks/RESULTS.md, issue 24.
+# Gathering at most this many bytes on more than two ranks: gloo's one all-gather call
+# instead of one broadcast per rank.
 GLOO_NATIVE_ALL_GATHER_BYTES = 32 * 1024
+# Reduce-scattering (sum or average) at most this many bytes on more than two ranks: one
+# all-gather of every rank's whole input and a local sum instead of one all-reduce.
+GLOO_GATHERED_REDUCE_SCATTER_BYTES = 32 * 1024
 
 
-def _latency_bound(output: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether a gloo all-gather into ``output`` is small enough that its latency, not its
-    bytes, decides: then gloo's own call (one round) serves better than a broadcast per rank."""
-    return group.size() > 2 and output.numel() * output.element_size() <= GLOO_NATIVE_ALL_GATHER_BYTES
+def _latency_bound(buffer: torch.Tensor, group: dist.ProcessGroup, bound: int) -> bool:
+    """Whether a gloo collective over ``buffer`` (the gathered output, the reduce-scatter's
+    input) is small enough that its latency, not its bytes, decides the way to run it."""
+    return group.size() > 2 and buffer.numel() * buffer.element_size() <= bound
 
 
 def all_gather(
@@ -179,7 +187,7 @@ def all_gather(
         _notify("all_gather", group, output, [output, input])
     if not _is_gloo(group):
         return compat.all_gather_into(output, input, group, async_op)
-    if _latency_bound(output, group):
+    if _latency_bound(output, group, GLOO_NATIVE_ALL_GATHER_BYTES):
         return compat.all_gather_into(output.view(-1), input, group, async_op)  # gloo: a flat output only
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))
@@ -257,7 +265,7 @@ def reduce_scatter(
         _notify("reduce_scatter", group, input, [output, input])
     if not _is_gloo(group):
         return compat.reduce_scatter_into(output, input, op, group, async_op)
-    if op in _LOCALLY_REDUCED and _latency_bound(input, group):
+    if op in _LOCALLY_REDUCED and _latency_bound(input, group, GLOO_GATHERED_REDUCE_SCATTER_BYTES):
         return _reduce_scatter_by_all_gather(output, input, group, op, async_op)
     mine = input.view(group.size(), -1)[group.rank()]
     work = dist.all_reduce(input, op=op, group=group, async_op=True)

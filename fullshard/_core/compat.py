@@ -49,11 +49,51 @@ StridedShard = _StridedShard
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# [Note: Direct collective calls]
+# torch.distributed's Python functions spend a few microseconds per call before the
+# process group's own method (an exception logger, argument checks, the default-group
+# and coalescing look-ups): with three collectives per unit and step that is a
+# measurable share of a small unit's step (benchmarks/RESULTS.md, issue 24). Where
+# the process group has the ``*_single`` methods the functions end in, plain,
+# non-complex tensors outside a torch-function mode and outside a coalescing block
+# go to the method directly (it checks sizes and layout itself, as it does behind
+# the functions); anything else takes the functions.
+_DIRECT = hasattr(dist.ProcessGroup, "all_gather_single") and hasattr(dist.ProcessGroup, "reduce_scatter_single")
+if _DIRECT:
+    from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
+    from torch.distributed.distributed_c10d import _world
+
+    _GATHER_OPTIONS = {flag: AllgatherOptions() for flag in (False, True)}
+    for _flag, _options in _GATHER_OPTIONS.items():
+        _options.asyncOp = _flag
+
+
+def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether the collective can skip torch.distributed's Python (see the Note above)."""
+    return (
+        _DIRECT
+        and type(output) is torch.Tensor
+        and type(input) is torch.Tensor
+        and not torch._C._has_torch_function((output, input))
+        and not input.is_complex()
+        and group not in _world.pg_coalesce_state
+    )
+
+
+def _finished(work: dist.Work | None, async_op: bool) -> dist.Work | None:
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
 
 def all_gather_into(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
     """The backend's native all-gather of ``input`` into ``output`` (group size x input)."""
+    if _direct(output, input, group):
+        return _finished(group.all_gather_single(output, input, _GATHER_OPTIONS[async_op]), async_op)
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
@@ -65,6 +105,11 @@ def reduce_scatter_into(
     async_op: bool,
 ) -> dist.Work | None:
     """The backend's native reduce-scatter of ``input`` into ``output``."""
+    if _direct(output, input, group):
+        options = ReduceScatterOptions()
+        options.reduceOp = op  # type: ignore[assignment]  # pybind converts the op type
+        options.asyncOp = async_op
+        return _finished(group.reduce_scatter_single(output, input, options), async_op)
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 

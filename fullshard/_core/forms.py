@@ -92,7 +92,10 @@ class ParamForms:
         buffer = self.buffers.shard_buffer
         if buffer.is_inference():
             return None
-        return buffer._version + sum(p.sharded_param._version for p in self.spec.params)
+        version = buffer._version
+        for param in self.spec.params:  # a loop: no generator to build, twice per unit and step
+            version += param.sharded_param._version
+        return version
 
     def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
         """What this unit's all-gather sends (copied in), its layout and its group."""
