@@ -103,6 +103,7 @@ def test_shapes_padding_and_bytes_per_step(world):
     [
         ("fully_shard", "full", False),
         ("wrapper", "full", False),
+        ("wrapper-flat", "full", False),
         ("fully_shard", "hybrid", False),
         ("fully_shard", "full", True),
         ("wrapper", "full", True),
@@ -114,14 +115,22 @@ def test_per_rank_memory_matches_plan(world, front_end, strategy, offload):
     with fake_world(world):
         measured = measure_step(ARGS, BATCH, strategy, False, ranks_per_node, front_end=front_end, offload=offload)
     config = PlanConfig(
-        ARGS, world, strategy, ranks_per_node=ranks_per_node, batch_size=BATCH, cpu_offload=offload, device="cpu"
+        ARGS,
+        world,
+        strategy,
+        ranks_per_node=ranks_per_node,
+        batch_size=BATCH,
+        cpu_offload=offload,
+        flat_params=front_end == "wrapper-flat",
+        device="cpu",
     )
     plan = estimate(config)
     print(
         f"world {world} {front_end} {strategy}{' offload' if offload else ''}: measured {measured['peak']} B, "
         f"predicted {plan.peak} B ({plan.peak / measured['peak'] - 1:+.2%})"
     )
-    assert measured["shard_numels"] == [u.shard_numel for u in model_units(ARGS, config.shard_size)]
+    units = model_units(ARGS, config.shard_size, config.flat_params)
+    assert measured["shard_numels"] == [u.shard_numel for u in units]
     if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
         assert measured["comm"] == plan.comm
     # Both ways. At 1024 the units pad to 1024 rows, so unit-sized buffers (all-gather outputs,

@@ -186,6 +186,20 @@ def test_cli_single_configuration_shows_its_peak(capsys):
     assert "(hybrid skips world sizes that are not multiples of 8: 12)" in capsys.readouterr().out
 
 
+def test_cli_flat_params(capsys):
+    """``--flat-params``: FSDP1's flat layout, fewer padded elements per rank than rows at a large world."""
+    main(["plan", "--model", "gpt-125m", "--world-size", "1024", "--flat-params"])
+    out = capsys.readouterr().out
+    assert "flat parameters (use_orig_params=False)" in out
+    flat = estimate(PlanConfig(get_preset("gpt-125m"), 1024, flat_params=True))
+    rows = estimate(PlanConfig(get_preset("gpt-125m"), 1024))
+    assert human_bytes(flat.params) in out and flat.params < rows.params
+    args = get_preset("gpt-125m")
+    assert flat.params == sum(-(-unit.numel // 1024) for unit in model_units(args, 1024)) * 4  # fp32 pieces
+    with pytest.raises(SystemExit, match="not supported with flat parameters"):
+        main(["plan", "--flat-params", "--all-gather-dtype", "int8"])
+
+
 def test_cli_world_size_ranges():
     assert plan_cli.world_sizes("1-10") == [1, 2, 4, 8, 10]
     assert plan_cli.world_sizes("64") == [64]
@@ -221,6 +235,8 @@ def test_cli_plot_without_matplotlib(tmp_path, monkeypatch):
         ("hybrid", 4, False, "fully_shard", False),
         ("full", 4, True, "fully_shard", False),
         ("full", 2, False, "wrapper", False),
+        ("full", 2, False, "wrapper-flat", False),
+        ("full", 4, True, "wrapper-flat", False),
         ("full", 2, False, "fully_shard", True),
         ("full", 2, False, "wrapper", True),
     ],
@@ -238,6 +254,7 @@ def test_prediction_matches_measured_step(strategy, world_size, bf16, front_end,
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
         cpu_offload=offload,
+        flat_params=front_end == "wrapper-flat",
         device="cpu",
     )
     plan = estimate(config)
@@ -249,7 +266,8 @@ def test_prediction_matches_measured_step(strategy, world_size, bf16, front_end,
         f"({plan.peak / peak - 1:+.4%}); bytes/step measured {sum(measured[0]['comm'].values())}, "
         f"predicted {plan.comm_bytes}"
     )
-    assert measured[0]["shard_numels"] == [u.shard_numel for u in model_units(ARGS, config.shard_size)]
+    units = model_units(ARGS, config.shard_size, config.flat_params)
+    assert measured[0]["shard_numels"] == [u.shard_numel for u in units]
     if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
         assert measured[0]["comm"] == plan.comm
     assert plan.peak == pytest.approx(peak, rel=0.05)

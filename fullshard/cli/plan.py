@@ -3,6 +3,7 @@
     fullshard plan --model gpt-7b --world-size 8 64 1024 --mixed-precision bf16
     fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png --memory-limit 80
     fullshard plan --model gpt-30m --world-size 1 2 4 --batch 2 --device cpu
+    fullshard plan --model gpt-125m --world-size 64 1024 --flat-params
     fullshard plan --model gpt-125m --layers 6 --seq 512 --world-size 16 --strategy hybrid --ranks-per-node 8
 
 For each strategy and world size: this rank's sharded parameters, gradients
@@ -87,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights gathered as block-wise codes (set_all_gather_quantization; norms and embeddings exact)",
     )
     setup.add_argument(
+        "--flat-params",
+        action="store_true",
+        help="the FSDP1 wrapper with use_orig_params=False: each unit one flat parameter, ceil(numel/world) per rank",
+    )
+    setup.add_argument(
         "--device",
         choices=["cuda", "cpu"],
         default="cuda",
@@ -154,6 +160,7 @@ def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan],
                     reduce_dtype=torch.float32 if compute else None,
                     cpu_offload=args.cpu_offload,
                     all_gather_dtype=_GATHER_CODES[args.all_gather_dtype],
+                    flat_params=args.flat_params,
                     device=args.device,
                 )
             except ValueError as exc:
@@ -167,6 +174,8 @@ def describe_setup(args: argparse.Namespace, config: PlanConfig) -> str:
     offload = ", CPU offload" if config.cpu_offload else ""
     if config.all_gather_dtype is not None:
         offload += f", weights gathered as {args.all_gather_dtype}"
+    if config.flat_params:
+        offload += ", flat parameters (use_orig_params=False)"
     return (
         f"{args.model}: {describe_model(config.model)}\n"
         f"{config.batch_size} x {config.tokens_per_sequence} tokens per rank; fp32 parameters and AdamW "

@@ -34,6 +34,9 @@ class PlanConfig:
             codes (``set_all_gather_quantization`` with its default rule: 2-D weights coded,
             norms, biases and embeddings exact); None: gathered in the compute dtype.
         all_gather_block_size: values per scale of those codes.
+        flat_params: the FSDP1 wrapper with ``use_orig_params=False``: each unit's shard is a piece
+            of its flat parameter (``ceil(numel / shard size)`` elements, padded once at the end)
+            rather than every parameter's padded rows.
         device: ``cuda`` or ``cpu``, where the step runs. Decides what some
             kernels allocate: AdamW (foreach on accelerators, one tensor at a
             time on CPU) and ``torch._chunk_cat`` (pads copies on CPU).
@@ -52,6 +55,7 @@ class PlanConfig:
     cpu_offload: bool = False
     all_gather_dtype: torch.dtype | None = None
     all_gather_block_size: int = 128
+    flat_params: bool = False
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -72,6 +76,11 @@ class PlanConfig:
         if self.model.dim % self.model.n_heads:
             raise ValueError(
                 f"PlanConfig expects dim divisible by n_heads but got {self.model.dim} and {self.model.n_heads}"
+            )
+        if self.flat_params and self.all_gather_dtype is not None:
+            raise ValueError(
+                "PlanConfig: a quantized all-gather is not supported with flat parameters "
+                "(set_all_gather_quantization raises for use_orig_params=False units); drop one of the two"
             )
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"PlanConfig expects device 'cuda' or 'cpu' but got {self.device!r}")

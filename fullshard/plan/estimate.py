@@ -16,7 +16,7 @@ def estimate(config: PlanConfig) -> Plan:
     Returns:
         A ``Plan`` for rank 0, in bytes.
     """
-    units = model_units(config.model, config.shard_size)
+    units = model_units(config.model, config.shard_size, config.flat_params)
     replay = StepReplay(config, units)
     replay.run()
     shards = sum(u.shard_numel for u in units) * config.dtype.itemsize

@@ -169,7 +169,7 @@ class StepReplay:
         nbytes = self.in_flight.pop(unit.name, None)
         if nbytes is None:
             return
-        self.tape.alloc(UNSHARDED, unit.gathered_numel * self.c)
+        self.tape.alloc(UNSHARDED, unit.unsharded_numel * self.c)
         if self.codes is not None and self.config.shard_size > 1:
             self._transient(self._decode_temporaries(unit, self.codes))
         self.tape.free(GATHER, nbytes)
@@ -197,7 +197,7 @@ class StepReplay:
         if unit.name in self.unsharded:
             self.unsharded.remove(unit.name)
             if not self.alias:
-                self.tape.free(UNSHARDED, unit.gathered_numel * self.c)
+                self.tape.free(UNSHARDED, unit.unsharded_numel * self.c)
 
     def pre_backward(self, unit: Unit, prefetch: Unit | None) -> None:
         self.gather(unit)

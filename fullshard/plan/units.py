@@ -5,7 +5,10 @@ unit holds the token and position embeddings, the final norm and (tied to the
 token embedding, so counted once) the output weight. Each parameter is split on
 dim 0 into chunks of ``ceil(rows / shard size)`` rows, padded; a unit's chunks
 sit back to back in one shard buffer (see [Note: Unit buffers] in
-``fullshard/_core/layout.py``).
+``fullshard/_core/layout.py``). Under the FSDP1 wrapper's ``use_orig_params=False``
+(``PlanConfig.flat_params``) a unit's shard is instead FSDP1's flat piece: its
+parameters flattened and concatenated, cut into ``ceil(numel / shard size)``
+elements per rank, padded once at the end (see [Note: Flat layout] there).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from .config import PlanConfig
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit: its parameters as (rows, elements per row), sharded on dim 0 over ``shard_size`` ranks;
-    ``exact[i]``: parameter i is gathered as it is under a quantized all-gather (norms, biases, embeddings)."""
+    """One unit: its parameters as (rows, elements per row), sharded on dim 0 over ``shard_size`` ranks
+    (``flat``: as one flat parameter's pieces instead); ``exact[i]``: parameter i is gathered as it is
+    under a quantized all-gather (norms, biases, embeddings)."""
 
     name: str
     shapes: tuple[tuple[int, int], ...]
     shard_size: int
     exact: tuple[bool, ...]
+    flat: bool = False
 
     def _chunk_numel(self, index: int) -> int:
         rows, row = self.shapes[index]
@@ -44,7 +49,9 @@ class Unit:
 
     @property
     def shard_numel(self) -> int:
-        """This rank's shard buffer: every parameter's padded chunk."""
+        """This rank's shard buffer: every parameter's padded chunk, or the flat piece."""
+        if self.flat:
+            return -(-self.numel // self.shard_size)
         return sum(-(-rows // self.shard_size) * row for rows, row in self.shapes)
 
     @property
@@ -53,17 +60,26 @@ class Unit:
         return self.shard_size * self.shard_numel
 
     @property
+    def unsharded_numel(self) -> int:
+        """The unsharded parameters' storage: padded to whole chunks, except a flat unit's (exact sizes)."""
+        return self.numel if self.flat else self.gathered_numel
+
+    @property
     def numel(self) -> int:
         """Unpadded: what autograd's gradients of the unsharded parameters hold."""
         return sum(rows * row for rows, row in self.shapes)
 
     @property
     def largest_param_shard_numel(self) -> int:
+        """The largest tensor an optimizer steps: a parameter's chunk, or the whole flat piece."""
+        if self.flat:
+            return self.shard_numel
         return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
 
 
-def model_units(args: ModelArgs, shard_size: int) -> list[Unit]:
-    """The root unit, then one unit per block, with ``Transformer``'s parameter shapes."""
+def model_units(args: ModelArgs, shard_size: int, flat: bool = False) -> list[Unit]:
+    """The root unit, then one unit per block, with ``Transformer``'s parameter shapes (``flat``: laid
+    out as the FSDP1 wrapper's flat parameters)."""
     dim, hidden = args.dim, 4 * args.dim
     root = [(args.vocab_size, dim), (args.max_seq_len, dim), (dim, 1), (dim, 1)]
     root_exact = [True] * 4  # embeddings and the final norm
@@ -73,8 +89,8 @@ def model_units(args: ModelArgs, shard_size: int) -> list[Unit]:
     norm = [(dim, 1), (dim, 1)]
     block = norm + [(dim, dim)] * 4 + norm + [(hidden, dim), (hidden, 1), (dim, hidden), (dim, 1)]
     block_exact = tuple(row == 1 for _, row in block)  # norms and biases
-    return [Unit("root", tuple(root), shard_size, tuple(root_exact))] + [
-        Unit(f"layers.{i}", tuple(block), shard_size, block_exact) for i in range(args.n_layers)
+    return [Unit("root", tuple(root), shard_size, tuple(root_exact), flat)] + [
+        Unit(f"layers.{i}", tuple(block), shard_size, block_exact, flat) for i in range(args.n_layers)
     ]
 
 

@@ -70,16 +70,17 @@ def measure_step(
 ) -> dict:
     """This rank's peak bytes in a training step of the reference Transformer (one
     unit per block plus the root, as ``fullshard plan`` models it) and what the
-    step communicated, through ``front_end`` (``fully_shard`` or the FSDP1
-    ``wrapper``), with the shards offloaded to the host or not, and weights
+    step communicated, through ``front_end`` (``fully_shard``, the FSDP1
+    ``wrapper`` with ``use_orig_params=True``, or ``wrapper-flat``: its flat
+    parameters, ``PlanConfig.flat_params``), with the shards offloaded to the host or not, and weights
     gathered as ``all_gather_dtype`` codes when it is set. See [Note:
     Measured step memory on CPU]."""
     torch.manual_seed(0)
     base = Transformer(args)
     # CPU explicitly: the default mesh would be CUDA's on a machine with a GPU.
     mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu")
-    if front_end == "wrapper":
-        model: nn.Module = _wrap(base, mesh, strategy, bf16, offload)
+    if front_end in ("wrapper", "wrapper-flat"):
+        model: nn.Module = _wrap(base, mesh, strategy, bf16, offload, flat=front_end == "wrapper-flat")
     else:
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
         policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
@@ -118,10 +119,10 @@ def measure_step(
     }
 
 
-def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool) -> nn.Module:
-    """``model`` under the FSDP1 wrapper, one unit per block plus the root. With ``use_orig_params=True``:
-    its shards are per-parameter rows, the layout ``fullshard plan`` models (``False`` lays a unit out as
-    FSDP1's flat parameter, padded only at its end; see [Note: Flat layout] in _core/layout.py)."""
+def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool, flat: bool) -> nn.Module:
+    """``model`` under the FSDP1 wrapper, one unit per block plus the root; ``flat``: with
+    ``use_orig_params=False``, each unit one flat parameter in FSDP1's layout (see [Note: Flat
+    layout] in _core/layout.py), else per-parameter rows."""
     from ..wrap import ModuleWrapPolicy
     from ..wrapper import FullyShardedDataParallel
 
@@ -134,7 +135,7 @@ def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offlo
         mixed_precision=mp,
         cpu_offload=CPUOffload(offload_params=True) if offload else None,
         device_id=torch.device("cpu"),
-        use_orig_params=True,
+        use_orig_params=not flat,
     )
 
 
