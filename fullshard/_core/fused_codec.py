@@ -6,8 +6,12 @@ rank's shard and the decode three over the whole unit, more than the halved byte
 save on a loopback wire (issue 25's measurements in benchmarks/RESULTS.md). Here
 the same arithmetic is traced by ``torch.compile`` once per unit layout, so the
 encode becomes a block reduction and a quantizing loop that read the shard in
-the compute dtype directly, and the decode one loop per parameter that widens,
-scales and narrows each code straight into the unsharded storage.
+the compute dtype directly and write the codes into this rank's row of the
+all-gather output (a view per span: inductor writes a whole input in place, but
+turns writes into slices of one input into a masked scatter over all of it, and
+cannot write views of another dtype, so the few scales are copied after), and
+the decode one loop per parameter that widens, scales and narrows each code
+straight into the unsharded storage.
 
 The coded values run back to back across parameters, so a block may straddle
 two. Each parameter's range is split into *spans* (``spans``): runs of whole
