@@ -3,6 +3,7 @@
     python benchmarks/bench_quantize.py                 # the bench GPT's weights (8 x 576), CPU
     python benchmarks/bench_quantize.py --trained 300   # after 300 steps of fullshard train's corpus
     python benchmarks/bench_quantize.py --unit           # eager vs fused codec on one block unit
+    python benchmarks/bench_quantize.py --unit --block-sizes 64,128,256   # ... at several block sizes
 
 For each code (int8, float8_e4m3fn) and block size: the bytes on the wire per value
 relative to bf16, the relative RMS error of the decoded weights (all coded matrices
@@ -69,30 +70,34 @@ def measure(quantizer: BlockQuantizer, values: torch.Tensor) -> tuple[float, flo
     return packed.numel() / (2 * values.numel()), error.item(), min(times) / values.numel() * 1e6
 
 
-def unit_codec(reps: int) -> None:
+def unit_codec(reps: int, block_sizes: list[int]) -> None:
     """Eager vs fused ``QuantizedGather`` on one bench GPT block (ms, min / median of ``reps``)."""
+    # Every (ranks, code, block size) is a layout of its own: let all of them compile.
+    fused_codec.MAX_FUSED_LAYOUTS = torch._dynamo.config.recompile_limit = 4 * len(block_sizes) + 2
     block = Transformer(ModelArgs(n_layers=1, vocab_size=256, max_seq_len=128, dim=576, n_heads=8)).layers[0]
     params = list(block.parameters())
     print(
         f"one block unit, {sum(p.numel() for p in params) / 1e6:.1f}M values, bf16 compute; ms, min / median of {reps}"
     )
     print(
-        f"{'ranks':>5} {'code':<15} {'path':<6} {'encode':>14} {'decode':>14} {'bf16 copy-out':>14} {'compile (s)':>12}"
+        f"{'ranks':>5} {'code':<15} {'block':>5} {'path':<6} {'encode':>14} {'decode':>14} {'bf16 copy-out':>14}"
+        f" {'compile (s)':>12}"
     )
     for world in (2, 4):
         layout = Layout.build([-(-p.numel() // world) for p in params], [torch.bfloat16] * len(params))
         source = torch.randn(layout.total).to(torch.bfloat16)
         outputs = [torch.empty(size * world, dtype=torch.bfloat16) for size in layout.sizes]
         bf16_gathered = torch.cat([source] * world)
-        for code in (torch.int8, torch.float8_e4m3fn):
+        for code, block_size in [(code, size) for code in (torch.int8, torch.float8_e4m3fn) for size in block_sizes]:
             codecs = {
-                path: QuantizedGather(BlockQuantizer(code, 128), [p.dim() < 2 for p in params])
+                path: QuantizedGather(BlockQuantizer(code, block_size), [p.dim() < 2 for p in params])
                 for path in ("eager", "fused")
             }
             gathered = torch.cat([codecs["eager"].encode(source, layout)] * world)
+            row = torch.empty_like(gathered[: gathered.numel() // world])  # the engine encodes into its gather row
             fused_codec.MIN_FUSED_VALUES = 0
             start = time.perf_counter()
-            codecs["fused"].encode(source, layout)
+            codecs["fused"].encode(source, layout, row)
             codecs["fused"].decode(gathered, world, layout, outputs)
             compile_s = time.perf_counter() - start
             times: dict[str, list[float]] = {}
@@ -100,7 +105,7 @@ def unit_codec(reps: int) -> None:
                 for path, codec in codecs.items():
                     fused_codec.MIN_FUSED_VALUES = 0 if path == "fused" else 1 << 40
                     calls = {
-                        "encode": (codec.encode, (source, layout)),
+                        "encode": (codec.encode, (source, layout, row)),
                         "decode": (codec.decode, (gathered, world, layout, outputs)),
                         "copy-out": (layout.copy_out, (bf16_gathered, world, outputs)),
                     }
@@ -115,7 +120,8 @@ def unit_codec(reps: int) -> None:
                 ]
                 compiled = f"{compile_s:.1f}" if path == "fused" else ""
                 print(
-                    f"{world:>5} {str(code).removeprefix('torch.'):<15} {path:<6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {compiled:>12}"
+                    f"{world:>5} {str(code).removeprefix('torch.'):<15} {block_size:>5} {path:<6} {cells[0]:>14}"
+                    f" {cells[1]:>14} {cells[2]:>14} {compiled:>12}"
                 )
 
 
@@ -124,10 +130,11 @@ def main() -> None:
     parser.add_argument("--trained", type=int, default=0, help="train this many steps first")
     parser.add_argument("--unit", action="store_true", help="eager vs fused codec on one block unit instead")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--block-sizes", default="128", help="--unit: comma-separated block sizes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.unit:
-        unit_codec(args.reps)
+        unit_codec(args.reps, [int(size) for size in args.block_sizes.split(",")])
         return
     values = coded_weights(args)
     print(

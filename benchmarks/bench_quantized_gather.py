@@ -8,8 +8,9 @@ norms and biases kept exact as the default rule does), gathered over every rank 
 way fullshard does it: copy-in (this rank's fp32 shard cast to bf16), then
 
 - bf16: the all-gather, then the copy-out into the unsharded parameters;
-- int8 / float8_e4m3fn: quantize (``QuantizedGather.encode``), the all-gather of the
-  codes, dequantize (``decode``, straight into the bf16 parameters).
+- int8 / float8_e4m3fn: quantize (``QuantizedGather.encode``, into this rank's row of the
+  gather output), the all-gather of the codes, dequantize (``decode``, straight into the
+  bf16 parameters).
 
 The three gathers alternate within each repetition (a barrier before every pass), so
 machine noise hits all alike. Reported: each pass's median and minimum (rank 0), and
@@ -74,10 +75,10 @@ def worker(args: argparse.Namespace) -> None:
         timed("bf16 gather", comm.all_gather, bf16_gathered, staged, group, False)
         timed("bf16 copy-out", layout.copy_out, bf16_gathered, world, outputs)
         for name, codec in codecs.items():
-            packed = codec.encode(staged, layout)
-            gathered = torch.empty(packed.numel() * world, dtype=torch.uint8)
-            timed(f"{name} quantize", codec.encode, staged, layout)
-            timed(f"{name} gather", comm.all_gather, gathered, packed, group, False)
+            gathered = torch.empty(world, codec.packed_numel(layout), dtype=torch.uint8)
+            row = gathered[dist.get_rank()]  # the engine encodes into its row: the gather copies nothing in
+            timed(f"{name} quantize", codec.encode, staged, layout, row)
+            timed(f"{name} gather", comm.all_gather, gathered, row, group, False)
             timed(f"{name} dequantize", codec.decode, gathered, world, layout, outputs)
     results = {
         "world": world,

@@ -273,17 +273,28 @@ def test_prediction_matches_measured_step(strategy, world_size, bf16, front_end,
     assert plan.peak == pytest.approx(peak, rel=0.05)
 
 
+# Blocks of 98,304 coded values per rank at 2 ranks: the fused CPU codec's (see [Note: Fused codec]).
+FUSED_ARGS = ModelArgs(n_layers=2, dim=128, n_heads=4, vocab_size=253, max_seq_len=30)
+
+
 @pytest.mark.parametrize(
-    "code, world_size, bf16", [(torch.int8, 2, False), (torch.float8_e4m3fn, 2, True), (torch.int8, 4, True)]
+    "code, world_size, bf16, args",
+    [
+        (torch.int8, 2, False, ARGS),
+        (torch.float8_e4m3fn, 2, True, ARGS),
+        (torch.int8, 4, True, ARGS),
+        (torch.int8, 2, True, FUSED_ARGS),
+    ],
+    ids=["int8-2", "float8-2-bf16", "int8-4-bf16", "int8-2-bf16-fused"],
 )
-def test_prediction_matches_measured_step_with_quantized_all_gather(code, world_size, bf16):
+def test_prediction_matches_measured_step_with_quantized_all_gather(code, world_size, bf16, args):
     """Weights gathered as codes: the plan's bytes are the comm spy's, its peak within 5% of the step's."""
     measured = run_distributed(
-        measure_step, world_size, ARGS, BATCH, "full", bf16, RANKS_PER_NODE, all_gather_dtype=code
+        measure_step, world_size, args, BATCH, "full", bf16, RANKS_PER_NODE, all_gather_dtype=code
     )
     dtype = torch.bfloat16 if bf16 else None
     config = PlanConfig(
-        ARGS, world_size, "full", batch_size=BATCH, param_dtype=dtype, reduce_dtype=torch.float32 if bf16 else None,
+        args, world_size, "full", batch_size=BATCH, param_dtype=dtype, reduce_dtype=torch.float32 if bf16 else None,
         all_gather_dtype=code, device="cpu",
     )
     plan = estimate(config)

@@ -177,6 +177,39 @@ def test_backward_regather_within_a_smaller_group_is_quantized_too():
 
 
 @distributed(world_size=4)
+def test_codes_are_written_into_the_gather_output_and_arrive_alike_by_either_gloo_way():
+    """Each rank encodes straight into its row of the all-gather output (the collective copies
+    nothing in); gloo's native all-gather (small units, in place) and one broadcast per rank
+    deliver the same bits."""
+    in_place: list[bool] = []
+
+    def check_input(record: comm.CommRecord, tensors: list[torch.Tensor]) -> None:
+        if record.op == "all_gather" and record.dtype == torch.uint8:
+            output, source = tensors
+            row = output.view(record.group_size, -1)[dist.get_rank(record.group)]
+            in_place.append(source.data_ptr() == row.data_ptr())
+
+    used: dict[str, list[torch.Tensor]] = {"native": [], "broadcasts": []}
+    for way, native_up_to in (("native", 1 << 30), ("broadcasts", 0)):
+        default, comm.GLOO_NATIVE_ALL_GATHER_BYTES = comm.GLOO_NATIVE_ALL_GATHER_BYTES, native_up_to
+        remove = comm.add_listener(check_input)
+        try:
+            model = _sharded(NOTHING_EXACT, reshard_after_forward=2)  # the backward re-gathers in pairs
+            for module in model.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    module.register_forward_pre_hook(
+                        lambda m, args, seen=used[way]: seen.append(m.weight.detach().clone())
+                    )
+            _loss(model, _batch(dist.get_rank())).backward()
+        finally:
+            remove()
+            comm.GLOO_NATIVE_ALL_GATHER_BYTES = default  # (the bound also picks the reduce-scatter's way)
+    assert in_place and all(in_place)
+    assert len(used["native"]) == len(used["broadcasts"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(used["native"], used["broadcasts"]))
+
+
+@distributed(world_size=4)
 def test_hybrid_mesh_quantizes_the_shard_group_gather():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     plain, _ = _gathered_bytes(_sharded(None, mesh=mesh))
@@ -184,7 +217,9 @@ def test_hybrid_mesh_quantizes_the_shard_group_gather():
     assert dtypes == {torch.uint8}
     assert coded <= 0.3 * plain  # 1 byte (and a scale per block) instead of fp32's 4
     exact = torch.tensor(_train(_sharded(None, mesh=mesh)))
-    torch.testing.assert_close(torch.tensor(_train(_sharded(AllGatherQuantization(), mesh=mesh))), exact, rtol=1e-2, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(_train(_sharded(AllGatherQuantization(), mesh=mesh))), exact, rtol=1e-2, atol=0
+    )
 
 
 @distributed(world_size=2)

@@ -167,24 +167,33 @@ class AllGather:
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
         with self._copy_stream():  # after the copy-in
-            source = self._encode(source, layout, labels)
-            custom = self.custom
+            custom, codec = self.custom, self.codec
+            if custom is None and codec is not None:  # the codes go straight into this rank's row
+                output = torch.empty(group.size, codec.packed_numel(layout), dtype=torch.uint8, device=self.device)
+                source = self._encode(source, layout, labels, output[group.rank])
+            else:
+                source = self._encode(source, layout, labels)
             with trace.span(labels.all_gather):
                 if custom is None:
                     # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
-                    output = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
+                    if codec is None:
+                        output = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
                     work = comm.all_gather(output, source, group.process_group, async_op=async_op)
                 else:
                     output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
                     work = comm.custom_all_gather(custom, output, source, group.process_group, async_op)
         return AllGatherInFlight(work, source, output, layout, group.size, extended, self.codec)
 
-    def _encode(self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels) -> torch.Tensor:
-        """What goes on the wire: ``source`` itself, or its codes under a quantized all-gather."""
+    def _encode(
+        self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """What goes on the wire: ``source`` itself, or its codes under a quantized all-gather
+        (written ``into`` this rank's row of the output where given: the collective's copy of
+        its own input is then skipped, as the same memory)."""
         if self.codec is None:
             return source
         with trace.span(labels.all_gather_quantize):
-            return self.codec.encode(source, layout)
+            return self.codec.encode(source, layout, into)
 
     def join(self, source: torch.Tensor, layout: Layout, group: GroupInfo, labels: trace.UnitLabels) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch

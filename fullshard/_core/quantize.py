@@ -4,8 +4,8 @@
 A unit's weights cross the wire twice a step (forward and backward gathers). Sent
 as 1-byte codes, each block of ``block_size`` values with its own fp32 scale, they
 cost about half the bytes of bf16 (``(1 + 4 / block_size) / 2``). Each rank packs
-its shard as ``[codes | scales]`` in one uint8 tensor, so one all-gather moves
-both and every rank's chunk has the same size; the gathered chunks are widened
+its shard as ``[codes | scales]`` in one uint8 tensor (its row of the all-gather
+output), so one all-gather moves both and every rank's chunk has the same size; the gathered chunks are widened
 to fp32 and scaled in place, and the copy into the parameters casts them to the
 compute dtype (no intermediate in it). Master weights, gradients and
 optimizer states never see the codes: only the copy the forward computes with.

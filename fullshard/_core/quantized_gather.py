@@ -76,13 +76,14 @@ class QuantizedGather:
         return self._plan(layout).packed_numel
 
     @torch.no_grad()
-    def encode(self, source: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """This rank's chunk on the wire, from ``source`` (1D, one chunk of ``layout``)."""
+    def encode(self, source: torch.Tensor, layout: Layout, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's chunk on the wire, from ``source`` (1D, one chunk of ``layout``), written into
+        ``packed`` (uint8, ``packed_numel``: this rank's row of the all-gather output, so the
+        collective has nothing to copy) or a new tensor."""
         plan = self._plan(layout)
-        packed = torch.empty(plan.packed_numel, dtype=torch.uint8, device=source.device)
-        if self._encode_fused(source, layout, plan, packed):
-            return packed
-        if plan.coded:
+        if packed is None:
+            packed = torch.empty(plan.packed_numel, dtype=torch.uint8, device=source.device)
+        if plan.coded and not self._encode_fused(source, layout, plan, packed):
             # The coded values side by side in fp32 (one pass: the cast rides the copy), zero-padded to whole blocks.
             coded = torch.empty(plan.coded_padded, dtype=torch.float32, device=source.device)
             torch.cat([layout.region(source, i, layout.dtype) for i in plan.coded], out=coded[: plan.coded_numel])
@@ -94,18 +95,14 @@ class QuantizedGather:
         return packed
 
     def _encode_fused(self, source: torch.Tensor, layout: Layout, plan: _Plan, packed: torch.Tensor) -> bool:
-        """``encode`` by the fused codec; False where there is none."""
+        """The coded parameters of ``encode`` by the fused codec, straight into ``packed``;
+        False where there is none."""
         fused = self._fused_codec(layout, plan, source.device)
-        encoded = None if fused is None else fused.encode(source)
-        if encoded is None:
+        if fused is None:
             return False
-        codes, scales = encoded
-        padding = torch.zeros(plan.coded_padded - plan.coded_numel, dtype=torch.uint8, device=source.device)
-        exact = [layout.region(source, i, layout.dtype) for i in plan.exact]
-        parts = [*codes, padding, *scales, *exact]
-        used = plan.coded_bytes + plan.exact_numel * layout.dtype.itemsize
-        torch.cat([part.view(torch.uint8) for part in parts], out=packed[:used])  # one copy into the wire chunk
-        return True
+        codes = packed[: plan.coded_padded].view(self.quantizer.code_dtype)
+        scales = packed[plan.coded_padded : plan.coded_bytes].view(torch.float32)
+        return fused.encode(source, codes, scales)
 
     @torch.no_grad()
     def decode(self, gathered: torch.Tensor, num_chunks: int, layout: Layout, outputs: list[torch.Tensor]) -> None:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._core.fused_codec import MIN_FUSED_VALUES
 from .._core.quantize import BlockQuantizer
 from .config import PlanConfig
 from .units import Unit, gather_codes
@@ -155,14 +156,13 @@ class StepReplay:
         output = 0
         if self.config.shard_size > 1:
             chunk = unit.shard_numel * self.c
-            if self.codes is not None:  # the codes of this rank's chunk, kept until the collective is done
+            if self.codes is not None:  # this rank's codes are written into its row of the output
                 chunk = unit.packed_chunk_bytes(self.codes, self.c)
-                self.tape.alloc(GATHER, chunk)
-                self._transient(self._encode_temporaries(unit, self.codes))
-                staged += chunk
             output = self.config.shard_size * chunk
         self.in_flight[unit.name] = staged + output
         self.tape.alloc(GATHER, output)
+        if self.codes is not None and self.config.shard_size > 1:
+            self._transient(self._encode_temporaries(unit, self.codes))
 
     def wait(self, unit: Unit) -> None:
         """``wait_for_unshard()``: copy-out into the unsharded parameters, then drop the buffers."""
@@ -179,15 +179,24 @@ class StepReplay:
         self.tape.alloc(GATHER, nbytes)
         self.tape.free(GATHER, nbytes)
 
+    def _fused_codec(self, unit: Unit) -> bool:
+        """Whether ``unit`` gets the compiled CPU codec (see [Note: Fused codec])."""
+        return self.config.device == "cpu" and unit.coded_shard_numel() >= MIN_FUSED_VALUES
+
     def _encode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
-        """Quantizing one chunk (``QuantizedGather.encode``): the coded values side by side in
-        fp32, whole blocks (scaled in place)."""
-        return codes.num_blocks(unit.coded_shard_numel()) * codes.block_size * 4
+        """Quantizing one chunk into the all-gather output (``QuantizedGather.encode``): the fused
+        codec holds the blocks' maxima and their scales, the eager one the coded values side by
+        side in fp32, whole blocks (scaled in place)."""
+        num_blocks = codes.num_blocks(unit.coded_shard_numel())
+        return 2 * num_blocks * 4 if self._fused_codec(unit) else num_blocks * codes.block_size * 4
 
     def _decode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
-        """Decoding every chunk (``QuantizedGather.decode``): the fp32 values of the coded
-        parameters (cast into the parameters by the split-copy), and on the CPU a chunk's
-        int32 indices into float8's table of values."""
+        """Decoding every chunk (``QuantizedGather.decode``): nothing for the fused codec (it
+        writes the parameters directly); for the eager one the fp32 values of the coded
+        parameters (cast into the parameters by the split-copy), and on the CPU a chunk's int32
+        indices into float8's table of values."""
+        if self._fused_codec(unit):
+            return 0
         world = self.config.shard_size
         padded = codes.num_blocks(unit.coded_shard_numel()) * codes.block_size
         table_lookup = codes.code_dtype != torch.int8 and self.config.device == "cpu"
