@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import fully_shard
+from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
 from fullshard._core import comm, compat
 from fullshard.models import ModelArgs
 from fullshard.plan import PlanConfig, estimate
@@ -137,6 +137,30 @@ def test_per_rank_memory_matches_plan(world, front_end, strategy, offload):
     # unsharded parameters, the reduce-scatter input in flight) are most of the peak: one unit
     # more or less prefetched, or a buffer held longer or shorter than the plan says, fails here.
     assert plan.peak == pytest.approx(measured["peak"], rel=0.05)
+
+
+@pytest.mark.parametrize("gather", ["bf16", "int8"])
+def test_copy_in_goes_into_the_gather_output_row(gather):
+    """A cast (or coded) all-gather input is this rank's row of the output, no staging buffer of its
+    own: the collective gathers in place, which the native backends take with a flat output."""
+    inputs_in_output: list[bool] = []
+
+    def listener(record: comm.CommRecord, tensors: list[torch.Tensor]) -> None:
+        if record.op == "all_gather":
+            output, source = tensors
+            row = output.view(world, -1)[dist.get_rank()]
+            inputs_in_output.append(source.data_ptr() == row.data_ptr() and source.numel() == row.numel())
+
+    world = 4
+    with fake_world(world), mock.patch.object(comm, "_listeners", [listener]):
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(2)])
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for module in [*model, model]:
+            fully_shard(module, mp_policy=policy)
+        if gather == "int8":
+            set_all_gather_quantization(model, AllGatherQuantization(dtype=torch.int8))
+        model(torch.randn(2, 256)).sum().backward()
+    assert len(inputs_in_output) >= 3 and all(inputs_in_output)  # every unit gathered at least once
 
 
 def test_train_loop_on_a_non_gloo_backend():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,16 @@ class AllGatherInFlight:
     # Parameters whose extension inputs follow the plain regions, in order (see extension.py).
     extended: tuple[ShardParam, ...] = ()
     codec: QuantizedGather | None = None  # the output holds its codes (see quantized_gather.py)
+
+
+class GatherInput(NamedTuple):
+    """What one all-gather sends: this rank's chunk (1D), its layout and the group; ``output``:
+    the gather output when the chunk was copied into its row (``AllGather.input``)."""
+
+    source: torch.Tensor
+    layout: Layout
+    group: GroupInfo
+    output: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,16 +127,24 @@ class AllGather:
         issued (see [Note: Streams] in offload.py)."""
         return offload.on_stream(self.device, offload.ALL_GATHER)
 
-    def input(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
+    def input(self, labels: trace.UnitLabels, group: GroupInfo) -> GatherInput:
         """This rank's shards on the compute device, in the gather dtype (copy-in),
-        and their layout."""
+        and their layout. A copy-in for a plain gather over several ranks goes
+        straight into this rank's row of the gather output (``GatherInput.output``):
+        the collective then has no input of its own to copy, and no staging buffer
+        is allocated (NCCL gathers in place; gloo skips a copy onto itself)."""
         buffers = self.buffers
         shard_buffer, gather_layout = buffers.shard_buffer, buffers.gather_layout
         if buffers.extended:
-            return self._input_with_extensions(labels)
+            return GatherInput(*self._input_with_extensions(labels), group)
         if not buffers.needs_cast and shard_buffer.device == self.device:
-            return shard_buffer, gather_layout
-        staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
+            return GatherInput(shard_buffer, gather_layout, group)
+        output = None
+        if group.size > 1 and self.codec is None and self.custom is None:
+            output = torch.empty(group.size, gather_layout.total, dtype=gather_layout.dtype, device=self.device)
+            staged = output[group.rank]
+        else:
+            staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
         with self._copy_stream(), trace.span(labels.all_gather_copy_in):
             if not buffers.needs_cast or gather_layout.lines_up(buffers.storage_layout):  # one fused cast
                 staged.copy_(shard_buffer, non_blocking=True)
@@ -135,7 +154,7 @@ class AllGather:
                     [buffers.storage_layout.region(shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
                     non_blocking=True,
                 )
-        return staged, gather_layout
+        return GatherInput(staged, gather_layout, group, output)
 
     def _input_with_extensions(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
         """The plain shards (cast) then every extension's inputs, packed as bytes
@@ -159,10 +178,9 @@ class AllGather:
             )
         return staged, layout
 
-    def start(
-        self, source: torch.Tensor, layout: Layout, group: GroupInfo, async_op: bool, labels: trace.UnitLabels
-    ) -> AllGatherInFlight:
-        """Issues the collective over ``group`` (none for a group of one)."""
+    def start(self, gather_input: GatherInput, async_op: bool, labels: trace.UnitLabels) -> AllGatherInFlight:
+        """Issues the collective over ``gather_input.group`` (none for a group of one)."""
+        source, layout, group, output = gather_input
         extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
@@ -176,9 +194,11 @@ class AllGather:
             with trace.span(labels.all_gather):
                 if custom is None:
                     # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
-                    if codec is None:
+                    if output is None:
                         output = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
-                    work = comm.all_gather(output, source, group.process_group, async_op=async_op)
+                        work = comm.all_gather(output, source, group.process_group, async_op=async_op)
+                    else:  # the input is the output's row: gathered flat, the in-place form every backend takes
+                        work = comm.all_gather(output.view(-1), source, group.process_group, async_op=async_op)
                 else:
                     output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
                     work = comm.custom_all_gather(custom, output, source, group.process_group, async_op)
@@ -195,9 +215,10 @@ class AllGather:
         with trace.span(labels.all_gather_quantize):
             return self.codec.encode(source, layout, into)
 
-    def join(self, source: torch.Tensor, layout: Layout, group: GroupInfo, labels: trace.UnitLabels) -> None:
+    def join(self, gather_input: GatherInput, labels: trace.UnitLabels) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
+        source, layout, group, _ = gather_input
         if group.size > 1:
             with self._copy_stream():
                 source = self._encode(source, layout, labels)

@@ -28,10 +28,9 @@ import enum
 import torch
 
 from . import trace
-from .all_gather import AllGather, AllGatherInFlight, PostForwardShard
+from .all_gather import AllGather, AllGatherInFlight, GatherInput, PostForwardShard
 from .buffers import UnitBuffers
 from .common import outside_transforms
-from .layout import Layout
 from .mesh import GroupInfo
 from .spec import UnitSpec
 
@@ -78,7 +77,7 @@ class ParamForms:
             if not buffers.needs_cast and not buffers.extended and not spec.offload:
                 self._alias_unsharded()
                 return
-        self._all_gather = self.gather.start(*self._gather_input(), async_op, spec.labels)
+        self._all_gather = self.gather.start(self._gather_input(), async_op, spec.labels)
 
     def _kept_form_stale(self) -> bool:
         """Whether the shards changed in place since the kept form was gathered (see
@@ -97,13 +96,12 @@ class ParamForms:
             version += param.sharded_param._version
         return version
 
-    def _gather_input(self) -> tuple[torch.Tensor, Layout, GroupInfo]:
+    def _gather_input(self) -> GatherInput:
         """What this unit's all-gather sends (copied in), its layout and its group."""
         kept = self._post_forward_shard
         if kept is not None:
-            return kept.source, kept.layout, kept.group
-        source, layout = self.gather.input(self.spec.labels)
-        return source, layout, self.spec.mesh_info.shard
+            return GatherInput(kept.source, kept.layout, kept.group)
+        return self.gather.input(self.spec.labels, self.spec.mesh_info.shard)
 
     def unshard_needs_collective(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -118,7 +116,7 @@ class ParamForms:
     def join_all_gather(self) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
-        self.gather.join(*self._gather_input(), self.spec.labels)
+        self.gather.join(self._gather_input(), self.spec.labels)
 
     def _alias_unsharded(self) -> None:
         buffers = self.buffers

@@ -147,11 +147,14 @@ class StepReplay:
         if self.alias:
             self.unsharded.add(unit.name)
             return
-        staged = 0  # the all-gather input when it is not the shard buffer itself
-        if self.cast:
-            staged = unit.shard_numel * self.c
-        elif self.config.cpu_offload and self.config.device == "cuda":  # the shards, copied from the host
-            staged = unit.shard_numel * self.orig
+        # The all-gather input when it is not the shard buffer itself, unless a plain gather over
+        # several ranks copies it into its own row of the output (AllGather.input).
+        staged = 0
+        if self.config.shard_size == 1 or self.codes is not None:
+            if self.cast:
+                staged = unit.shard_numel * self.c
+            elif self.config.cpu_offload and self.config.device == "cuda":  # the shards, copied from the host
+                staged = unit.shard_numel * self.orig
         self.tape.alloc(GATHER, staged)
         output = 0
         if self.config.shard_size > 1:
