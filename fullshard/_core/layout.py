@@ -20,7 +20,8 @@ it, the opposite of what the all-gather produces: only a shard group of one
 has that (the unsharded parameters then alias the shard buffer).
 Under mixed precision the cast into the all-gather input is one ``copy_`` of
 the whole shard buffer when the storage and gather layouts line up (one
-dtype each, so the same offsets in elements; ``lines_up``).
+dtype each, so the same offsets in elements; ``lines_up``), written straight
+into this rank's row of the all-gather output (``AllGather.input``).
 Gradients take the reverse path: ``torch._chunk_cat`` lays the unsharded
 gradients out as ``(W, -1)`` blocks, and the reduce-scatter output has the same
 layout as the shard buffer.
