@@ -5,14 +5,13 @@ unevenly and a parameter smaller than W elements (see [Note: Flat layout] in _co
 """
 
 import warnings
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from test_wrapper_sharded_tensor import api, local_dict  # the FSDP namespace of torch or fullshard; LOCAL dicts
 
-import fullshard
 from fullshard.testing import distributed
 
 
@@ -36,16 +35,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.block(self.inp(x)))
-
-
-def api(lib: str) -> tuple[Any, Any]:
-    """(the FSDP namespace, ModuleWrapPolicy) of torch or of fullshard."""
-    if lib == "torch":
-        from torch.distributed import fsdp
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        return fsdp, ModuleWrapPolicy
-    return fullshard, fullshard.wrap.ModuleWrapPolicy
 
 
 def wrapped(lib: str) -> nn.Module:
@@ -100,19 +89,11 @@ def test_flat_param_equals_torchs_flat_shard(world_size):
     distributed(world_size=world_size)(check_equal_to_torch)()
 
 
-def local_state_dict(lib: str, model: nn.Module) -> dict:
-    fsdp, _ = api(lib)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with fsdp.FullyShardedDataParallel.state_dict_type(model, fsdp.StateDictType.LOCAL_STATE_DICT):
-            return model.state_dict()
-
-
 def check_local_state_dicts_load_across() -> None:
     """LOCAL_STATE_DICT holds FSDP1's ShardedTensors (one shard per rank, same offsets and values), so
     each framework loads the other's directly (FSDP1's loader takes exactly one local shard)."""
     models = {lib: trained(lib) for lib in ("torch", "ours")}
-    saved = {lib: local_state_dict(lib, model) for lib, model in models.items()}
+    saved = {lib: local_dict(lib, model) for lib, model in models.items()}
     flat_keys = [k for k in saved["torch"] if k.endswith("_flat_param")]
     assert flat_keys and set(saved["torch"]) == set(saved["ours"])
     for key in flat_keys:
