@@ -237,8 +237,10 @@ def _gathered_bytes(model: nn.Module) -> int:
 
 def _train(model: nn.Module, steps: int = 4) -> list[float]:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batches = [torch.randint(ARGS.vocab_size, (2, 8), generator=torch.Generator().manual_seed(10 * s + dist.get_rank()))
-               for s in range(steps)]
+    batches = [
+        torch.randint(ARGS.vocab_size, (2, 8), generator=torch.Generator().manual_seed(10 * s + dist.get_rank()))
+        for s in range(steps)
+    ]
     return train_steps(model, optim, batches, _loss)
 
 
