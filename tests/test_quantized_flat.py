@@ -23,8 +23,10 @@ from fullshard import (
     ShardingStrategy,
     set_all_gather_quantization,
 )
-from fullshard._core import comm
+from fullshard._core import comm, fused_codec
+from fullshard._core.layout import Layout, flat_pieces
 from fullshard._core.quantize import BlockQuantizer
+from fullshard._core.quantized_gather import QuantizedGather
 from fullshard.api import keeps_exact_by_default
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing import distributed, train_steps
@@ -340,3 +342,41 @@ def test_cpu_offload_sends_and_computes_the_same():
     offloaded_losses, offloaded_params = run(cpu_offload=CPUOffload(offload_params=True))
     assert offloaded_losses == losses
     assert all(torch.equal(a, b) for a, b in zip(offloaded_params, params))
+
+
+def test_fused_codec_gives_the_eager_codecs_bits_on_flat_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled codec (large CPU units) under each rank's own layout: the same wire bytes and
+    decoded parameters as the eager one, every element written (see [Note: Fused codec])."""
+    sizes = [5, 300, 7, 5, 129, 64, 1000, 3]
+    exact = [True, False, True, False, False, False, False, True]
+    world, dtype = 2, torch.bfloat16
+    chunk, pieces = flat_pieces(sizes, world)
+    layouts = [
+        Layout.build([stop - start for start, stop in (p[r] for p in pieces)], [dtype] * 8, flat_chunk=chunk)
+        for r in range(world)
+    ]
+    generator = torch.Generator().manual_seed(0)
+    sources = [(torch.randn(chunk, generator=generator) * 10.0 ** (r - 1)).to(dtype) for r in range(world)]
+
+    def run(codec: QuantizedGather) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each rank's chunk on the wire (the bytes that carry data) and the decoded parameters."""
+        packed = [codec.encode(source, layout) for layout, source in zip(layouts, sources)]
+        plans = [codec._plan(layout) for layout in layouts]
+        wire = [row[: p.coded_bytes + p.exact_numel * dtype.itemsize] for row, p in zip(packed, plans)]
+        outputs = [torch.full((size,), float("nan"), dtype=dtype) for size in sizes]
+        codec.decode(torch.cat(packed), world, layouts[0], outputs)
+        return wire, outputs
+
+    quantizer = BlockQuantizer(torch.int8, 32)
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 1 << 40)
+    eager_wire, eager_params = run(QuantizedGather(quantizer, exact, pieces))
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 0)
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    fused = QuantizedGather(quantizer, exact, pieces)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "quantized all-gather")  # a failed compile warns and falls back: not here
+        fused_wire, fused_params = run(fused)
+    assert all(fused._fused[layout] is not None for layout in layouts)  # every rank's layout ran fused
+    assert all(torch.equal(a, b) for a, b in zip(eager_wire, fused_wire))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(eager_params, fused_params))
+    assert not any(p.isnan().any() for p in fused_params)
