@@ -22,8 +22,8 @@ chunks (the others end in unused bytes), so the all-gather stays one collective
 of equal chunks. Decoding reads each rank's chunk under that rank's layout and
 writes its pieces straight into the unsharded parameters (one decode per rank:
 the ranks' chunks differ in layout, so they cannot share one ``(W, -1)`` view).
-The blocks of the coded values running back to back on each rank, the codes differ
-from those of the row layout's (other elements share a block), not their bounds.
+Blocks group other elements than under per-parameter rows, so the codes differ
+from a ``use_orig_params=True`` run's (other scales); their error bounds do not.
 """
 
 from __future__ import annotations
