@@ -380,3 +380,21 @@ def test_fused_codec_gives_the_eager_codecs_bits_on_flat_pieces(monkeypatch: pyt
     assert all(torch.equal(a, b) for a, b in zip(eager_wire, fused_wire))
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(eager_params, fused_params))
     assert not any(p.isnan().any() for p in fused_params)
+
+
+@distributed(world_size=2)
+def test_a_shard_group_of_one_gathers_nothing_and_computes_exact():
+    """NO_SHARD: each rank holds whole parameters, so nothing is gathered or coded (bf16 compute too)."""
+
+    def run(quantization: AllGatherQuantization | None) -> list[float]:
+        model = _wrap(
+            Net(), sharding_strategy=ShardingStrategy.NO_SHARD, mixed_precision=MixedPrecision(torch.bfloat16)
+        )
+        set_all_gather_quantization(model, quantization)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with comm.record_comms() as records:
+            losses = train_steps(model, optim, [_tokens(10 * s + dist.get_rank()) for s in range(2)], _loss)
+        assert not [r for r in records if r.op == "all_gather"]
+        return losses
+
+    assert run(AllGatherQuantization(block_size=BLOCK)) == run(None)

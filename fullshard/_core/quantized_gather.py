@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fused_codec import FusedCodec, fusable
+from .fused_codec import FusedCodec, fusable, spans
 from .layout import Layout
 from .quantize import BlockQuantizer
 
@@ -61,6 +61,7 @@ class QuantizedGather:
         self.pieces = pieces
         self._plans: dict[Layout, _Plan] = {}  # the gather layout, and the post-forward one (or every rank's)
         self._fused: dict[Layout, FusedCodec | None] = {}
+        self._fused_regions: dict[Layout, list[tuple[int, int, int]]] = {}  # see _cut_regions
         self._rank_layouts: dict[Layout, tuple[Layout, ...]] = {}
 
     def _plan(self, layout: Layout) -> _Plan:
@@ -87,10 +88,22 @@ class QuantizedGather:
         if not plan.coded or not fusable(device, plan.coded_numel):
             return None
         if layout not in self._fused:
-            offsets, sizes = [layout.offsets[i] for i in plan.coded], [layout.sizes[i] for i in plan.coded]
+            regions = self._fused_regions[layout] = self._cut_regions(layout, plan)
+            offsets, sizes = [layout.offsets[i] + start for i, start, _ in regions], [n for _, _, n in regions]
             quantizer = self.quantizer
             self._fused[layout] = FusedCodec.shared(quantizer.code_dtype, quantizer.block_size, offsets, sizes)
         return self._fused[layout]
+
+    def _cut_regions(self, layout: Layout, plan: _Plan) -> list[tuple[int, int, int]]:
+        """The coded regions the fused codec takes as its "parameters": (parameter, start in its region,
+        length). Whole regions, except under a flat layout, whose ranks' pieces start anywhere in a
+        block: cut at the fused codec's spans, so that each is written by one vectorised loop (the
+        codec joins a parameter's several spans with a ``cat``, which compiles to an indexed loop
+        over the whole piece, 2 to 3 times slower); the same arithmetic, the same bits."""
+        if not layout.flat:
+            return [(i, 0, layout.sizes[i]) for i in plan.coded]
+        cuts = spans([layout.sizes[i] for i in plan.coded], self.quantizer.block_size)
+        return [(plan.coded[cut.param], cut.offset, cut.length) for cut in cuts]
 
     def rank_layouts(self, layout: Layout) -> tuple[Layout, ...]:
         """Each shard rank's pieces under the flat ``layout`` (this rank's is ``layout`` itself);
@@ -181,7 +194,11 @@ class QuantizedGather:
         scales_end = scales_start + (plan.coded_bytes - plan.coded_padded)
         codes = chunks[:, :scales_start].view(self.quantizer.code_dtype)
         scales = chunks[:, scales_start:scales_end].view(torch.float32)
-        return fused.decode(codes, scales, [outputs[i] for i in plan.coded])
+        if layout.flat:  # one row: each output is a region of its parameter's piece (see _cut_regions)
+            outputs = [outputs[i][start : start + n] for i, start, n in self._fused_regions[layout]]
+        else:
+            outputs = [outputs[i] for i in plan.coded]
+        return fused.decode(codes, scales, outputs)
 
     @staticmethod
     def _split(
