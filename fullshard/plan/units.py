@@ -13,6 +13,7 @@ elements per rank, padded once at the end (see [Note: Flat layout] there).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -54,14 +55,8 @@ class Unit:
         coded = self.coded_shard_numel()
         return _packed_bytes(code, coded, (self.shard_numel - coded) * compute_bytes)
 
-    def _flat_split(self) -> list[tuple[int, int]]:
-        """Each rank's flat piece as (coded, exact) values."""
-        _, pieces = flat_pieces([rows * row for rows, row in self.shapes], self.shard_size)
-        split = []
-        for rank in range(self.shard_size):
-            held = [(stop - start, keep) for ranges, keep in zip(pieces, self.exact) for start, stop in [ranges[rank]]]
-            split.append((sum(n for n, keep in held if not keep), sum(n for n, keep in held if keep)))
-        return split
+    def _flat_split(self) -> tuple[tuple[int, int], ...]:
+        return _flat_split(self.shapes, self.exact, self.shard_size)
 
     @property
     def shard_numel(self) -> int:
@@ -91,6 +86,19 @@ class Unit:
         if self.flat:
             return self.shard_numel
         return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
+
+
+@functools.cache  # the blocks of a model share theirs; thousands of ranks take a moment
+def _flat_split(
+    shapes: tuple[tuple[int, int], ...], exact: tuple[bool, ...], shard_size: int
+) -> tuple[tuple[int, int], ...]:
+    """Each rank's flat piece as (coded, exact) values."""
+    _, pieces = flat_pieces([rows * row for rows, row in shapes], shard_size)
+    split = []
+    for rank in range(shard_size):
+        held = [(ranges[rank][1] - ranges[rank][0], keep) for ranges, keep in zip(pieces, exact)]
+        split.append((sum(n for n, keep in held if not keep), sum(n for n, keep in held if keep)))
+    return tuple(split)
 
 
 def _packed_bytes(code: BlockQuantizer, coded: int, exact_bytes: int) -> int:
