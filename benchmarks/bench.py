@@ -6,6 +6,7 @@
     python benchmarks/bench.py --frameworks all --json results.json
     python benchmarks/bench.py --frameworks all --mixed-precision bf16
     python benchmarks/bench.py --frameworks fullshard,fullshard-int8,fullshard-float8 --mixed-precision bf16
+    python benchmarks/bench.py --frameworks fullshard-wrapper,fullshard-wrapper-int8,fullshard-wrapper-float8 --mixed-precision bf16
     python benchmarks/bench.py --device cuda --model gpt-1.3b --batch 4 --seq 2048 --mixed-precision bf16
     python benchmarks/bench.py --device cuda --fake-world 8 --model gpt-7b --batch 1 --seq 2048 --mixed-precision bf16
     python benchmarks/bench.py --device cpu --fake-world 8 --model gpt-tiny --steps 1   # smoke check
@@ -30,7 +31,8 @@ hits all alike. Reported per framework:
 - ``fullshard-checked``: fully_shard with execution-order validation on (the
   DETAIL debug level at its lazy initialisation); its ratio to ``fullshard``
   is what the check costs. At other levels the validator does not exist;
-- ``fullshard-int8`` / ``fullshard-float8``: fully_shard with its weights gathered as
+- ``fullshard-int8`` / ``fullshard-float8`` (``fullshard-wrapper-int8`` / ``-float8``: the
+  wrapper, its flat parameters): fully_shard with its weights gathered as
   block-wise codes (``set_all_gather_quantization``, default rule: norms and
   embeddings exact); their rows also show the time per step spent quantizing
   and dequantizing (the profiler's ``fullshard::all_gather_(de)quantize`` ranges);
@@ -78,9 +80,13 @@ COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1", "fullshard-ch
 # debug level, which turns the validator on for good; the level then goes back to the default,
 # so the process groups and every other framework stay unchanged.
 CHECKED = "fullshard-checked"
-# fully_shard with a quantized all-gather (not in "all": its counterpart is fullshard itself)
+# fully_shard, or the wrapper (its flat parameters), with a quantized all-gather (not in "all":
+# the counterpart of each is the same front end gathering in the compute dtype)
 QUANTIZED = {"fullshard-int8": torch.int8, "fullshard-float8": torch.float8_e4m3fn}
+QUANTIZED_WRAPPER = {"fullshard-wrapper-int8": torch.int8, "fullshard-wrapper-float8": torch.float8_e4m3fn}
 COUNTERPART.update(dict.fromkeys(QUANTIZED, "fullshard"))
+COUNTERPART.update(dict.fromkeys(QUANTIZED_WRAPPER, "fullshard-wrapper"))
+QUANTIZED.update(QUANTIZED_WRAPPER)
 CODEC_LABELS = ("fullshard::all_gather_quantize", "fullshard::all_gather_dequantize")
 
 
@@ -193,7 +199,7 @@ def _hybrid_mesh(args: argparse.Namespace):
 def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: list[ByteCounter]) -> nn.Module:
     """``model`` prepared by framework ``name`` for ``args.strategy``."""
     cpu = torch.device("cpu")
-    if name in ("fullshard", "fsdp2", CHECKED, *QUANTIZED):
+    if name in ("fullshard", "fsdp2", CHECKED) or name in QUANTIZED and name not in QUANTIZED_WRAPPER:
         if name != "fsdp2":
             from fullshard import fully_shard
         else:
@@ -215,8 +221,8 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
 
             set_all_gather_quantization(model, AllGatherQuantization(dtype=QUANTIZED[name]))
         return model
-    if name in ("fullshard-wrapper", "fsdp1"):
-        if name == "fullshard-wrapper":
+    if name in ("fullshard-wrapper", "fsdp1", *QUANTIZED_WRAPPER):
+        if name != "fsdp1":
             from fullshard import FSDP, MixedPrecision, ShardingStrategy
             from fullshard.wrap import ModuleWrapPolicy
         else:
@@ -229,8 +235,13 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
             mesh = _hybrid_mesh(args)
             groups = (mesh.get_group("shard"), mesh.get_group("replicate"))
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision else None
-        return FSDP(model, sharding_strategy=ShardingStrategy[strategy], process_group=groups,
-                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=cpu, mixed_precision=mp)
+        model = FSDP(model, sharding_strategy=ShardingStrategy[strategy], process_group=groups,
+                     auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=cpu, mixed_precision=mp)
+        if name in QUANTIZED_WRAPPER:
+            from fullshard import AllGatherQuantization, set_all_gather_quantization
+
+            set_all_gather_quantization(model, AllGatherQuantization(dtype=QUANTIZED[name]))
+        return model
     if name == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel

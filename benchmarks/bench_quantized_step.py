@@ -3,10 +3,12 @@ weights gathered in bf16, int8 and float8, paired step by step, in wall and CPU 
 
     python benchmarks/bench_quantized_step.py --nproc 2 --steps 30
     python benchmarks/bench_quantized_step.py --nproc 4 --steps 20
+    python benchmarks/bench_quantized_step.py --nproc 2 --steps 30 --front-end wrapper   # flat parameters
 
 The three models (identical copies, bf16 compute, fp32 reduction; ``fully_shard`` per block
 and the root, ``set_all_gather_quantization`` with the default rule) train in the same gloo
-ranks. Each round runs one step of each, the order rotating every round, so load that comes
+ranks (``--front-end wrapper``: ``FullyShardedDataParallel`` per block and the root, its
+flat parameters, ``use_orig_params=False``). Each round runs one step of each, the order rotating every round, so load that comes
 and goes (other jobs on the cores) hits all three alike and no one always runs first. Per
 round, each quantized step is divided by the bf16 step of the same round: the median of these
 paired ratios is robust to load that moves between rounds, where bench.py's ratio of medians
@@ -30,7 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
+from fullshard import (
+    AllGatherQuantization,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    fully_shard,
+    set_all_gather_quantization,
+)
+from fullshard.wrap import ModuleWrapPolicy
 from fullshard.models import ModelArgs, Transformer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,12 +49,20 @@ import common  # noqa: E402  (the benchmarks folder is not a package)
 GATHERS = {"bf16": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
 
 
-def sharded(base: nn.Module, code: torch.dtype | None) -> nn.Module:
+def sharded(base: nn.Module, code: torch.dtype | None, front_end: str) -> nn.Module:
     model = copy.deepcopy(base)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    if front_end == "wrapper":
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({type(model.layers[0])}),
+            device_id=torch.device("cpu"),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     if code is not None:
         set_all_gather_quantization(model, AllGatherQuantization(dtype=code))
     return model
@@ -56,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = Transformer(ModelArgs(n_layers=args.layers, vocab_size=256, max_seq_len=args.seq, dim=args.dim, n_heads=8))
-    models = {name: sharded(base, code) for name, code in GATHERS.items()}
+    models = {name: sharded(base, code, args.front_end) for name, code in GATHERS.items()}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     generator = torch.Generator().manual_seed(rank)
     wall: dict[str, list[float]] = {name: [] for name in GATHERS}
@@ -86,7 +104,10 @@ def worker(args: argparse.Namespace) -> None:
 def report(ranks: list[dict], args: argparse.Namespace) -> dict:
     wall = ranks[0]["wall"]  # the barrier before each step: ranks' walls agree to the slowest
     cpu = {name: [sum(r["cpu"][name][i] for r in ranks) for i in range(args.steps)] for name in GATHERS}
-    print(f"bench GPT ({args.layers} x {args.dim}), {args.nproc} gloo ranks, bf16 compute, {args.steps} rounds")
+    print(
+        f"bench GPT ({args.layers} x {args.dim}), {args.front_end}, {args.nproc} gloo ranks, bf16 compute, "
+        f"{args.steps} rounds"
+    )
     print(f"{'gather':<7} {'wall median (s)':>16} {'ratio':>7} {'paired':>7}", end="")
     print(f" {'CPU median (s)':>15} {'ratio':>7} {'paired':>7}")
     result = {}
@@ -111,6 +132,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="measured rounds (one step of each gather)")
+    parser.add_argument("--front-end", choices=["fully_shard", "wrapper"], default="fully_shard")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -121,7 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
         skip = ("nproc", "json", "worker", "out")
-        forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+        forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
         ranks = common.run_ranks(__file__, args.nproc, [*forwarded, "--worker"], out)
     result = report(ranks, args)
     if args.json:

@@ -32,6 +32,10 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
         ValueError: ``module`` holds no unit, or the settings are invalid.
         NotImplementedError: a unit mixes parameter dtypes (no one gather dtype to decode into), or
             holds tensor-subclass parameters (they gather in their own format).
+
+    Under the FSDP1 wrapper's flat parameters (``use_orig_params=False``) each rank's piece of
+    the flat parameter is coded as its own chunk (see [Note: Quantized flat chunks] in
+    ``_core/quantized_gather.py``); ``keep_exact`` still decides per original parameter.
     """
     states = states_below(module)
     if not states:
@@ -53,12 +57,6 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
                 f"set_all_gather_quantization is not yet supported with tensor-subclass parameters, which gather "
                 f"in their own format ({group.spec.name} holds {names}); leave this unit out of `module`"
             )
-        if group.spec.flat_chunk is not None:  # see [Note: Flat layout] in _core/layout.py
-            raise NotImplementedError(
-                f"set_all_gather_quantization is not yet supported with the FSDP1 wrapper's flat parameters "
-                f"({group.spec.name}, use_orig_params=False: their shards cut parameters mid-row, so each rank's "
-                "share of the exact parameters differs); wrap with use_orig_params=True"
-            )
         other_dims = [p.fqn for p in group.spec.params if p.shard_dim != 0]
         if other_dims:
             raise NotImplementedError(
@@ -72,7 +70,18 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
                 f" holds {', '.join(dtypes)}); give its parameters one dtype"
             )
         exact = [_keeps_exact(param, quantization) for param in group.spec.params]
-        group.gather.codec = QuantizedGather(quantizer, exact)
+        group.gather.codec = QuantizedGather(quantizer, exact, _flat_pieces(group.spec.params))
+
+
+def _flat_pieces(params: list[ShardParam]) -> list[list[tuple[int, int]]] | None:
+    """Each parameter's piece on every shard rank under FSDP1's flat layout (see [Note: Quantized
+    flat chunks] in _core/quantized_gather.py), or None for per-parameter rows."""
+    pieces = []
+    for param in params:
+        if param.flat_ranges is None:
+            return None
+        pieces.append(param.flat_ranges)
+    return pieces
 
 
 def _keeps_exact(param: ShardParam, quantization: AllGatherQuantization) -> bool:
@@ -80,4 +89,10 @@ def _keeps_exact(param: ShardParam, quantization: AllGatherQuantization) -> bool
     info = param.module_info
     owners = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
     value = param.sharded_param
+    if tuple(value.shape) != tuple(param.global_size):
+        # The FSDP1 wrapper shows 1D shards (flat pieces, or its use_orig_params=True views): the rule
+        # judges a stand-in of the parameter's own shape, as for fully_shard's DTensors.
+        value = nn.Parameter(
+            torch.empty(param.global_size, dtype=value.dtype, device="meta"), requires_grad=value.requires_grad
+        )
     return any(quantization.keep_exact(module, name, value) for module, name in owners)

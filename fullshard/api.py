@@ -250,7 +250,9 @@ class AllGatherQuantization:
             more exact and send more scales (``4 / block_size`` bytes a value).
         keep_exact: ``(module, name, param) -> bool``, True for a parameter to
             gather exact; ``module`` is the one that registers it as ``name``
-            (any of them for a shared parameter).
+            (any of them for a shared parameter); ``param`` has the parameter's
+            own shape (under the FSDP1 wrapper, whose shards are 1D, a meta-device
+            stand-in of that shape).
     """
 
     dtype: torch.dtype = torch.int8

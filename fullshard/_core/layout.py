@@ -42,6 +42,8 @@ A parameter's piece on a rank is then a 1D range of its elements, possibly
 empty, possibly starting mid-row (``flat_pieces``); the shard buffer is this
 rank's pieces back to back plus the end padding (``Layout.flat``), and the
 all-gather output IS the concatenation: copy-out is one split of its front.
+A quantized all-gather codes each rank's pieces under that rank's own layout
+(see [Note: Quantized flat chunks] in quantized_gather.py).
 
 A ``Layout`` records offsets in elements of its dtype. Parameters of different
 dtypes in one unit share a ``uint8`` layout counted in bytes, each offset

@@ -9,6 +9,21 @@ scatters the values, like ``Layout.copy_out``, straight into the unsharded
 parameters: one split-copy for the coded ones, one for the exact ones. Large
 units on the CPU run the same arithmetic compiled into fused loops instead
 (see [Note: Fused codec] in fused_codec.py).
+
+[Note: Quantized flat chunks]
+Under FSDP1's flat layout (see [Note: Flat layout] in layout.py) rank ``r``'s
+chunk holds a different run of elements of the same parameters: a parameter's
+piece may be empty, start mid-row, or split a coded parameter from an exact one
+anywhere in the chunk. Each rank's chunk is therefore encoded as above under its
+own layout, the pieces it holds (``rank_layouts``, computed once per gather
+layout from the pieces every rank holds): its coded pieces back to back in
+blocks, their scales, its exact pieces. Every rank sends the longest of these
+chunks (the others end in unused bytes), so the all-gather stays one collective
+of equal chunks. Decoding reads each rank's chunk under that rank's layout and
+writes its pieces straight into the unsharded parameters (one decode per rank:
+the ranks' chunks differ in layout, so they cannot share one ``(W, -1)`` view).
+Blocks group other elements than under per-parameter rows, so the codes differ
+from a ``use_orig_params=True`` run's (other scales); their error bounds do not.
 """
 
 from __future__ import annotations
@@ -17,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fused_codec import FusedCodec, fusable
+from .fused_codec import FusedCodec, fusable, spans
 from .layout import Layout
 from .quantize import BlockQuantizer
 
@@ -37,19 +52,26 @@ class _Plan(NamedTuple):
 class QuantizedGather:
     """Encodes and decodes one unit's all-gather; ``exact[i]`` keeps parameter i's values as they are."""
 
-    def __init__(self, quantizer: BlockQuantizer, exact: list[bool]) -> None:
+    def __init__(
+        self, quantizer: BlockQuantizer, exact: list[bool], pieces: list[list[tuple[int, int]]] | None = None
+    ) -> None:
         self.quantizer = quantizer
         self.exact = exact
-        self._plans: dict[Layout, _Plan] = {}  # the gather layout, and the post-forward one
+        # Under a flat layout: per parameter, each shard rank's (start, stop) of its flattened elements.
+        self.pieces = pieces
+        self._plans: dict[Layout, _Plan] = {}  # the gather layout, and the post-forward one (or every rank's)
         self._fused: dict[Layout, FusedCodec | None] = {}
+        self._fused_regions: dict[Layout, list[tuple[int, int, int]]] = {}  # see _cut_regions
+        self._rank_layouts: dict[Layout, tuple[Layout, ...]] = {}
 
     def _plan(self, layout: Layout) -> _Plan:
         plan = self._plans.get(layout)
         if plan is None:
             if layout.dtype == torch.uint8:
                 raise AssertionError("a quantized all-gather needs a unit of one dtype (checked when it is set)")
-            coded = [i for i, keep in enumerate(self.exact) if not keep]
-            exact = [i for i, keep in enumerate(self.exact) if keep]
+            # Only regions with values: a flat layout's rank may hold no piece of a parameter.
+            coded = [i for i, keep in enumerate(self.exact) if not keep and layout.sizes[i]]
+            exact = [i for i, keep in enumerate(self.exact) if keep and layout.sizes[i]]
             coded_numel = sum(layout.sizes[i] for i in coded)
             coded_padded = self.quantizer.num_blocks(coded_numel) * self.quantizer.block_size
             coded_bytes = self.quantizer.packed_numel(coded_numel) if coded else 0
@@ -66,13 +88,46 @@ class QuantizedGather:
         if not plan.coded or not fusable(device, plan.coded_numel):
             return None
         if layout not in self._fused:
-            offsets, sizes = [layout.offsets[i] for i in plan.coded], [layout.sizes[i] for i in plan.coded]
+            regions = self._fused_regions[layout] = self._cut_regions(layout, plan)
+            offsets, sizes = [layout.offsets[i] + start for i, start, _ in regions], [n for _, _, n in regions]
             quantizer = self.quantizer
             self._fused[layout] = FusedCodec.shared(quantizer.code_dtype, quantizer.block_size, offsets, sizes)
         return self._fused[layout]
 
+    def _cut_regions(self, layout: Layout, plan: _Plan) -> list[tuple[int, int, int]]:
+        """The coded regions the fused codec takes as its "parameters": (parameter, start in its region,
+        length). Whole regions, except under a flat layout, whose ranks' pieces start anywhere in a
+        block: cut at the fused codec's spans, so that each is written by one vectorised loop (the
+        codec joins a parameter's several spans with a ``cat``, which compiles to an indexed loop
+        over the whole piece, 2 to 3 times slower); the same arithmetic, the same bits."""
+        if not layout.flat:
+            return [(i, 0, layout.sizes[i]) for i in plan.coded]
+        cuts = spans([layout.sizes[i] for i in plan.coded], self.quantizer.block_size)
+        return [(plan.coded[cut.param], cut.offset, cut.length) for cut in cuts]
+
+    def rank_layouts(self, layout: Layout) -> tuple[Layout, ...]:
+        """Each shard rank's pieces under the flat ``layout`` (this rank's is ``layout`` itself);
+        see [Note: Quantized flat chunks]."""
+        layouts = self._rank_layouts.get(layout)
+        if layouts is None:
+            if self.pieces is None or not layout.flat:
+                raise AssertionError("a flat gather layout's codec needs every rank's pieces")
+            num_ranks = len(self.pieces[0])
+            layouts = tuple(
+                Layout.build(
+                    [ranges[rank][1] - ranges[rank][0] for ranges in self.pieces],
+                    [layout.dtype] * len(self.pieces),
+                    flat_chunk=layout.total,
+                )
+                for rank in range(num_ranks)
+            )
+            self._rank_layouts[layout] = layouts
+        return layouts
+
     def packed_numel(self, layout: Layout) -> int:
-        """Bytes each rank sends for one chunk of ``layout``."""
+        """Bytes each rank sends for one chunk of ``layout`` (the longest rank's under a flat one)."""
+        if layout.flat:
+            return max(self._plan(rank_layout).packed_numel for rank_layout in self.rank_layouts(layout))
         return self._plan(layout).packed_numel
 
     @torch.no_grad()
@@ -82,7 +137,7 @@ class QuantizedGather:
         collective has nothing to copy) or a new tensor."""
         plan = self._plan(layout)
         if packed is None:
-            packed = torch.empty(plan.packed_numel, dtype=torch.uint8, device=source.device)
+            packed = torch.empty(self.packed_numel(layout), dtype=torch.uint8, device=source.device)
         if plan.coded and not self._encode_fused(source, layout, plan, packed):
             # The coded values side by side in fp32 (one pass: the cast rides the copy), zero-padded to whole blocks.
             coded = torch.empty(plan.coded_padded, dtype=torch.float32, device=source.device)
@@ -107,9 +162,22 @@ class QuantizedGather:
     @torch.no_grad()
     def decode(self, gathered: torch.Tensor, num_chunks: int, layout: Layout, outputs: list[torch.Tensor]) -> None:
         """Fills ``outputs`` (each parameter's padded unsharded storage, ``num_chunks`` chunks of its
-        region) from the gathered chunks: the same scatter as ``Layout.copy_out``, from codes."""
-        plan = self._plan(layout)
+        region) from the gathered chunks: the same scatter as ``Layout.copy_out``, from codes.
+        Under a flat layout ``outputs[i]`` is parameter i, whose pieces every rank's chunk
+        fills (see [Note: Quantized flat chunks])."""
         chunks = gathered.view(num_chunks, -1)
+        if not layout.flat:
+            self._decode_chunks(chunks, layout, outputs)
+            return
+        if self.pieces is None or len(self.pieces[0]) != num_chunks:
+            raise AssertionError(f"a flat gather of {num_chunks} chunks needs each rank's pieces")
+        for rank, rank_layout in enumerate(self.rank_layouts(layout)):
+            pieces = [output[ranges[rank][0] : ranges[rank][1]] for output, ranges in zip(outputs, self.pieces)]
+            self._decode_chunks(chunks[rank : rank + 1], rank_layout, pieces)
+
+    def _decode_chunks(self, chunks: torch.Tensor, layout: Layout, outputs: list[torch.Tensor]) -> None:
+        """``decode`` of chunks that share ``layout`` (one row each)."""
+        num_chunks, plan = chunks.size(0), self._plan(layout)
         if plan.coded and not self._decode_fused(chunks, layout, plan, outputs):
             values = self.quantizer.decode(chunks[:, : plan.coded_bytes], plan.coded_numel)
             self._split(values, layout, plan.coded, outputs, num_chunks)
@@ -126,7 +194,11 @@ class QuantizedGather:
         scales_end = scales_start + (plan.coded_bytes - plan.coded_padded)
         codes = chunks[:, :scales_start].view(self.quantizer.code_dtype)
         scales = chunks[:, scales_start:scales_end].view(torch.float32)
-        return fused.decode(codes, scales, [outputs[i] for i in plan.coded])
+        if layout.flat:  # one row: each output is a region of its parameter's piece (see _cut_regions)
+            outputs = [outputs[i][start : start + n] for i, start, n in self._fused_regions[layout]]
+        else:
+            outputs = [outputs[i] for i in plan.coded]
+        return fused.decode(codes, scales, outputs)
 
     @staticmethod
     def _split(

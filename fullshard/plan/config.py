@@ -77,11 +77,6 @@ class PlanConfig:
             raise ValueError(
                 f"PlanConfig expects dim divisible by n_heads but got {self.model.dim} and {self.model.n_heads}"
             )
-        if self.flat_params and self.all_gather_dtype is not None:
-            raise ValueError(
-                "PlanConfig: a quantized all-gather is not supported with flat parameters "
-                "(set_all_gather_quantization raises for use_orig_params=False units); drop one of the two"
-            )
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"PlanConfig expects device 'cuda' or 'cpu' but got {self.device!r}")
 

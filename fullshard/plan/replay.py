@@ -196,11 +196,11 @@ class StepReplay:
     def _decode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
         """Decoding every chunk (``QuantizedGather.decode``): nothing for the fused codec (it
         writes the parameters directly); for the eager one the fp32 values of the coded
-        parameters (cast into the parameters by the split-copy), and on the CPU a chunk's int32
-        indices into float8's table of values."""
+        parameters (cast into the parameters by the split-copy; a flat unit's one rank's chunk at
+        a time), and on the CPU a chunk's int32 indices into float8's table of values."""
         if self._fused_codec(unit):
             return 0
-        world = self.config.shard_size
+        world = 1 if unit.flat else self.config.shard_size
         padded = codes.num_blocks(unit.coded_shard_numel()) * codes.block_size
         table_lookup = codes.code_dtype != torch.int8 and self.config.device == "cpu"
         return world * padded * 4 + (padded * 4 if table_lookup else 0)

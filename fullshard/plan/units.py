@@ -13,9 +13,11 @@ elements per rank, padded once at the end (see [Note: Flat layout] there).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
+from .._core.layout import flat_pieces
 from .._core.quantize import BlockQuantizer
 from ..models.transformer import ModelArgs
 from .config import PlanConfig
@@ -38,14 +40,23 @@ class Unit:
         return -(-rows // self.shard_size) * row
 
     def coded_shard_numel(self) -> int:
-        """This rank's values of the parameters a quantized all-gather codes."""
+        """This rank's values of the parameters a quantized all-gather codes (a flat unit's: the
+        most any rank's piece holds)."""
+        if self.flat:
+            return max(coded for coded, _ in self._flat_split())
         return sum(self._chunk_numel(i) for i, keep in enumerate(self.exact) if not keep)
 
     def packed_chunk_bytes(self, code: BlockQuantizer, compute_bytes: int) -> int:
-        """One rank's chunk of a quantized all-gather: codes and scales, then the exact values."""
+        """One rank's chunk of a quantized all-gather: codes and scales, then the exact values (a
+        flat unit's: the longest rank's, which every rank sends; see [Note: Quantized flat chunks]
+        in ``fullshard/_core/quantized_gather.py``)."""
+        if self.flat:
+            return max(_packed_bytes(code, coded, exact * compute_bytes) for coded, exact in self._flat_split())
         coded = self.coded_shard_numel()
-        exact = (self.shard_numel - coded) * compute_bytes
-        return -(-((code.packed_numel(coded) if coded else 0) + exact) // 4) * 4  # chunks start 4-aligned
+        return _packed_bytes(code, coded, (self.shard_numel - coded) * compute_bytes)
+
+    def _flat_split(self) -> tuple[tuple[int, int], ...]:
+        return _flat_split(self.shapes, self.exact, self.shard_size)
 
     @property
     def shard_numel(self) -> int:
@@ -75,6 +86,23 @@ class Unit:
         if self.flat:
             return self.shard_numel
         return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
+
+
+@functools.cache  # the blocks of a model share theirs; thousands of ranks take a moment
+def _flat_split(
+    shapes: tuple[tuple[int, int], ...], exact: tuple[bool, ...], shard_size: int
+) -> tuple[tuple[int, int], ...]:
+    """Each rank's flat piece as (coded, exact) values."""
+    _, pieces = flat_pieces([rows * row for rows, row in shapes], shard_size)
+    split = []
+    for rank in range(shard_size):
+        held = [(ranges[rank][1] - ranges[rank][0], keep) for ranges, keep in zip(pieces, exact)]
+        split.append((sum(n for n, keep in held if not keep), sum(n for n, keep in held if keep)))
+    return tuple(split)
+
+
+def _packed_bytes(code: BlockQuantizer, coded: int, exact_bytes: int) -> int:
+    return -(-((code.packed_numel(coded) if coded else 0) + exact_bytes) // 4) * 4  # chunks start 4-aligned
 
 
 def model_units(args: ModelArgs, shard_size: int, flat: bool = False) -> list[Unit]:
