@@ -165,17 +165,17 @@ class ParamForms:
             return
         if self.spec.presentation.refuses_unsharded_data_assignment and self.is_unsharded:
             self._refuse_unsharded_data_assignment()
-        with trace.span(self.spec.labels.reshard):
-            for param in self.spec.params:
-                if param.aliases_shard:
-                    continue
-                param.free_unsharded()
-            for param in self.spec.params:
-                param.to_sharded()
+        trace.call(self.spec.labels.reshard, self._free_and_register_shards)
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self._gathered_version = None
         self.sharded_state = ShardedState.SHARDED
+
+    def _free_and_register_shards(self) -> None:
+        for param in self.spec.params:
+            if not param.aliases_shard:
+                param.free_unsharded()
+            param.to_sharded()
 
     def _refuse_unsharded_data_assignment(self) -> None:
         assigned = [p.fqn for p in self.spec.params if p.unsharded_data_assigned()]
