@@ -17,8 +17,10 @@ process(es) and their steps alternate, so machine noise hits all alike:
 
 Reported per framework: the median (and min-max) over ``--steps`` of the step,
 its forward, backward and optimizer step (wall time; on gloo a barrier before
-each step), the step's time per unit, and the ratios fullshard / FSDP2 and
-wrapper / FSDP1. Then a per-stage breakdown of ``--profile-steps`` steps under
+each step), the step's CPU time (``time.process_time``: every thread of the
+process, gloo's included; on a loaded machine it leaves out the time a rank
+waited for a core, though not the time it waited for its peer), the step's time
+per unit, and the ratios fullshard / FSDP2 and wrapper / FSDP1 (wall and CPU). Then a per-stage breakdown of ``--profile-steps`` steps under
 ``torch.profiler`` (with Python stacks, so the absolute times are inflated; the
 shares are what counts): every event's own CPU time goes to the innermost
 category among its callers, so an allocation inside a hook counts as an
@@ -62,6 +64,7 @@ import common  # noqa: E402  (the benchmarks folder is not a package)
 FRAMEWORKS = ("local", "fullshard", "fsdp2", "fullshard-wrapper", "fsdp1")
 COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1"}
 PHASES = ("step", "forward", "backward", "optimizer")
+MEASURES = (*PHASES, "cpu")  # cpu: the step's process CPU time
 
 
 class Unit(nn.Module):
@@ -128,22 +131,23 @@ class Trainer:
         self.model = build(name, model, world)
         self.optim = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.barrier = barrier
-        self.times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        self.times: dict[str, list[float]] = {measure: [] for measure in MEASURES}
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, record: bool) -> None:
         self.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = self.model(x).square().mean()
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
         self.optim.step()
         self.optim.zero_grad()
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), time.process_time()
         if record:
-            for phase, seconds in zip(PHASES, (end - start, forward - start, backward - forward, end - backward)):
-                self.times[phase].append(seconds)
+            spans = (end - start, forward - start, backward - forward, end - backward, cpu_end - cpu_start)
+            for measure, seconds in zip(MEASURES, spans):
+                self.times[measure].append(seconds)
             self.losses.append(loss.item())
 
 
@@ -226,7 +230,7 @@ def measure(args: argparse.Namespace) -> dict:
                 trainer.step(x, record=index >= args.warmup)
         result: dict = {"world": world, "backend": "fake" if args.fake_world else "gloo", "frameworks": {}}
         for trainer in trainers:
-            entry: dict = {phase: _stats(trainer.times[phase]) for phase in PHASES}
+            entry: dict = {measure: _stats(trainer.times[measure]) for measure in MEASURES}
             entry["first_losses"] = trainer.losses[:3]
             if args.profile_steps:
                 entry["breakdown"] = breakdown(trainer, x, args.profile_steps)
@@ -245,10 +249,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
     where = f"fake world {result['world']}" if result["backend"] == "fake" else f"gloo, {result['world']} ranks"
     print(f"\n{args.units} units of Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, SGD; {where}; "
           f"median (min-max) of {args.steps} steps, torch {torch.__version__}")
-    print("| framework | step ms | forward ms | backward ms | optimizer ms | per unit and step |")
-    print("|---|---|---|---|---|---|")
+    print("| framework | step ms | forward ms | backward ms | optimizer ms | CPU ms | per unit and step |")
+    print("|---|---|---|---|---|---|---|")
     for name, entry in frameworks.items():
-        cells = [f"{entry[p]['median']:.1f} ({entry[p]['min']:.1f}-{entry[p]['max']:.1f})" for p in PHASES]
+        cells = [f"{entry[p]['median']:.1f} ({entry[p]['min']:.1f}-{entry[p]['max']:.1f})" for p in MEASURES]
         per_unit = entry["step"]["median"] / args.units * 1e3
         print(f"| {name} | {' | '.join(cells)} | {per_unit:.0f} us |")
     for ours, theirs in COUNTERPART.items():
@@ -259,7 +263,8 @@ def report(result: dict, args: argparse.Namespace) -> None:
                 plain = frameworks["local"]["step"]["median"]
                 over = (frameworks[ours]["step"]["median"] - plain) / (frameworks[theirs]["step"]["median"] - plain)
                 line += f", overhead above the plain model {over:.3f}x"
-            print(line)
+            cpu = frameworks[ours]["cpu"]["median"] / frameworks[theirs]["cpu"]["median"]
+            print(f"{line}; CPU time {cpu:.3f}x")
     if not args.profile_steps:
         return
     categories = [c for c, _ in _CATEGORIES] + ["model + optimizer"]

@@ -15,7 +15,7 @@ def test_fake_world_smoke():
     assert list(result["frameworks"]) == list(bench_units.FRAMEWORKS)
     # (the fake group moves no data, so the sharded frameworks' losses are not the plain model's)
     for name, entry in result["frameworks"].items():
-        assert entry["step"]["median"] > 0 and len(entry["first_losses"]) == 2
+        assert entry["step"]["median"] > 0 and entry["cpu"]["median"] > 0 and len(entry["first_losses"]) == 2
         categories = entry["breakdown"]["by_category"]
         assert sum(categories.values()) > 0 and categories["model + optimizer"] > 0
         if name == "fullshard":  # our profiler labels, see [Note: Profiler labels]
