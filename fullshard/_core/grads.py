@@ -208,11 +208,13 @@ def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
 
 def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
     unsharded = param.unsharded_param
-    if unsharded is None or unsharded.grad is None:
+    if unsharded is None:
         return None
     grad = unsharded.grad
+    if grad is None:
+        return None
     unsharded.grad = None
-    return _local_grad(param, grad)
+    return _local_grad(param, grad) if isinstance(grad, DTensor) else grad
 
 
 def _local_grad(param: ShardParam, grad: torch.Tensor) -> torch.Tensor:
