@@ -45,9 +45,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import cProfile
 import json
 import os
+import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +95,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="override comm.GLOO_NATIVE_ALL_GATHER_BYTES (0: every all-gather by broadcasts)")
     parser.add_argument("--gloo-reduce-scatter-bytes", type=int, default=None,
                         help="override comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES (0: every reduce-scatter by all-reduce)")
+    parser.add_argument("--count-steps", type=int, default=0,
+                        help="also count Python and builtin calls per unit and step over this many steps (cProfile)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="with --count-steps, under `valgrind --tool=callgrind --instr-atstart=no`: count "
+                             "instructions of those steps instead (callgrind's Collected / steps; one framework), no cProfile")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a rank's result file (gloo)
     args = parser.parse_args(argv)
@@ -188,6 +196,27 @@ def breakdown(trainer: Trainer, x: torch.Tensor, steps: int) -> dict:
     return {"by_category": by_category, "by_label": by_label}
 
 
+def count(trainer: Trainer, x: torch.Tensor, steps: int, units: int, callgrind: bool) -> dict:
+    """Python and builtin calls per unit and step (deterministic: immune to the machine's load),
+    or, under ``--callgrind``, the steps with callgrind's instruction counting switched on."""
+    if callgrind:
+        switch = ["callgrind_control", "-i"]
+        subprocess.run([*switch, "on", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+        for _ in range(steps):
+            trainer.step(x, record=False)
+        subprocess.run([*switch, "off", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+        return {}
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        trainer.step(x, record=False)
+    profile.disable()
+    calls = {"python": 0, "builtin": 0}
+    for (filename, _, _), (_, num_calls, _, _, _) in pstats.Stats(profile).stats.items():
+        calls["builtin" if filename == "~" else "python"] += num_calls
+    return {kind: num / (steps * (units + 1)) for kind, num in calls.items()}
+
+
 # -- one process (fake group or one gloo rank) ---------------------------------------
 @contextlib.contextmanager
 def process_group(args: argparse.Namespace) -> Iterator[tuple[int, Callable[[], None]]]:
@@ -234,6 +263,8 @@ def measure(args: argparse.Namespace) -> dict:
             entry["first_losses"] = trainer.losses[:3]
             if args.profile_steps:
                 entry["breakdown"] = breakdown(trainer, x, args.profile_steps)
+            if args.count_steps:
+                entry["calls"] = count(trainer, x, args.count_steps, args.units, args.callgrind)
             result["frameworks"][trainer.name] = entry
         return result
 
@@ -265,6 +296,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
                 line += f", overhead above the plain model {over:.3f}x"
             cpu = frameworks[ours]["cpu"]["median"] / frameworks[theirs]["cpu"]["median"]
             print(f"{line}; CPU time {cpu:.3f}x")
+    for name, entry in frameworks.items():
+        if entry.get("calls"):
+            calls = entry["calls"]
+            print(f"{name}: {calls['python']:.1f} Python and {calls['builtin']:.1f} builtin calls per unit and step")
     if not args.profile_steps:
         return
     categories = [c for c, _ in _CATEGORIES] + ["model + optimizer"]
@@ -295,7 +330,7 @@ def main(argv: list[str]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             # the ranks' own arguments, without --nproc (torchrun would take it for --nproc-per-node)
             ranks_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps",
+                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps", "count_steps",
                                    "gloo_all_gather_bytes", "gloo_reduce_scatter_bytes") and v is not None]
             ranks_argv.append("--frameworks=" + ",".join(args.frameworks))
             result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),
