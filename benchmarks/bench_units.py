@@ -20,7 +20,10 @@ its forward, backward and optimizer step (wall time; on gloo a barrier before
 each step), the step's CPU time (``time.process_time``: every thread of the
 process, gloo's included; on a loaded machine it leaves out the time a rank
 waited for a core, though not the time it waited for its peer), the step's time
-per unit, and the ratios fullshard / FSDP2 and wrapper / FSDP1 (wall and CPU). Then a per-stage breakdown of ``--profile-steps`` steps under
+per unit, and the ratios fullshard / FSDP2 and wrapper / FSDP1 (wall and CPU).
+``--count-steps N`` adds the Python and builtin calls per unit and step (cProfile:
+deterministic, immune to load), or with ``--callgrind`` the instructions of those
+steps. Then a per-stage breakdown of ``--profile-steps`` steps under
 ``torch.profiler`` (with Python stacks, so the absolute times are inflated; the
 shares are what counts): every event's own CPU time goes to the innermost
 category among its callers, so an allocation inside a hook counts as an
@@ -98,8 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--count-steps", type=int, default=0,
                         help="also count Python and builtin calls per unit and step over this many steps (cProfile)")
     parser.add_argument("--callgrind", action="store_true",
-                        help="with --count-steps, under `valgrind --tool=callgrind --instr-atstart=no`: count "
-                             "instructions of those steps instead (callgrind's Collected / steps; one framework), no cProfile")
+                        help="with --count-steps, under `valgrind --tool=callgrind --instr-atstart=no`: count the "
+                             "instructions of those steps instead (callgrind's Collected / steps; one framework)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a rank's result file (gloo)
     args = parser.parse_args(argv)
