@@ -17,8 +17,13 @@ process(es) and their steps alternate, so machine noise hits all alike:
 
 Reported per framework: the median (and min-max) over ``--steps`` of the step,
 its forward, backward and optimizer step (wall time; on gloo a barrier before
-each step), the step's time per unit, and the ratios fullshard / FSDP2 and
-wrapper / FSDP1. Then a per-stage breakdown of ``--profile-steps`` steps under
+each step), the step's CPU time (``time.process_time``: every thread of the
+process, gloo's included; on a loaded machine it leaves out the time a rank
+waited for a core, though not the time it waited for its peer), the step's time
+per unit, and the ratios fullshard / FSDP2 and wrapper / FSDP1 (wall and CPU).
+``--count-steps N`` adds the Python and builtin calls per unit and step (cProfile:
+deterministic, immune to load), or with ``--callgrind`` the instructions of those
+steps. Then a per-stage breakdown of ``--profile-steps`` steps under
 ``torch.profiler`` (with Python stacks, so the absolute times are inflated; the
 shares are what counts): every event's own CPU time goes to the innermost
 category among its callers, so an allocation inside a hook counts as an
@@ -43,9 +48,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import cProfile
 import json
 import os
+import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +70,7 @@ import common  # noqa: E402  (the benchmarks folder is not a package)
 FRAMEWORKS = ("local", "fullshard", "fsdp2", "fullshard-wrapper", "fsdp1")
 COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1"}
 PHASES = ("step", "forward", "backward", "optimizer")
+MEASURES = (*PHASES, "cpu")  # cpu: the step's process CPU time
 
 
 class Unit(nn.Module):
@@ -89,6 +98,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="override comm.GLOO_NATIVE_ALL_GATHER_BYTES (0: every all-gather by broadcasts)")
     parser.add_argument("--gloo-reduce-scatter-bytes", type=int, default=None,
                         help="override comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES (0: every reduce-scatter by all-reduce)")
+    parser.add_argument("--count-steps", type=int, default=0,
+                        help="also count Python and builtin calls per unit and step over this many steps (cProfile)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="with --count-steps, under `valgrind --tool=callgrind --instr-atstart=no`: count the "
+                             "instructions of those steps instead (callgrind's Collected / steps; one framework)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a rank's result file (gloo)
     args = parser.parse_args(argv)
@@ -128,22 +142,23 @@ class Trainer:
         self.model = build(name, model, world)
         self.optim = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.barrier = barrier
-        self.times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        self.times: dict[str, list[float]] = {measure: [] for measure in MEASURES}
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, record: bool) -> None:
         self.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = self.model(x).square().mean()
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
         self.optim.step()
         self.optim.zero_grad()
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), time.process_time()
         if record:
-            for phase, seconds in zip(PHASES, (end - start, forward - start, backward - forward, end - backward)):
-                self.times[phase].append(seconds)
+            spans = (end - start, forward - start, backward - forward, end - backward, cpu_end - cpu_start)
+            for measure, seconds in zip(MEASURES, spans):
+                self.times[measure].append(seconds)
             self.losses.append(loss.item())
 
 
@@ -182,6 +197,27 @@ def breakdown(trainer: Trainer, x: torch.Tensor, steps: int) -> dict:
             label = event.name.split("(")[0].split(" for ")[0].strip()
             by_label[label] = by_label.get(label, 0.0) + event.cpu_time_total / 1e3 / steps
     return {"by_category": by_category, "by_label": by_label}
+
+
+def count(trainer: Trainer, x: torch.Tensor, steps: int, units: int, callgrind: bool) -> dict:
+    """Python and builtin calls per unit and step (deterministic: immune to the machine's load),
+    or, under ``--callgrind``, the steps with callgrind's instruction counting switched on."""
+    if callgrind:
+        switch = ["callgrind_control", "-i"]
+        subprocess.run([*switch, "on", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+        for _ in range(steps):
+            trainer.step(x, record=False)
+        subprocess.run([*switch, "off", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+        return {}
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        trainer.step(x, record=False)
+    profile.disable()
+    calls = {"python": 0, "builtin": 0}
+    for (filename, _, _), (_, num_calls, _, _, _) in pstats.Stats(profile).stats.items():
+        calls["builtin" if filename == "~" else "python"] += num_calls
+    return {kind: num / (steps * (units + 1)) for kind, num in calls.items()}
 
 
 # -- one process (fake group or one gloo rank) ---------------------------------------
@@ -226,10 +262,12 @@ def measure(args: argparse.Namespace) -> dict:
                 trainer.step(x, record=index >= args.warmup)
         result: dict = {"world": world, "backend": "fake" if args.fake_world else "gloo", "frameworks": {}}
         for trainer in trainers:
-            entry: dict = {phase: _stats(trainer.times[phase]) for phase in PHASES}
+            entry: dict = {measure: _stats(trainer.times[measure]) for measure in MEASURES}
             entry["first_losses"] = trainer.losses[:3]
             if args.profile_steps:
                 entry["breakdown"] = breakdown(trainer, x, args.profile_steps)
+            if args.count_steps:
+                entry["calls"] = count(trainer, x, args.count_steps, args.units, args.callgrind)
             result["frameworks"][trainer.name] = entry
         return result
 
@@ -245,10 +283,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
     where = f"fake world {result['world']}" if result["backend"] == "fake" else f"gloo, {result['world']} ranks"
     print(f"\n{args.units} units of Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, SGD; {where}; "
           f"median (min-max) of {args.steps} steps, torch {torch.__version__}")
-    print("| framework | step ms | forward ms | backward ms | optimizer ms | per unit and step |")
-    print("|---|---|---|---|---|---|")
+    print("| framework | step ms | forward ms | backward ms | optimizer ms | CPU ms | per unit and step |")
+    print("|---|---|---|---|---|---|---|")
     for name, entry in frameworks.items():
-        cells = [f"{entry[p]['median']:.1f} ({entry[p]['min']:.1f}-{entry[p]['max']:.1f})" for p in PHASES]
+        cells = [f"{entry[p]['median']:.1f} ({entry[p]['min']:.1f}-{entry[p]['max']:.1f})" for p in MEASURES]
         per_unit = entry["step"]["median"] / args.units * 1e3
         print(f"| {name} | {' | '.join(cells)} | {per_unit:.0f} us |")
     for ours, theirs in COUNTERPART.items():
@@ -259,7 +297,12 @@ def report(result: dict, args: argparse.Namespace) -> None:
                 plain = frameworks["local"]["step"]["median"]
                 over = (frameworks[ours]["step"]["median"] - plain) / (frameworks[theirs]["step"]["median"] - plain)
                 line += f", overhead above the plain model {over:.3f}x"
-            print(line)
+            cpu = frameworks[ours]["cpu"]["median"] / frameworks[theirs]["cpu"]["median"]
+            print(f"{line}; CPU time {cpu:.3f}x")
+    for name, entry in frameworks.items():
+        if entry.get("calls"):
+            calls = entry["calls"]
+            print(f"{name}: {calls['python']:.1f} Python and {calls['builtin']:.1f} builtin calls per unit and step")
     if not args.profile_steps:
         return
     categories = [c for c, _ in _CATEGORIES] + ["model + optimizer"]
@@ -290,7 +333,7 @@ def main(argv: list[str]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             # the ranks' own arguments, without --nproc (torchrun would take it for --nproc-per-node)
             ranks_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps",
+                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps", "count_steps",
                                    "gloo_all_gather_bytes", "gloo_reduce_scatter_bytes") and v is not None]
             ranks_argv.append("--frameworks=" + ",".join(args.frameworks))
             result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),

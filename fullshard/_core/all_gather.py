@@ -184,25 +184,28 @@ class AllGather:
         extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
-        with self._copy_stream():  # after the copy-in
-            custom, codec = self.custom, self.codec
-            if custom is None and codec is not None:  # the codes go straight into this rank's row
-                output = torch.empty(group.size, codec.packed_numel(layout), dtype=torch.uint8, device=self.device)
-                source = self._encode(source, layout, labels, output[group.rank])
-            else:
-                source = self._encode(source, layout, labels)
-            with trace.span(labels.all_gather):
-                if custom is None:
-                    # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
-                    if output is None:
-                        output = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
-                        work = comm.all_gather(output, source, group.process_group, async_op=async_op)
-                    else:  # the input is the output's row: gathered flat, the in-place form every backend takes
-                        work = comm.all_gather(output.view(-1), source, group.process_group, async_op=async_op)
-                else:
-                    output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
-                    work = comm.custom_all_gather(custom, output, source, group.process_group, async_op)
-        return AllGatherInFlight(work, source, output, layout, group.size, extended, self.codec)
+        return offload.run_on_stream(self.device, offload.ALL_GATHER, self._issue, gather_input, async_op, labels)
+
+    def _issue(self, gather_input: GatherInput, async_op: bool, labels: trace.UnitLabels) -> AllGatherInFlight:
+        """``start``'s work on the copy stream, after the copy-in."""
+        source, layout, group, output = gather_input
+        custom, codec = self.custom, self.codec
+        if custom is None and codec is not None:  # the codes go straight into this rank's row
+            output = torch.empty(group.size, codec.packed_numel(layout), dtype=torch.uint8, device=self.device)
+            source = self._encode(source, layout, labels, output[group.rank])
+        elif codec is not None:
+            source = self._encode(source, layout, labels)
+        if custom is None:
+            if output is None:  # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
+                output = gathered = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
+            else:  # the input is the output's row: gathered flat, the in-place form every backend takes
+                gathered = output.view(-1)
+            work = trace.call(labels.all_gather, comm.all_gather, gathered, source, group.process_group, async_op)
+        else:
+            output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
+            pg = group.process_group
+            work = trace.call(labels.all_gather, comm.custom_all_gather, custom, output, source, pg, async_op)
+        return AllGatherInFlight(work, source, output, layout, group.size, self.buffers.extended, self.codec)
 
     def _encode(
         self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels, into: torch.Tensor | None = None
@@ -236,8 +239,7 @@ class AllGather:
         if targets is None or not targets.serves(in_flight):
             targets = self._targets = self._plain_targets(in_flight)
         if targets is not None:
-            with trace.span(labels.copy_out):
-                targets.fill(in_flight.output)
+            trace.call(labels.copy_out, targets.fill, in_flight.output)
             return
         padded = [p.unsharded_storage(self.device) if p.extension is None else self._no_region() for p in self.params]
         views = split_views(self.params, padded)

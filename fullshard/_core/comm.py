@@ -115,7 +115,7 @@ def _notify_record(record: CommRecord, tensors: list[torch.Tensor]) -> None:
 
 
 def _check_alive(group: dist.ProcessGroup | None) -> None:
-    if not dist.is_initialized():
+    if not compat.is_initialized():
         raise RuntimeError(
             "fullshard needs a collective but the default process group was destroyed "
             "(torch.distributed.destroy_process_group was called); re-initialize it and "
@@ -151,16 +151,22 @@ def _finish(pending: _Pending, async_op: bool) -> _Pending | None:
     return None
 
 
-_IS_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+# id(group) -> (the group, weakly; whether it runs on gloo). By id, not a WeakKeyDictionary:
+# its ``get`` is Python code, and this is asked twice per unit and step.
+_IS_GLOO: dict[int, tuple[weakref.ref[dist.ProcessGroup], bool]] = {}
 
 
 def _is_gloo(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` runs on gloo, asked of torch once per group (``get_backend``
-    checks membership and looks the group up on every call, twice per unit and step)."""
-    is_gloo = _IS_GLOO.get(group)
-    if is_gloo is None:
-        is_gloo = _IS_GLOO[group] = dist.get_backend(group) == "gloo"
-    return is_gloo
+    checks membership and looks the group up on every call)."""
+    known = _IS_GLOO.get(id(group))
+    if known is None or known[0]() is not group:
+        key = id(group)
+        known = _IS_GLOO[key] = (
+            weakref.ref(group, lambda _: _IS_GLOO.pop(key, None)),
+            dist.get_backend(group) == "gloo",
+        )
+    return known[1]
 
 
 # See [Note: Gloo collectives]; both bounds measured in benchmarks/RESULTS.md, issue 24.

@@ -68,6 +68,10 @@ class ParamModuleInfo:
     shared_modules: list[nn.Module] = field(default_factory=list)
     shared_param_names: list[str] = field(default_factory=list)
 
+    def owners(self) -> list[tuple[nn.Module, str]]:
+        """Every (module, name) registering the parameter, its owner first."""
+        return [(self.module, self.param_name), *zip(self.shared_modules, self.shared_param_names)]
+
 
 def module_class_name(module: nn.Module) -> str:
     """The user's class name, also after fully_shard swapped the class or a front
@@ -79,18 +83,6 @@ def module_class_name(module: nn.Module) -> str:
         return module_class_name(wrapped)
     cls = type(module)
     return getattr(cls, "_fullshard_original_class", cls).__name__
-
-
-def set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Registers ``param`` under ``name``, skipping ``nn.Module.__setattr__``'s checks
-    when the module does not customise attribute setting (they cost microseconds
-    per call and we swap every parameter twice per step)."""
-    if type(module).__setattr__ is nn.Module.__setattr__:
-        if name in module.__dict__:
-            del module.__dict__[name]  # a plain-attribute view from set_module_tensor
-        module._parameters[name] = param
-    else:
-        setattr(module, name, param)
 
 
 def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ version: ``DTensor._local_tensor`` (the local tensor itself, where
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``,
 ``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
 (is backward running: recomputation), ``torch._C._DisableFuncTorch`` (buffer
-transitions under ``torch.func.jvp``) and ``torch._C._autograd._profiler_enabled``
-(profiler labels only while one runs).
+transitions under ``torch.func.jvp``), ``torch._C._autograd._profiler_enabled``
+(profiler labels only while one runs) and ``distributed_c10d._world._default_pg``
+(``dist.is_initialized()`` without its property chain, before every collective).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _world
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -35,6 +37,7 @@ __all__ = [
     "concatenate_meshes",
     "dtensor_of_local",
     "dtensor_with_spec",
+    "is_initialized",
     "local_region",
     "native_device_type",
     "reduce_scatter_into",
@@ -61,11 +64,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _DIRECT = hasattr(dist.ProcessGroup, "all_gather_single") and hasattr(dist.ProcessGroup, "reduce_scatter_single")
 if _DIRECT:
     from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
-    from torch.distributed.distributed_c10d import _world
 
     _GATHER_OPTIONS = {flag: AllgatherOptions() for flag in (False, True)}
     for _flag, _options in _GATHER_OPTIONS.items():
         _options.asyncOp = _flag
+
+
+def is_initialized() -> bool:
+    """``dist.is_initialized()``: whether the default process group exists (read directly:
+    torch's function climbs three properties, asked before every collective)."""
+    return _world._default_pg is not None
 
 
 def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:

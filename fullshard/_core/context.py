@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn as nn
 from torch.autograd import Variable
 
 from . import offload
@@ -25,6 +26,9 @@ from .schedule import Schedule, ScheduledState
 
 class ContextState(ScheduledState, Protocol):
     """What the context reads of a module state under it (``state.ModuleState``)."""
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]: ...
 
     def finish_forward_pass(self) -> None: ...
 
@@ -46,11 +50,14 @@ class RootContext:
         # FSDPModule.set_post_optim_event's event: the next all-gather waits for it, once.
         self.post_optim_event: torch.Event | None = None
         self._units: list[ParamGroup] = []
+        self._grouped_states: list[ContextState] = []
 
     def adopt(self, states: list[ContextState], validate: bool) -> None:
         """Puts ``states`` (the root's first) and their units under this context;
         ``validate``: check the execution order (see [Note: Execution order])."""
         self.all_states = states
+        # Only a unit over several modules can end a forward with some not run (see finish_forward_pass).
+        self._grouped_states = [s for s in states if len(s.modules) > 1]
         self._units = [s.group for s in states if s.group is not None]
         gate = None
         if validate:
@@ -70,7 +77,7 @@ class RootContext:
     def end_forward(self) -> None:
         """Finishes passes some of whose modules did not run, and reshards units
         whose prefetch went unused (the order changed)."""
-        for state in self.all_states:
+        for state in self._grouped_states:
             if state is not self.iteration_root:
                 state.finish_forward_pass()
         self.schedule.end_forward()

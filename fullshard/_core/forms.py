@@ -63,12 +63,12 @@ class ParamForms:
     def unshard(self, async_op: bool = False) -> None:
         """Gathers the full parameters and registers them (no-op if unsharded);
         ``async_op`` only starts the all-gather: ``wait_for_unshard`` finishes it."""
-        if self._kept_form_stale():
+        if self._gathered_version is not None and self._kept_form_stale():  # no call for a form not kept
             self.reshard()
-        if not self.is_unsharded and self._all_gather is None and self.spec.params:
+        if self.sharded_state is not ShardedState.UNSHARDED and self._all_gather is None and self.spec.params:
             self._start_all_gather(async_op)
         if not async_op:
-            self.wait_for_unshard()
+            self._finish_unshard()
 
     def _start_all_gather(self, async_op: bool) -> None:
         spec, buffers = self.spec, self.buffers
@@ -130,6 +130,9 @@ class ParamForms:
     @outside_transforms
     def wait_for_unshard(self) -> None:
         """Finishes an in-flight unshard: copy-out and registration of full parameters."""
+        self._finish_unshard()
+
+    def _finish_unshard(self) -> None:  # wait_for_unshard, for callers outside transforms already
         in_flight, self._all_gather = self._all_gather, None
         if in_flight is None:
             if self._shows_shards_unsharded:  # kept unsharded but showing the shards
@@ -160,22 +163,22 @@ class ParamForms:
     def reshard(self) -> None:
         """Frees the full parameters and registers the shards."""
         if self._all_gather is not None:
-            self.wait_for_unshard()
+            self._finish_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
         if self.spec.presentation.refuses_unsharded_data_assignment and self.is_unsharded:
             self._refuse_unsharded_data_assignment()
-        with trace.span(self.spec.labels.reshard):
-            for param in self.spec.params:
-                if param.aliases_shard:
-                    continue
-                param.free_unsharded()
-            for param in self.spec.params:
-                param.to_sharded()
+        trace.call(self.spec.labels.reshard, self._free_and_register_shards)
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self._gathered_version = None
         self.sharded_state = ShardedState.SHARDED
+
+    def _free_and_register_shards(self) -> None:
+        for param in self.spec.params:
+            if not param.aliases_shard:
+                param.free_unsharded()
+            param.to_sharded()
 
     def _refuse_unsharded_data_assignment(self) -> None:
         assigned = [p.fqn for p in self.spec.params if p.unsharded_data_assigned()]

@@ -185,9 +185,12 @@ class GradIntake:
     def _to_storage(self, reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A reduced gradient shard where the shards live: offloaded, copied to host
         memory off the compute stream (see [Note: CPU offload])."""
-        if self.spec.offload:
+        spec = self.spec
+        if spec.offload:
             return offload.to_host(reduced, dtype)
-        return reduced.to(self.spec.storage_device, dtype)
+        if reduced.dtype == dtype and spec.storage_device == spec.device:
+            return reduced  # where and as the shards are: no ``to()`` to parse, once per unit and step
+        return reduced.to(spec.storage_device, dtype)
 
 
 def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
@@ -205,11 +208,13 @@ def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
 
 def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
     unsharded = param.unsharded_param
-    if unsharded is None or unsharded.grad is None:
+    if unsharded is None:
         return None
     grad = unsharded.grad
+    if grad is None:
+        return None
     unsharded.grad = None
-    return _local_grad(param, grad)
+    return _local_grad(param, grad) if isinstance(grad, DTensor) else grad
 
 
 def _local_grad(param: ShardParam, grad: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from . import compat
 from .common import TrainingState, outside_transforms
-from .forms import ParamForms
+from .forms import ParamForms, ShardedState
 from .grads import GradIntake
 from .param import ShardParam
 from .reduction import ReductionQueue
@@ -88,7 +88,7 @@ class ParamGroup(ParamForms):
     def prefetch(self, in_backward: bool = False) -> bool:
         """Starts gathering ahead of use unless unsharded, its backward is done, or
         (``in_backward``) it does not unshard in backward. Returns whether it gathers."""
-        if self.is_unsharded or self.training_state is TrainingState.POST_BACKWARD:
+        if self.sharded_state is ShardedState.UNSHARDED or self.training_state is TrainingState.POST_BACKWARD:
             return False
         if in_backward and not self.settings.unshard_in_backward:
             return False

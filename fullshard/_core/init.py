@@ -259,5 +259,5 @@ def claim_params(params: list[nn.Parameter], infos: list[ParamModuleInfo], owner
             )
     for param, info in zip(params, infos):
         setattr(param, _CLAIM_ATTR, f"{api} on {owner}")
-        for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+        for module, name in info.owners():
             _REGISTERED.setdefault(module, {})[name] = f"{api} on {owner}"

@@ -53,10 +53,12 @@ its last reader is done, and at most what one backward offloads waits there.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
+
+_Result = TypeVar("_Result")
 
 ALL_GATHER = "all_gather"
 OFFLOAD = "offload"
@@ -86,6 +88,15 @@ def on_stream(device: torch.device, name: str) -> contextlib.AbstractContextMana
     Tensors allocated inside belong to the side stream: allocate outside.
     """
     return _ON_CPU if device.type == "cpu" else _on_side_stream(device, name)
+
+
+def run_on_stream(device: torch.device, name: str, fn: Callable[..., _Result], *args: Any) -> _Result:
+    """``fn(*args)`` under ``on_stream(device, name)``; on CPU a plain call (no context to
+    enter and exit, twice per unit and step)."""
+    if device.type == "cpu":
+        return fn(*args)
+    with _on_side_stream(device, name):
+        return fn(*args)
 
 
 @contextlib.contextmanager

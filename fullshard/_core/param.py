@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import comm, compat
-from .common import ParamModuleInfo, set_module_param, set_module_tensor
+from .common import ParamModuleInfo, set_module_tensor
 from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
 from .mesh import MeshInfo
 from .presentation import DTENSOR_SHARDS, DTensorShards
@@ -54,6 +54,7 @@ class ShardParam:
         fqn: str | None = None,
     ) -> None:
         self.module_info = module_info
+        self._owners = tuple(module_info.owners())  # where it is registered (swapped twice per unit and step)
         self.presentation = presentation
         self.shard_dim = shard_dim  # the tensor dim split across the shard group; see layout.py
         self.mesh_info = mesh_info
@@ -460,18 +461,23 @@ class ShardParam:
         )
 
     def _register(self, param: nn.Parameter) -> None:
-        info = self.module_info
-        set_module_param(info.module, info.param_name, param)
-        for module, name in zip(info.shared_modules, info.shared_param_names):
-            set_module_param(module, name, param)
+        """Registers ``param`` on every owner, past ``nn.Module.__setattr__``'s checks where the
+        module keeps it (microseconds a call; every parameter is swapped four times a step)."""
+        for module, name in self._owners:
+            if type(module).__setattr__ is nn.Module.__setattr__:
+                attributes = module.__dict__
+                if name in attributes:
+                    del attributes[name]  # a plain-attribute view from set_module_tensor
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
 
     def to_sharded(self) -> None:
         if self.register_sharded:
             self._register(self.sharded_param)
             return
         view = self.sharded_param.detach()
-        info = self.module_info
-        for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+        for module, name in self._owners:
             set_module_tensor(module, name, view)
 
     def to_unsharded(self) -> None:
@@ -489,8 +495,7 @@ class ShardParam:
             return
         # Under a flat parameter, a plain attribute as the shard is: parameters() keeps yielding the flat
         # one between forward and backward (as FSDP1's), only summon_full_params registers full ones.
-        info = self.module_info
-        for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+        for module, name in self._owners:
             set_module_tensor(module, name, unsharded)
 
     def __repr__(self) -> str:

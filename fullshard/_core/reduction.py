@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, compat
-from .trace import UnitLabels, span, unit_labels
+from .trace import UnitLabels, call, span, unit_labels
 
 if TYPE_CHECKING:
     from .mesh import GroupInfo, MeshInfo
@@ -239,11 +239,10 @@ class GradReduction:
         else:
             self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
             reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
-        with span(self._labels.reduce_copy_in):
-            if plan.flat_chunk is None:
-                chunk_cat(grads, reduced.view(shard.size, -1), plan.shard_dims)
-            else:
-                flat_cat(grads, reduced)
+        if plan.flat_chunk is None:
+            call(self._labels.reduce_copy_in, chunk_cat, grads, reduced.view(shard.size, -1), plan.shard_dims)
+        else:
+            call(self._labels.reduce_copy_in, flat_cat, grads, reduced)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
             hook, state = settings.comm_hook
@@ -274,11 +273,11 @@ class GradReduction:
     def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, custom: comm.CustomReduceScatter | None) -> None:
         op = self._averaging_op(shard, reduced)
         self._in_flight = (self._output, reduced)
-        with span(self._labels.reduce_scatter):
-            if custom is None:
-                self._work = comm.reduce_scatter(self._output, reduced, shard.process_group, op, async_op=True)
-            else:
-                self._work = comm.custom_reduce_scatter(custom, self._output, reduced, shard.process_group, op)
+        label, pg = self._labels.reduce_scatter, shard.process_group
+        if custom is None:
+            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)
+        else:
+            self._work = call(label, comm.custom_reduce_scatter, custom, self._output, reduced, pg, op)
 
     def _all_reduce(self, replicate: GroupInfo, partial: torch.Tensor | None) -> None:
         if partial is not None:
@@ -321,8 +320,7 @@ class GradReduction:
             self._post_reduce_hook(self._output)
         if self._final_divide != 1.0:
             self._output.div_(self._final_divide)
-        with span(self._labels.reduce_copy_out):
-            self._on_done(self._output)
+        call(self._labels.reduce_copy_out, self._on_done, self._output)
         return True
 
 

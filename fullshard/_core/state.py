@@ -206,7 +206,8 @@ class ModuleState:
             if self.group is not None:
                 self.group.unshard()
             return self._cast_inputs(args, kwargs)
-        self.lazy_init()
+        if self.is_root is None:
+            self.lazy_init()
         if self.ctx.iteration_root is None:
             self.ctx.begin_iteration(self)
             if self.ctx.post_optim_event is not None:
@@ -215,7 +216,8 @@ class ModuleState:
             if self._input_device is not None:
                 args, kwargs = map_tensors(lambda t: t.to(self._input_device, non_blocking=True), (args, kwargs))
         self.training_state = TrainingState.FORWARD
-        args, kwargs = self._cast_inputs(args, kwargs)
+        if self._cast_inputs_to is not None:
+            args, kwargs = self._cast_inputs(args, kwargs)
         group = self.group
         if group is None:
             return args, kwargs
@@ -253,7 +255,7 @@ class ModuleState:
         self.training_state = TrainingState.IDLE
         if self.ctx.iteration_root is self:
             self.ctx.end_forward()
-        return self._cast_output(output)
+        return output if self._output_dtype is None else self._cast_output(output)
 
     @property
     def recomputing(self) -> bool:
@@ -271,7 +273,11 @@ class ModuleState:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
 
     def _hook_input_grads(self, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common call: no tree to walk
+        plain = not kwargs  # the common call, plain tensors only: no tree to walk (and no generator)
+        for arg in args:
+            if type(arg) is not torch.Tensor:
+                plain = False
+                break
         candidates = args if plain else flatten_tensors((args, kwargs))
         inputs = [t for t in candidates if t.requires_grad]
         if not inputs:
@@ -279,6 +285,8 @@ class ModuleState:
         self._use = UnitUse()
         hooked = _hook_inputs(group, self._use, inputs)
         if plain:
+            if len(inputs) == len(args):
+                return hooked, kwargs
             rest = iter(hooked)
             return tuple(next(rest) if a.requires_grad else a for a in args), kwargs
         hooked_by_id = dict(zip(map(id, inputs), hooked))
