@@ -82,6 +82,26 @@ def test_fused_codec_gives_the_eager_codecs_bits(
         assert torch.equal(eager.view(torch.uint8), mine.view(torch.uint8))  # bits: NaN would show too
 
 
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_fp32_shards_encode_as_their_bf16_cast_eager_and_fused(
+    code_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 compute the codec reads the fp32 shards (no cast copy-in): the codes, scales and
+    exact bytes are those of the shards cast to bf16 first, bit for bit, by either codec."""
+    layout = Layout.build(SIZES, [torch.bfloat16] * len(SIZES))
+    shards = _sources(torch.float32, layout)  # the same offsets in fp32 elements
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 1 << 40)
+    expected = _run(QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT), layout, [s.bfloat16() for s in shards])
+    for min_fused in (1 << 40, 0):
+        monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", min_fused)
+        monkeypatch.setattr(fused_codec._Status, "codecs", {})
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "quantized all-gather")
+            wire, params = _run(QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT), layout, shards)
+        assert all(torch.equal(a, b) for a, b in zip(expected[0], wire))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(expected[1], params))
+
+
 def test_a_failed_compile_warns_once_and_the_eager_codec_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_compile(fn, **kwargs):
         def compiled(*args):
@@ -123,11 +143,12 @@ def test_units_of_one_layout_share_a_codec_and_at_most_max_fused_layouts_compile
     first = fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64])
     assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
     assert fused_codec.FusedCodec.shared(torch.float8_e4m3fn, BLOCK, [0], [64]) is not first
+    assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64], torch.bfloat16) is not first
     made = [
         fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [size])
         for size in range(1, fused_codec.MAX_FUSED_LAYOUTS + 1)
     ]
-    assert [codec is not None for codec in made] == [True] * (fused_codec.MAX_FUSED_LAYOUTS - 2) + [False, False]
+    assert [codec is not None for codec in made] == [True] * (fused_codec.MAX_FUSED_LAYOUTS - 3) + [False] * 3
     assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
 
 
@@ -165,6 +186,8 @@ def test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_to
                 losses, params = _train(compiled)
                 assert losses == eager[0]
                 assert all(torch.equal(a, b) for a, b in zip(eager[1], params))
-        assert len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken  # the blocks' (the root's are exact)
+        assert (
+            len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken
+        )  # the blocks' (the root's are exact)
     finally:
         fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = saved
