@@ -18,8 +18,9 @@ all chunks into the parameters, eager vs fused (see [Note: Fused codec] in
 alternating, next to the bf16 gather's copy-out that the decode replaces. Those
 encode the bf16 chunk; ``fp32`` encodes the fp32 shards directly, as the engine
 does under bf16 compute, in place of the cast copy-in into a new buffer
-(``copy-in``, as the engine did before) and the encode of its result. ``--cpu-time``: each call's thread CPU time instead of
-wall time (steadier on a shared machine).
+(``copy-in``, as the engine did before) and the encode of its result.
+``--cpu-time``: each call's thread CPU time instead of wall time (steadier on a
+shared machine).
 """
 
 from __future__ import annotations
