@@ -15,13 +15,19 @@ smallest one under 0.52x of bf16's bytes whose error is close to the smallest.
 compute) as ``QuantizedGather`` runs it, encode of one rank's chunk and decode of
 all chunks into the parameters, eager vs fused (see [Note: Fused codec] in
 ``fullshard/_core/fused_codec.py``; compile time included once), at 2 and 4 ranks,
-alternating, next to the bf16 gather's copy-out that the decode replaces.
+alternating, next to the bf16 gather's copy-out that the decode replaces. Those
+encode the bf16 chunk; ``fp32`` encodes the fp32 shards directly, as the engine
+does under bf16 compute, in place of the cast copy-in into a new buffer
+(``copy-in``, as the engine did before) and the encode of its result.
+``--cpu-time``: each call's thread CPU time instead of wall time (steadier on a
+shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -70,10 +76,15 @@ def measure(quantizer: BlockQuantizer, values: torch.Tensor) -> tuple[float, flo
     return packed.numel() / (2 * values.numel()), error.item(), min(times) / values.numel() * 1e6
 
 
-def unit_codec(reps: int, block_sizes: list[int]) -> None:
+def _cast_copy_in(shards: torch.Tensor) -> torch.Tensor:
+    """What ``AllGather.input`` did before the codec read fp32 shards: a new bf16 buffer, cast into."""
+    return torch.empty(shards.numel(), dtype=torch.bfloat16).copy_(shards)
+
+
+def unit_codec(reps: int, block_sizes: list[int], clock: Callable[[], float]) -> None:
     """Eager vs fused ``QuantizedGather`` on one bench GPT block (ms, min / median of ``reps``)."""
     # Every (ranks, code, block size) is a layout of its own: let all of them compile.
-    fused_codec.MAX_FUSED_LAYOUTS = torch._dynamo.config.recompile_limit = 4 * len(block_sizes) + 2
+    fused_codec.MAX_FUSED_LAYOUTS = torch._dynamo.config.recompile_limit = 8 * len(block_sizes) + 2
     block = Transformer(ModelArgs(n_layers=1, vocab_size=256, max_seq_len=128, dim=576, n_heads=8)).layers[0]
     params = list(block.parameters())
     print(
@@ -81,17 +92,18 @@ def unit_codec(reps: int, block_sizes: list[int]) -> None:
     )
     print(
         f"{'ranks':>5} {'code':<15} {'block':>5} {'path':<6} {'encode':>14} {'decode':>14} {'bf16 copy-out':>14}"
-        f" {'compile (s)':>12}"
+        f" {'copy-in':>14} {'compile (s)':>12}"
     )
     for world in (2, 4):
         layout = Layout.build([-(-p.numel() // world) for p in params], [torch.bfloat16] * len(params))
-        source = torch.randn(layout.total).to(torch.bfloat16)
+        shards = torch.randn(layout.total)
+        source = shards.to(torch.bfloat16)
         outputs = [torch.empty(size * world, dtype=torch.bfloat16) for size in layout.sizes]
         bf16_gathered = torch.cat([source] * world)
         for code, block_size in [(code, size) for code in (torch.int8, torch.float8_e4m3fn) for size in block_sizes]:
             codecs = {
                 path: QuantizedGather(BlockQuantizer(code, block_size), [p.dim() < 2 for p in params])
-                for path in ("eager", "fused")
+                for path in ("eager", "fused", "fp32")
             }
             gathered = torch.cat([codecs["eager"].encode(source, layout)] * world)
             row = torch.empty_like(gathered[: gathered.numel() // world])  # the engine encodes into its gather row
@@ -99,29 +111,31 @@ def unit_codec(reps: int, block_sizes: list[int]) -> None:
             start = time.perf_counter()
             codecs["fused"].encode(source, layout, row)
             codecs["fused"].decode(gathered, world, layout, outputs)
+            codecs["fp32"].encode(shards, layout, row)
             compile_s = time.perf_counter() - start
             times: dict[str, list[float]] = {}
             for _ in range(reps):
                 for path, codec in codecs.items():
-                    fused_codec.MIN_FUSED_VALUES = 0 if path == "fused" else 1 << 40
+                    fused_codec.MIN_FUSED_VALUES = 1 << 40 if path == "eager" else 0
                     calls = {
-                        "encode": (codec.encode, (source, layout, row)),
+                        "encode": (codec.encode, (shards if path == "fp32" else source, layout, row)),
                         "decode": (codec.decode, (gathered, world, layout, outputs)),
                         "copy-out": (layout.copy_out, (bf16_gathered, world, outputs)),
+                        "copy-in": (_cast_copy_in, (shards,)),
                     }
                     for name, (call, call_args) in calls.items():
-                        start = time.perf_counter()
+                        start = clock()
                         call(*call_args)
-                        times.setdefault(f"{path} {name}", []).append(1e3 * (time.perf_counter() - start))
+                        times.setdefault(f"{path} {name}", []).append(1e3 * (clock() - start))
             for path in codecs:
                 cells = [
                     f"{min(times[f'{path} {n}']):.2f} / {sorted(times[f'{path} {n}'])[reps // 2]:.2f}"
-                    for n in ("encode", "decode", "copy-out")
+                    for n in ("encode", "decode", "copy-out", "copy-in")
                 ]
                 compiled = f"{compile_s:.1f}" if path == "fused" else ""
                 print(
                     f"{world:>5} {str(code).removeprefix('torch.'):<15} {block_size:>5} {path:<6} {cells[0]:>14}"
-                    f" {cells[1]:>14} {cells[2]:>14} {compiled:>12}"
+                    f" {cells[1]:>14} {cells[2]:>14} {cells[3]:>14} {compiled:>12}"
                 )
 
 
@@ -131,10 +145,12 @@ def main() -> None:
     parser.add_argument("--unit", action="store_true", help="eager vs fused codec on one block unit instead")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--block-sizes", default="128", help="--unit: comma-separated block sizes")
+    parser.add_argument("--cpu-time", action="store_true", help="--unit: thread CPU time, not wall time")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.unit:
-        unit_codec(args.reps, [int(size) for size in args.block_sizes.split(",")])
+        clock = time.thread_time if args.cpu_time else time.perf_counter
+        unit_codec(args.reps, [int(size) for size in args.block_sizes.split(",")], clock)
         return
     values = coded_weights(args)
     print(

@@ -82,6 +82,82 @@ def test_fused_codec_gives_the_eager_codecs_bits(
         assert torch.equal(eager.view(torch.uint8), mine.view(torch.uint8))  # bits: NaN would show too
 
 
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_fp32_shards_encode_as_their_bf16_cast_eager_and_fused(
+    code_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 compute the codec reads the fp32 shards (no cast copy-in): the codes, scales and
+    exact bytes are those of the shards cast to bf16 first, bit for bit, by either codec."""
+    layout = Layout.build(SIZES, [torch.bfloat16] * len(SIZES))
+    shards = _sources(torch.float32, layout)  # the same offsets in fp32 elements
+    monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 1 << 40)
+    expected = _run(QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT), layout, [s.bfloat16() for s in shards])
+    for min_fused in (1 << 40, 0):
+        monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", min_fused)
+        monkeypatch.setattr(fused_codec._Status, "codecs", {})
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "quantized all-gather")
+            wire, params = _run(QuantizedGather(BlockQuantizer(code_dtype, BLOCK), EXACT), layout, shards)
+        assert all(torch.equal(a, b) for a, b in zip(expected[0], wire))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(expected[1], params))
+
+
+def _edge_values() -> torch.Tensor:
+    """Blocks of BLOCK values that hit float8's edges once scaled: the absmax on 448 (scale 1),
+    values rounding up to it, ties between codes, subnormals and their ties, +-0, a NaN block
+    and an infinite one (scale inf: its finite values code to 0, itself to NaN)."""
+    top = torch.tensor([448.0, -448.0, 447.9, 440.0, 432.0, 2.0**-6, 2.0**-7, 2.0**-9, 3 * 2.0**-10])
+    top = torch.cat([top, torch.tensor([5 * 2.0**-10, 2.0**-10, 2.0**-11, 0.0, -0.0, -(2.0**-9), 17.0, 18.0, 19.0])])
+    top = torch.cat([top, torch.linspace(-3.0, 3.0, BLOCK - top.numel())])
+    special = torch.linspace(-1.0, 1.0, BLOCK)
+    nan_block, inf_block = special.clone(), special.clone()
+    nan_block[3], inf_block[5] = float("nan"), float("-inf")
+    return torch.cat([top, top.flip(0) * 1e-30, nan_block, inf_block, torch.zeros(BLOCK)])
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, signed zeros included, except that any NaN matches any NaN (the codecs agree on
+    where NaN is, not on its sign and payload bits)."""
+    bits = [t.float().nan_to_num(0.0).view(torch.int32) for t in (a, b)]
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(*bits)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_float8_fused_codec_on_every_code_and_at_the_edges(
+    param_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Values at the edges of float8's range encode alike, eager and fused (a NaN makes its whole
+    block NaN codes and scale in both), and every one of the 256 codes decodes alike."""
+    values = _edge_values()
+    layout = Layout.build([values.numel(), 256], [param_dtype] * 2)
+    source = torch.cat([values, torch.zeros(256)]).to(param_dtype)
+    block_scales = torch.tensor([1.0, 0.5, 3.0, 2.0**-20]).repeat_interleave(2)  # the 256 codes' blocks
+    results = {}
+    for path, min_fused in (("eager", 1 << 40), ("fused", 0)):
+        monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", min_fused)
+        monkeypatch.setattr(fused_codec._Status, "codecs", {})
+        codec = QuantizedGather(BlockQuantizer(torch.float8_e4m3fn, BLOCK), [False, False])
+        plan = codec._plan(layout)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "quantized all-gather")
+            wire = codec.encode(source, layout)
+            gathered = wire.clone()  # the second parameter's codes replaced by all 256 bytes
+            gathered[values.numel() : values.numel() + 256] = torch.arange(256, dtype=torch.uint8)
+            gathered[plan.coded_padded : plan.coded_bytes].view(torch.float32)[values.numel() // BLOCK :] = block_scales
+            outputs = [torch.empty(size, dtype=param_dtype) for size in layout.sizes]
+            codec.decode(gathered, 1, layout, outputs)
+        codes = wire[: plan.coded_padded].view(torch.float8_e4m3fn).float()
+        results[path] = (codes, wire[plan.coded_padded : plan.coded_bytes].view(torch.float32), outputs)
+    (eager_codes, eager_scales, eager_out), (fused_codes, fused_scales, fused_out) = results.values()
+    assert _same_values(eager_codes, fused_codes) and _same_values(eager_scales, fused_scales)
+    assert eager_codes[2 * BLOCK : 3 * BLOCK].isnan().all() and eager_scales[2].isnan()  # the NaN block
+    assert (eager_codes[3 * BLOCK : 4 * BLOCK].isnan().sum(), eager_scales[3]) == (1, float("inf"))  # the inf one
+    assert all(_same_values(a, b) for a, b in zip(eager_out, fused_out))
+    expected = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().view(8, BLOCK)
+    expected = (expected * block_scales.unsqueeze(1)).flatten().to(param_dtype)
+    assert _same_values(fused_out[1], expected)
+
+
 def test_a_failed_compile_warns_once_and_the_eager_codec_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_compile(fn, **kwargs):
         def compiled(*args):
@@ -123,11 +199,12 @@ def test_units_of_one_layout_share_a_codec_and_at_most_max_fused_layouts_compile
     first = fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64])
     assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
     assert fused_codec.FusedCodec.shared(torch.float8_e4m3fn, BLOCK, [0], [64]) is not first
+    assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64], torch.bfloat16) is not first
     made = [
         fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [size])
         for size in range(1, fused_codec.MAX_FUSED_LAYOUTS + 1)
     ]
-    assert [codec is not None for codec in made] == [True] * (fused_codec.MAX_FUSED_LAYOUTS - 2) + [False, False]
+    assert [codec is not None for codec in made] == [True] * (fused_codec.MAX_FUSED_LAYOUTS - 3) + [False] * 3
     assert fused_codec.FusedCodec.shared(torch.int8, BLOCK, [0], [64]) is first
 
 
@@ -165,6 +242,8 @@ def test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_to
                 losses, params = _train(compiled)
                 assert losses == eager[0]
                 assert all(torch.equal(a, b) for a, b in zip(eager[1], params))
-        assert len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken  # the blocks' (the root's are exact)
+        assert (
+            len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken
+        )  # the blocks' (the root's are exact)
     finally:
         fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = saved

@@ -137,7 +137,7 @@ class AllGather:
         shard_buffer, gather_layout = buffers.shard_buffer, buffers.gather_layout
         if buffers.extended:
             return GatherInput(*self._input_with_extensions(labels), group)
-        if not buffers.needs_cast and shard_buffer.device == self.device:
+        if shard_buffer.device == self.device and (not buffers.needs_cast or self._codec_casts(group)):
             return GatherInput(shard_buffer, gather_layout, group)
         output = None
         if group.size > 1 and self.codec is None and self.custom is None:
@@ -155,6 +155,12 @@ class AllGather:
                     non_blocking=True,
                 )
         return GatherInput(staged, gather_layout, group, output)
+
+    def _codec_casts(self, group: GroupInfo) -> bool:
+        """Whether the quantized codec reads the shards in their own dtype, casting as it encodes
+        (no copy-in pass; see ``QuantizedGather.encode``): same offsets in both layouts."""
+        buffers = self.buffers
+        return self.codec is not None and group.size > 1 and buffers.gather_layout.lines_up(buffers.storage_layout)
 
     def _input_with_extensions(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
         """The plain shards (cast) then every extension's inputs, packed as bytes

@@ -5,8 +5,10 @@ Eager CPU ops sweep memory once per op: the eager encode makes six passes over a
 rank's shard and the decode three over the whole unit, more than the halved bytes
 save on a loopback wire (issue 25's measurements in benchmarks/RESULTS.md). Here
 the same arithmetic is traced by ``torch.compile`` once per unit layout, so the
-encode becomes a block reduction and a quantizing loop that read the shard in
-the compute dtype directly and write the codes into this rank's row of the
+encode becomes a block reduction and a quantizing loop that read the shard
+directly (fp32 shards under a bf16 compute dtype too, with no cast copy-in: each
+value is rounded to bf16 in the loop, so the codes are those of the cast shards,
+bit for bit) and write the codes into this rank's row of the
 all-gather output (a view per span: inductor writes a whole input in place, but
 turns writes into slices of one input into a masked scatter over all of it, and
 cannot write views of another dtype, so the few scales are copied after), and
@@ -80,7 +82,7 @@ class _Status:
     """Process-wide: whether compiling works here, and the codec of each layout compiled so far."""
 
     broken = False
-    codecs: dict[tuple[object, ...], FusedCodec] = {}  # (code dtype, block size, offsets, sizes): shared by units
+    codecs: dict[tuple[object, ...], FusedCodec] = {}  # (code dtype, block size, offsets, sizes, value dtype): shared
     full = False  # MAX_FUSED_LAYOUTS reached (logged once)
 
 
@@ -97,9 +99,17 @@ def fusable(device: torch.device, num_values: int) -> bool:
 class FusedCodec:
     """The compiled encode and decode of one unit layout (see [Note: Fused codec])."""
 
-    def __init__(self, code_dtype: torch.dtype, block_size: int, offsets: list[int], sizes: list[int]) -> None:
+    def __init__(
+        self,
+        code_dtype: torch.dtype,
+        block_size: int,
+        offsets: list[int],
+        sizes: list[int],
+        value_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.code_dtype = code_dtype
         self.block_size = block_size
+        self.value_dtype = value_dtype  # the compute dtype: wider sources are rounded to it first
         self.offsets = offsets  # 1D: each coded parameter's region in the all-gather input
         self.spans = spans(sizes, block_size)
         self._code_max = torch.tensor(CODE_MAX[code_dtype], dtype=torch.float32)  # 0D (see _encode_eager)
@@ -108,11 +118,16 @@ class FusedCodec:
 
     @classmethod
     def shared(
-        cls, code_dtype: torch.dtype, block_size: int, offsets: list[int], sizes: list[int]
+        cls,
+        code_dtype: torch.dtype,
+        block_size: int,
+        offsets: list[int],
+        sizes: list[int],
+        value_dtype: torch.dtype = torch.float32,
     ) -> FusedCodec | None:
         """The codec of this layout, one per process for every unit that has it (the blocks of a
         model share theirs); None past ``MAX_FUSED_LAYOUTS`` layouts (logged once)."""
-        key = (code_dtype, block_size, tuple(offsets), tuple(sizes))
+        key = (code_dtype, block_size, tuple(offsets), tuple(sizes), value_dtype)
         codec = _Status.codecs.get(key)
         if codec is None:
             if len(_Status.codecs) >= MAX_FUSED_LAYOUTS:
@@ -122,7 +137,7 @@ class FusedCodec:
                         "quantized all-gather: %d unit layouts fused, the others use the eager codec", MAX_FUSED_LAYOUTS
                     )
                 return None
-            codec = _Status.codecs[key] = cls(code_dtype, block_size, offsets, sizes)
+            codec = _Status.codecs[key] = cls(code_dtype, block_size, offsets, sizes, value_dtype)
         return codec
 
     def encode(self, source: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -131,7 +146,10 @@ class FusedCodec:
         ``scales`` (fp32, one per block), both views of the all-gather input. False where
         compiling failed (nothing then written)."""
         if self._encode is None:
-            self._encode = torch.compile(self._encode_eager, fullgraph=True, dynamic=False)
+            # Rounding a wider source to the compute dtype stays in the loop (inductor elides it otherwise).
+            self._encode = torch.compile(
+                self._encode_eager, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True}
+            )
         # One view per span: the compiled code writes each straight into its place, as it
         # cannot do for slices of one tensor (a scatter per slice) nor views of other dtypes.
         targets = [codes[span.start : span.start + span.length] for span in self.spans]
@@ -163,7 +181,9 @@ class FusedCodec:
         (inductor of torch 2.8 does for a constant: scales 1 ulp off)."""
         block_size = self.block_size
         values = [
-            source[self.offsets[s.param] + s.offset : self.offsets[s.param] + s.offset + s.length].float()
+            source[self.offsets[s.param] + s.offset : self.offsets[s.param] + s.offset + s.length]
+            .to(self.value_dtype)
+            .float()
             for s in self.spans
         ]
         scales: list[torch.Tensor] = []

@@ -1,8 +1,10 @@
 """A unit's all-gather input as block-wise codes, and its output decoded back.
 
 Each rank's chunk on the wire is ``[codes | scales | exact]``: the parameters
-to quantize, read from the flat gather input back to back (cast to fp32 on the
-way) and quantized in one pass (see [Note: Quantized all-gather] in
+to quantize, read from the flat gather input back to back, or from the shards
+in their own dtype where the compute dtype is narrower (rounded to it: the
+codes of the cast values, with no cast copy-in before), cast to fp32 on the
+way and quantized in one pass (see [Note: Quantized all-gather] in
 quantize.py), then the bytes of the parameters kept exact (norms, biases,
 embeddings by default). Decoding multiplies the codes by their scales and
 scatters the values, like ``Layout.copy_out``, straight into the unsharded
@@ -91,7 +93,9 @@ class QuantizedGather:
             regions = self._fused_regions[layout] = self._cut_regions(layout, plan)
             offsets, sizes = [layout.offsets[i] + start for i, start, _ in regions], [n for _, _, n in regions]
             quantizer = self.quantizer
-            self._fused[layout] = FusedCodec.shared(quantizer.code_dtype, quantizer.block_size, offsets, sizes)
+            self._fused[layout] = FusedCodec.shared(
+                quantizer.code_dtype, quantizer.block_size, offsets, sizes, layout.dtype
+            )
         return self._fused[layout]
 
     def _cut_regions(self, layout: Layout, plan: _Plan) -> list[tuple[int, int, int]]:
@@ -132,22 +136,29 @@ class QuantizedGather:
 
     @torch.no_grad()
     def encode(self, source: torch.Tensor, layout: Layout, packed: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's chunk on the wire, from ``source`` (1D, one chunk of ``layout``), written into
-        ``packed`` (uint8, ``packed_numel``: this rank's row of the all-gather output, so the
-        collective has nothing to copy) or a new tensor."""
+        """This rank's chunk on the wire, from ``source`` (1D, one chunk of ``layout``, or the shards
+        in their own dtype at the same offsets: cast on the way, the codes those of the cast values),
+        written into ``packed`` (uint8, ``packed_numel``: this rank's row of the all-gather output, so
+        the collective has nothing to copy) or a new tensor."""
         plan = self._plan(layout)
         if packed is None:
             packed = torch.empty(self.packed_numel(layout), dtype=torch.uint8, device=source.device)
         if plan.coded and not self._encode_fused(source, layout, plan, packed):
             # The coded values side by side in fp32 (one pass: the cast rides the copy), zero-padded to whole blocks.
             coded = torch.empty(plan.coded_padded, dtype=torch.float32, device=source.device)
-            torch.cat([layout.region(source, i, layout.dtype) for i in plan.coded], out=coded[: plan.coded_numel])
+            torch.cat([self._region(source, layout, i) for i in plan.coded], out=coded[: plan.coded_numel])
             coded[plan.coded_numel :].zero_()
             self.quantizer.encode(coded, packed[: plan.coded_bytes])
         if plan.exact:
             exact = packed[plan.coded_bytes :].view(layout.dtype)[: plan.exact_numel]
-            torch.cat([layout.region(source, i, layout.dtype) for i in plan.exact], out=exact)
+            torch.cat([layout.region(source, i, source.dtype) for i in plan.exact], out=exact)
         return packed
+
+    @staticmethod
+    def _region(source: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
+        """Parameter ``index``'s values in ``layout.dtype`` (rounded there where ``source`` is wider)."""
+        region = layout.region(source, index, source.dtype)
+        return region if region.dtype == layout.dtype else region.to(layout.dtype)
 
     def _encode_fused(self, source: torch.Tensor, layout: Layout, plan: _Plan, packed: torch.Tensor) -> bool:
         """The coded parameters of ``encode`` by the fused codec, straight into ``packed``;

@@ -148,12 +148,14 @@ class StepReplay:
             self.unsharded.add(unit.name)
             return
         # The all-gather input when it is not the shard buffer itself, unless a plain gather over
-        # several ranks copies it into its own row of the output (AllGather.input).
+        # several ranks copies it into its own row of the output, or a codec over several ranks reads
+        # the shards where they are (AllGather.input).
         staged = 0
-        if self.config.shard_size == 1 or self.codes is not None:
+        from_host = self.config.cpu_offload and self.config.device == "cuda"
+        if self.config.shard_size == 1 or (self.codes is not None and from_host):
             if self.cast:
                 staged = unit.shard_numel * self.c
-            elif self.config.cpu_offload and self.config.device == "cuda":  # the shards, copied from the host
+            elif from_host:  # the shards, copied from the host
                 staged = unit.shard_numel * self.orig
         self.tape.alloc(GATHER, staged)
         output = 0
@@ -189,9 +191,13 @@ class StepReplay:
     def _encode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
         """Quantizing one chunk into the all-gather output (``QuantizedGather.encode``): the fused
         codec holds the blocks' maxima and their scales, the eager one the coded values side by
-        side in fp32, whole blocks (scaled in place)."""
+        side in fp32, whole blocks (scaled in place), and under a cast the values rounded to the
+        compute dtype on the way."""
         num_blocks = codes.num_blocks(unit.coded_shard_numel())
-        return 2 * num_blocks * 4 if self._fused_codec(unit) else num_blocks * codes.block_size * 4
+        if self._fused_codec(unit):
+            return 2 * num_blocks * 4
+        rounded = unit.coded_shard_numel() * self.c if self.cast else 0
+        return num_blocks * codes.block_size * 4 + rounded
 
     def _decode_temporaries(self, unit: Unit, codes: BlockQuantizer) -> int:
         """Decoding every chunk (``QuantizedGather.decode``): nothing for the fused codec (it
