@@ -3,6 +3,7 @@ and steps aside where it cannot run. See [Note: Fused codec] in fullshard/_core/
 """
 
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +17,19 @@ from fullshard._core.quantize import BlockQuantizer
 from fullshard._core.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing import distributed, train_steps
+
+
+@pytest.fixture
+def fresh_fused_codecs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An empty registry of compiled layouts, with dynamo's compile counts emptied alongside: the
+    registry's ``MAX_FUSED_LAYOUTS`` keeps a process under dynamo's recompile limit only while the
+    two count the same compiles, which a test that empties the registry alone breaks (suites
+    compiling many layouts in one process then hit the limit)."""
+    monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()  # the registry the monkeypatch restores recompiles from zero
+
 
 BLOCK = 32
 # Uneven chunks: blocks straddle parameters, one parameter (5) sits inside a block shared
@@ -62,6 +76,7 @@ def _run(codec: QuantizedGather, layout: Layout, sources: list[torch.Tensor]) ->
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+@pytest.mark.usefixtures("fresh_fused_codecs")
 def test_fused_codec_gives_the_eager_codecs_bits(
     code_dtype: torch.dtype, param_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -83,6 +98,7 @@ def test_fused_codec_gives_the_eager_codecs_bits(
 
 
 @pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+@pytest.mark.usefixtures("fresh_fused_codecs")
 def test_fp32_shards_encode_as_their_bf16_cast_eager_and_fused(
     code_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,6 +139,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.usefixtures("fresh_fused_codecs")
 def test_float8_fused_codec_on_every_code_and_at_the_edges(
     param_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from test_quantize_fused import fresh_fused_codecs  # noqa: F401 (a fixture)
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import (
@@ -344,6 +345,7 @@ def test_cpu_offload_sends_and_computes_the_same():
     assert all(torch.equal(a, b) for a, b in zip(offloaded_params, params))
 
 
+@pytest.mark.usefixtures("fresh_fused_codecs")
 def test_fused_codec_gives_the_eager_codecs_bits_on_flat_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled codec (large CPU units) under each rank's own layout: the same wire bytes and
     decoded parameters as the eager one, every element written (see [Note: Fused codec])."""
