@@ -86,8 +86,7 @@ def _flat_pieces(params: list[ShardParam]) -> list[list[tuple[int, int]]] | None
 
 def _keeps_exact(param: ShardParam, quantization: AllGatherQuantization) -> bool:
     """Whether any module registering ``param`` asks for it to stay exact."""
-    info = param.module_info
-    owners = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+    owners = param.module_info.owners()
     value = param.sharded_param
     if tuple(value.shape) != tuple(param.global_size):
         # The FSDP1 wrapper shows 1D shards (flat pieces, or its use_orig_params=True views): the rule

@@ -58,8 +58,7 @@ def install_state_dict_hooks(
             unit_module.register_load_state_dict_pre_hook(functools.partial(_prepare_load, group, record))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.spec.params):
-            info = param.module_info
-            for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+            for module, name in param.module_info.owners():
                 by_module.setdefault(module, []).append((name, index))
         for module, entries in by_module.items():
             module.register_state_dict_post_hook(functools.partial(_save_params, group, record, entries))
