@@ -13,14 +13,21 @@ process(es) and their steps alternate, so machine noise hits all alike:
 
 - ``local``: the plain model, no FSDP (this rank's batch, no communication);
 - ``fullshard`` / ``fsdp2``: ``fully_shard`` on every unit and the root;
-- ``fullshard-wrapper`` / ``fsdp1``: the FSDP1 wrapper, one wrapped unit per block.
+- ``fullshard-wrapper`` / ``fsdp1``: the FSDP1 wrapper, one wrapped unit per block;
+- ``collectives``: the plain model plus the collectives a sharded step issues
+  (per unit: an all-gather before forward, another and a reduce-scatter after
+  backward, of the sizes FSDP2 sends) and nothing else: the floor that a
+  framework with no bookkeeping at all would reach on this group. On the fake
+  group each call costs O(world) whatever its bytes, so from world 64 on this
+  floor, not the plain model, is what "overhead" should be measured above.
 
 Reported per framework: the median (and min-max) over ``--steps`` of the step,
 its forward, backward and optimizer step (wall time; on gloo a barrier before
 each step), the step's CPU time (``time.process_time``: every thread of the
 process, gloo's included; on a loaded machine it leaves out the time a rank
 waited for a core, though not the time it waited for its peer), the step's time
-per unit, and the ratios fullshard / FSDP2 and wrapper / FSDP1 (wall and CPU).
+per unit, and the ratios fullshard / FSDP2 and wrapper / FSDP1 (wall and CPU),
+with each one's overhead above the plain model and above ``collectives``.
 ``--count-steps N`` adds the Python and builtin calls per unit and step (cProfile:
 deterministic, immune to load), or with ``--callgrind`` the instructions of those
 steps. Then a per-stage breakdown of ``--profile-steps`` steps under
@@ -67,7 +74,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the benchmarks folder is not a package)
 
-FRAMEWORKS = ("local", "fullshard", "fsdp2", "fullshard-wrapper", "fsdp1")
+FRAMEWORKS = ("local", "collectives", "fullshard", "fsdp2", "fullshard-wrapper", "fsdp1")
 COUNTERPART = {"fullshard": "fsdp2", "fullshard-wrapper": "fsdp1"}
 PHASES = ("step", "forward", "backward", "optimizer")
 MEASURES = (*PHASES, "cpu")  # cpu: the step's process CPU time
@@ -131,7 +138,38 @@ def build(name: str, model: nn.Module, world: int) -> nn.Module:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Unit}), device_id=torch.device("cpu"))
+    if name == "collectives":
+        return CollectivesOnly(model, world)
     return model
+
+
+class CollectivesOnly(nn.Module):
+    """The plain model issuing a sharded step's collectives, of FSDP2's sizes
+    (each parameter padded to a multiple of the world), with no bookkeeping: an
+    all-gather before each unit's forward; after backward (``after_backward``)
+    one all-gather and one reduce-scatter per unit."""
+
+    def __init__(self, model: nn.Module, world: int) -> None:
+        super().__init__()
+        self.units = model
+        self.world = world
+        self.shard_numel = [sum(-(-p.shape[0] // world) * p[0].numel() for p in unit.parameters()) for unit in model]
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def _gather(self, numel: int) -> None:
+        self._all_gather(torch.empty(numel * self.world), torch.zeros(numel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit, numel in zip(self.units, self.shard_numel):
+            self._gather(numel)
+            x = unit(x)
+        return x
+
+    def after_backward(self) -> None:
+        for numel in reversed(self.shard_numel):
+            self._gather(numel)
+            self._reduce_scatter(torch.empty(numel), torch.zeros(numel * self.world))
 
 
 class Trainer:
@@ -151,6 +189,8 @@ class Trainer:
         loss = self.model(x).square().mean()
         forward = time.perf_counter()
         loss.backward()
+        if isinstance(self.model, CollectivesOnly):
+            self.model.after_backward()
         backward = time.perf_counter()
         self.optim.step()
         self.optim.zero_grad()
@@ -293,10 +333,11 @@ def report(result: dict, args: argparse.Namespace) -> None:
         if ours in frameworks and theirs in frameworks:
             ratio = frameworks[ours]["step"]["median"] / frameworks[theirs]["step"]["median"]
             line = f"{ours} / {theirs}: step {ratio:.3f}x"
-            if "local" in frameworks:
-                plain = frameworks["local"]["step"]["median"]
-                over = (frameworks[ours]["step"]["median"] - plain) / (frameworks[theirs]["step"]["median"] - plain)
-                line += f", overhead above the plain model {over:.3f}x"
+            for floor, what in (("local", "the plain model"), ("collectives", "the model and its collectives")):
+                if floor in frameworks:
+                    base = frameworks[floor]["step"]["median"]
+                    over = (frameworks[ours]["step"]["median"] - base) / (frameworks[theirs]["step"]["median"] - base)
+                    line += f", overhead above {what} {over:.3f}x"
             cpu = frameworks[ours]["cpu"]["median"] / frameworks[theirs]["cpu"]["median"]
             print(f"{line}; CPU time {cpu:.3f}x")
     for name, entry in frameworks.items():
