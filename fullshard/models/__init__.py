@@ -2,7 +2,7 @@
 
 from .mlp import MLP
 from .presets import PRESETS, get_preset
-from .transformer import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from .transformer import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock, next_token_loss
 
 __all__ = [
     "MLP",
@@ -13,4 +13,5 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "get_preset",
+    "next_token_loss",
 ]

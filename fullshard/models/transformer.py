@@ -119,5 +119,11 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return next_token_loss(self(tokens), targets)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits against the next tokens, in fp32. A function of the
+    logits, so a model wrapped by the FSDP1 wrapper is called through its wrapper
+    (``wrapper.loss`` would reach the inner module and skip the root's gather)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

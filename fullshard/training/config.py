@@ -17,9 +17,12 @@ import torch
 from ..models import PRESETS, ModelArgs, get_preset
 from .corpus import VOCAB_SIZE
 
-__all__ = ["ALL_GATHER_DTYPES", "MIXED_PRECISION", "STRATEGIES", "TrainConfig", "add_arguments"]
+__all__ = ["ALL_GATHER_DTYPES", "FRONT_ENDS", "MIXED_PRECISION", "STRATEGIES", "TrainConfig", "add_arguments"]
 
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
+# fully_shard: one fully_shard call per block and the root (FSDP2); wrapper: FullyShardedDataParallel
+# with use_orig_params=False (FSDP1: one flat parameter per block and the root)
+FRONT_ENDS = ("fully_shard", "wrapper")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 # none: weights gathered in the compute dtype; else as block-wise codes of this dtype
 _GATHER_CODES = {"none": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
@@ -40,6 +43,7 @@ class TrainConfig:
     heads: int | None = None
     seq: int | None = None
     strategy: str = "full"
+    front_end: str = "fully_shard"
     shard_size: int | None = None
     mixed_precision: str = "none"
     cpu_offload: bool = False
@@ -86,6 +90,8 @@ class TrainConfig:
             raise ValueError(f"--model expects one of {', '.join(PRESETS)} but got {self.model!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy expects one of {', '.join(STRATEGIES)} but got {self.strategy!r}")
+        if self.front_end not in FRONT_ENDS:
+            raise ValueError(f"--front-end expects one of {', '.join(FRONT_ENDS)} but got {self.front_end!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"--mixed-precision expects one of {', '.join(MIXED_PRECISION)}")
         if self.all_gather_dtype not in ALL_GATHER_DTYPES:
@@ -146,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.strategy,
         help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), "
         "hybrid (shard within groups of --shard-size ranks, replicate across)",
+    )
+    sharding.add_argument(
+        "--front-end",
+        choices=FRONT_ENDS,
+        default=defaults.front_end,
+        help="fully_shard (FSDP2's API, a DTensor per parameter) or wrapper (FullyShardedDataParallel, FSDP1's "
+        "API, one flat parameter per unit)",
     )
     sharding.add_argument("--shard-size", type=int, help="hybrid: ranks per shard group (default: ranks per node)")
     sharding.add_argument(

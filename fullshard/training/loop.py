@@ -24,7 +24,8 @@ from .._core import comm
 from ..clip import clip_grad_norm_
 from ..fully_shard import FSDPModule
 from ..grad_scaler import ShardedGradScaler
-from ..models import Transformer
+from ..models import next_token_loss
+from ..wrapper import FullyShardedDataParallel
 from .config import TrainConfig
 from .corpus import Corpus
 from .metrics import CommTally, MetricsFile, PeakMemory, model_state_bytes
@@ -78,8 +79,16 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def _clip(model: torch.nn.Module, max_norm: float) -> None:
+    """The gradient norm over all ranks' shards: the wrapper's flat shards need its own method."""
+    if isinstance(model, FullyShardedDataParallel):
+        model.clip_grad_norm_(max_norm)
+    else:
+        clip_grad_norm_(model.parameters(), max_norm)
+
+
 def _train_step(
-    model: Transformer,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: ShardedGradScaler | None,
     config: TrainConfig,
@@ -90,7 +99,7 @@ def _train_step(
     """Forward, backward, clip, step; returns the detached loss of this rank's slice."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = model.loss(inputs, targets)
+    loss = next_token_loss(model(inputs), targets)
     scaled = scaler.scale(loss) if scaler else loss
     if not isinstance(scaled, torch.Tensor):  # a tensor in, a tensor out
         raise AssertionError(f"rank {dist.get_rank()}: the scaler returned {type(scaled).__name__} for a tensor")
@@ -98,7 +107,7 @@ def _train_step(
     if scaler:
         scaler.unscale_(optimizer)
     if config.clip:
-        clip_grad_norm_(model.parameters(), config.clip)
+        _clip(model, config.clip)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -109,28 +118,32 @@ def _train_step(
 
 
 @torch.no_grad()
-def _validation_loss(model: Transformer, corpus: Corpus, config: TrainConfig, device: torch.device) -> float:
+def _validation_loss(model: torch.nn.Module, corpus: Corpus, config: TrainConfig, device: torch.device) -> float:
     """The mean loss on fixed validation batches (each rank its slice; averaged over ranks)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = config.batch // world
     total = torch.zeros((), dtype=torch.float64, device=comm.device_for(None, torch.device("cpu")))
     for index in range(_VALIDATION_BATCHES):
-        inputs, targets = corpus.batch(index, config.seed, config.batch, model.args.max_seq_len, validation=True)
+        inputs, targets = corpus.batch(
+            index, config.seed, config.batch, config.model_args().max_seq_len, validation=True
+        )
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        total += model.loss(inputs[mine].to(device), targets[mine].to(device)).double().to(total.device)
+        loss = next_token_loss(model(inputs[mine].to(device)), targets[mine].to(device))
+        total += loss.double().to(total.device)
     dist.all_reduce(total)
     return total.item() / (world * _VALIDATION_BATCHES)
 
 
 @torch.no_grad()
-def _sample(model: Transformer, corpus: Corpus, length: int, seed: int, device: torch.device) -> str:
-    """``length`` bytes the model writes after a fixed prompt. All ranks run the same
+def _sample(model: torch.nn.Module, corpus: Corpus, config: TrainConfig, device: torch.device) -> str:
+    """``config.sample`` bytes the model writes after a fixed prompt. All ranks run the same
     forward passes (they are collectives) and draw the same tokens from one seed."""
     prompt = b"Alice "
     tokens = list(prompt)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(length):
-        context = torch.tensor([tokens[-model.args.max_seq_len :]], device=device)
+    generator = torch.Generator().manual_seed(config.seed)
+    seq_len = config.model_args().max_seq_len
+    for _ in range(config.sample):
+        context = torch.tensor([tokens[-seq_len:]], device=device)
         logits = model(context)[0, -1].float().cpu() / 0.8
         top = torch.topk(logits, 10)
         choice = torch.multinomial(torch.softmax(top.values, dim=0), 1, generator=generator)
@@ -151,7 +164,7 @@ def train(config: TrainConfig) -> RunResult:
     start = resume(config, model, optimizer, scaler)
     metrics = MetricsFile(config.metrics if rank == 0 else None, resumed_at=start)
     per_rank = config.batch // world
-    seq_len = model.args.max_seq_len
+    seq_len = config.model_args().max_seq_len
     tally = CommTally()
     result = RunResult(config=config, world_size=world, start_step=start, steps_done=start, device=device.type)
     stop = StopRequest()
@@ -213,7 +226,7 @@ def train(config: TrainConfig) -> RunResult:
     if not result.interrupted:
         result.validation_loss = _validation_loss(model, corpus, config, device)
         if config.sample:
-            result.sample = _sample(model, corpus, config.sample, config.seed, device)
+            result.sample = _sample(model, corpus, config, device)
         if isinstance(model, FSDPModule):  # it is: build_sharded_model applied fully_shard
             model.reshard()  # the root keeps its parameters after a forward without backward
     if rank == 0:

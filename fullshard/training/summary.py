@@ -112,6 +112,7 @@ def _predicted_peaks(result: RunResult) -> tuple[int, int]:
             reduce_dtype=torch.float32 if compute else None,
             cpu_offload=config.cpu_offload,
             all_gather_dtype=config.all_gather_code,
+            flat_params=config.front_end == "wrapper",
             device="cuda" if result.device == "cuda" else "cpu",
         )
 
@@ -125,6 +126,8 @@ def print_summary(result: RunResult) -> None:
     config = result.config
     precision = "fp32" if config.mixed_precision == "none" else f"{config.mixed_precision} compute, fp32 reduce"
     offload = ", CPU offload" if config.cpu_offload else ""
+    if config.front_end == "wrapper":
+        offload += ", FSDP1 wrapper (flat parameters)"
     if config.all_gather_dtype != "none":
         offload += f", weights gathered as {config.all_gather_dtype}"
     lines = [
