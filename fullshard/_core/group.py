@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from . import compat
+from .bucket import BucketKey, bucket_key, gather_bucket, gathered_bytes
 from .common import TrainingState, outside_transforms
 from .forms import ParamForms, ShardedState
 from .grads import GradIntake
@@ -94,6 +95,33 @@ class ParamGroup(ParamForms):
             return False
         self.unshard(async_op=True)
         return True
+
+    def gathers_on_prefetch(self, in_backward: bool = False) -> bool:
+        """Whether ``prefetch(in_backward)`` would issue an all-gather now."""
+        return self.training_state is not TrainingState.POST_BACKWARD and self.unshard_needs_collective(in_backward)
+
+    def bucket_entry(self) -> tuple[BucketKey, int, int] | None:
+        """(key, gathered bytes, bucket limit) when this unit, about to gather, may share its
+        all-gather with others (see [Note: Gather buckets]); None: it gathers alone."""
+        limit = self.settings.all_gather_bucket_bytes
+        if limit <= 0 or self._post_forward_shard is not None or self._gathered_version is not None:
+            return None
+        group = self.spec.mesh_info.shard
+        key = bucket_key(self.gather, group, self.spec.offload)
+        nbytes = gathered_bytes(self.gather, group)
+        return None if key is None or nbytes > limit else (key, nbytes, limit)
+
+    @staticmethod
+    @outside_transforms
+    def prefetch_together(units: list[ParamGroup]) -> None:
+        """Starts one all-gather for ``units`` (their ``bucket_entry`` keys equal): each
+        finishes it as its own (``wait_for_unshard``). See [Note: Gather buckets]."""
+        for unit in units:
+            unit.buffers.check_materialized()
+        head = units[0].spec
+        in_flight = gather_bucket([u.gather for u in units], head.mesh_info.shard, head.labels)
+        for unit, gathering in zip(units, in_flight):
+            unit._all_gather = gathering
 
     def finish_unused_prefetch(self) -> None:
         """A forward prefetch whose use did not come (the order changed): the unit

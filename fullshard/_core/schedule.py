@@ -74,15 +74,12 @@ class Schedule:
         position = len(self.forward_order)
         self.forward_order.append(unit)
         if state.forward_prefetch is not None:
-            targets = [s.group for s in state.forward_prefetch if s.group is not None]
+            for target in [s.group for s in state.forward_prefetch if s.group is not None]:
+                self.prefetch(target)
         elif state.config.forward_prefetch:
             previous = self.previous_forward_order
-            following = position + 1 < len(previous) and previous[position] is unit
-            targets = [previous[position + 1]] if following else []
-        else:
-            targets = []
-        for target in targets:
-            self.prefetch(target)
+            if position + 1 < len(previous) and previous[position] is unit:
+                self.prefetch_following(previous, position + 1, 1)
 
     def _gather_for_forward(self, unit: ParamGroup) -> None:
         # Finish this unit's gather before starting the next one's: at most one
@@ -104,6 +101,35 @@ class Schedule:
         if unit.prefetch(in_backward):
             self.prefetched.add(unit)
 
+    def prefetch_following(self, order: list[ParamGroup], start: int, step: int, in_backward: bool = False) -> None:
+        """Prefetches ``order[start]`` and, in the same all-gather, the units after it
+        (``step`` 1: forward, -1: backward) that agree with it (see [Note: Gather buckets])."""
+        head = order[start]
+        entry = head.bucket_entry() if head.gathers_on_prefetch(in_backward) else None
+        if entry is None:
+            self.prefetch(head, in_backward)
+            return
+        key, total, limit = entry
+        bucket = [head]
+        index = start + step
+        while 0 <= index < len(order):
+            unit = order[index]
+            index += step
+            if not unit.gathers_on_prefetch(in_backward):
+                if unit in bucket:  # used twice: the bucket ends at its second use
+                    break
+                continue  # already unsharded or in flight: nothing to gather
+            joining = unit.bucket_entry()
+            if joining is None or joining[0] != key or total + joining[1] > limit:
+                break
+            bucket.append(unit)
+            total += joining[1]
+        if len(bucket) == 1:
+            self.prefetch(head, in_backward)
+            return
+        ParamGroup.prefetch_together(bucket)
+        self.prefetched.update(bucket)
+
     # -- backward --------------------------------------------------------------------
     def before_backward(self, state: ScheduledState, use: UnitUse | None) -> None:
         """Backward reached the outputs of ``use`` of ``state``'s unit: gathers the
@@ -124,7 +150,10 @@ class Schedule:
         else:
             targets = [self.post_forward_order[index - 1]] if index and mode is not None else []
         if mode is BackwardPrefetch.BACKWARD_POST:
-            self._after_backward[unit] = targets  # issued once this unit's gradients are out
+            self._after_backward[unit] = targets  # issued once this unit's gradients are out, alone
+            return
+        if state.backward_prefetch is None and targets and index:  # the units that ran before, in reverse
+            self.prefetch_following(self.post_forward_order, index - 1, -1, in_backward=True)
             return
         for target in targets:
             self.prefetch(target, in_backward=True)
