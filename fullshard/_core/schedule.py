@@ -11,8 +11,9 @@ backend runs the collective on its own stream and ``Work.wait`` makes the
 compute stream wait for it. Every rank derives the same decisions from the same
 order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
-implicit choice. So by default at most one prefetched unit is in flight, and
-``fullshard plan`` models exactly that (see [Note: Plan model]).
+implicit choice. So by default at most one prefetched unit is in flight, or
+one bucket of small units gathered together (see [Note: Gather buckets] in
+bucket.py), and ``fullshard plan`` models exactly that (see [Note: Plan model]).
 
 The module hooks make one call each: ``before_forward`` (gather this unit,
 prefetch the next one in forward) and ``before_backward`` (the same in
@@ -28,7 +29,7 @@ from typing import Protocol
 
 from ..api import BackwardPrefetch
 from .common import TrainingState, UnitConfig
-from .group import ParamGroup, UnitUse
+from .group import ParamGroup, UnitUse, prefetch_following
 
 
 class ScheduledState(Protocol):
@@ -104,31 +105,7 @@ class Schedule:
     def prefetch_following(self, order: list[ParamGroup], start: int, step: int, in_backward: bool = False) -> None:
         """Prefetches ``order[start]`` and, in the same all-gather, the units after it
         (``step`` 1: forward, -1: backward) that agree with it (see [Note: Gather buckets])."""
-        head = order[start]
-        entry = head.bucket_entry() if head.gathers_on_prefetch(in_backward) else None
-        if entry is None:
-            self.prefetch(head, in_backward)
-            return
-        key, total, limit = entry
-        bucket = [head]
-        index = start + step
-        while 0 <= index < len(order):
-            unit = order[index]
-            index += step
-            if not unit.gathers_on_prefetch(in_backward):
-                if unit in bucket:  # used twice: the bucket ends at its second use
-                    break
-                continue  # already unsharded or in flight: nothing to gather
-            joining = unit.bucket_entry()
-            if joining is None or joining[0] != key or total + joining[1] > limit:
-                break
-            bucket.append(unit)
-            total += joining[1]
-        if len(bucket) == 1:
-            self.prefetch(head, in_backward)
-            return
-        ParamGroup.prefetch_together(bucket)
-        self.prefetched.update(bucket)
+        self.prefetched.update(prefetch_following(order, start, step, in_backward))
 
     # -- backward --------------------------------------------------------------------
     def before_backward(self, state: ScheduledState, use: UnitUse | None) -> None:

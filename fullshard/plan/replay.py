@@ -12,6 +12,9 @@ live total, and what was alive then is the breakdown. It follows:
   ``fullshard/_core/schedule.py``): in forward the next unit of the previous
   step's order, issued once the current unit's gather is done; in backward
   (``BACKWARD_PRE``) the unit before the current one, issued once its own is done;
+  small units several at a time, as one bucket (``PlanConfig.all_gather_bucket_bytes``,
+  see [Note: Gather buckets] in ``fullshard/_core/bucket.py``): one output for all of
+  them, alive until the last has copied out;
   autograd's gradients of a unit's unsharded parameters until its
   post-backward, which reshards, finishes older reductions, then copies the
   gradients (casting to the reduce dtype on the way) into one reduce-scatter
