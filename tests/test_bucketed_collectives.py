@@ -6,7 +6,7 @@ left unused by a changed order is freed; at DETAIL debug level every gather is c
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 import pytest
 import torch
@@ -211,7 +211,6 @@ def test_bucketed_training_equals_unbucketed_and_one_process_at_4():
     check_cases(
         [
             ("fully_shard", {"hsdp": True}, 10, 4, 16),
-            ("fully_shard", {"mixed": True}, 10, 4, 16),
             ("wrapper, flat params", {"mixed": True}, 10, 4, 16),
         ]
     )
@@ -268,7 +267,37 @@ def test_buckets_hold_at_most_their_bytes(world):
 
 
 def test_bucket_size_setting_refuses_bad_input():
-    with pytest.raises(ValueError, match=r"^set_all_gather_bucket_size expects a byte count >= 0 \(0: off\) but got -1"):
+    with pytest.raises(
+        ValueError, match=r"^set_all_gather_bucket_size expects a byte count >= 0 \(0: off\) but got -1"
+    ):
         set_all_gather_bucket_size(nn.Linear(2, 2), -1)
     with pytest.raises(ValueError, match=r"^set_all_gather_bucket_size expects a module sharded by fully_shard"):
         set_all_gather_bucket_size(nn.Linear(2, 2), 1024)
+
+
+@pytest.mark.parametrize("world, front_end", [(8, "fully_shard"), (64, "wrapper-flat")])
+def test_plan_models_buckets_within_5_percent(world, front_end):
+    """``fullshard plan`` against a measured step whose four blocks gather two to a bucket (the
+    limit two blocks' gathered bytes): the peak within 5%, the same bytes, a call per bucket."""
+    from fullshard.models import ModelArgs
+    from fullshard.plan import PlanConfig, estimate
+    from fullshard.plan.units import model_units
+    from fullshard.testing.memory import measure_step
+
+    args = ModelArgs(n_layers=4, dim=66, n_heads=6, vocab_size=253, max_seq_len=30)
+    block = model_units(args, world, flat=front_end == "wrapper-flat")[1]
+    limit = 2 * block.gathered_numel * 4
+    config = PlanConfig(args, world, batch_size=2, flat_params=front_end == "wrapper-flat", device="cpu")
+    with fake_world(world):
+        with comm.record_comms() as records:
+            measured = measure_step(args, 2, "full", False, world, front_end=front_end, all_gather_bucket_bytes=limit)
+    plan = estimate(dataclasses.replace(config, all_gather_bucket_bytes=limit))
+    unbucketed = estimate(dataclasses.replace(config, all_gather_bucket_bytes=0))
+    assert plan.peak == pytest.approx(measured["peak"], rel=0.05), (plan.peak, measured["peak"])
+    assert plan.peak > unbucketed.peak  # two blocks' buffers in flight where one was
+    if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
+        assert measured["comm"] == plan.comm
+        steps = 2 + 3  # measure_step's two warm-up steps and three profiled ones
+        gathers = sum(r.op == "all_gather" for r in records)
+        first = 1 + 4 + 1 + 2  # the first forward unit by unit; backward: the root, then 2 + 2
+        assert gathers == first + (steps - 1) * plan.comm_calls["all_gather"], gathers
