@@ -278,7 +278,7 @@ def test_bucket_size_setting_refuses_bad_input():
 @pytest.mark.parametrize("world, front_end", [(8, "fully_shard"), (64, "wrapper-flat")])
 def test_plan_models_buckets_within_5_percent(world, front_end):
     """``fullshard plan`` against a measured step whose four blocks gather two to a bucket (the
-    limit two blocks' gathered bytes): the peak within 5%, the same bytes, a call per bucket."""
+    limit two blocks' gathered bytes): the peak within 1% (0.02% measured), the same bytes, a call per bucket."""
     from fullshard.models import ModelArgs
     from fullshard.plan import PlanConfig, estimate
     from fullshard.plan.units import model_units
@@ -293,7 +293,7 @@ def test_plan_models_buckets_within_5_percent(world, front_end):
             measured = measure_step(args, 2, "full", False, world, front_end=front_end, all_gather_bucket_bytes=limit)
     plan = estimate(dataclasses.replace(config, all_gather_bucket_bytes=limit))
     unbucketed = estimate(dataclasses.replace(config, all_gather_bucket_bytes=0))
-    assert plan.peak == pytest.approx(measured["peak"], rel=0.05), (plan.peak, measured["peak"])
+    assert plan.peak == pytest.approx(measured["peak"], rel=0.01), (plan.peak, measured["peak"])
     assert plan.peak > unbucketed.peak  # two blocks' buffers in flight where one was
     if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
         assert measured["comm"] == plan.comm

@@ -11,7 +11,9 @@ written straight into its columns of this rank's row, one all-gather, then
 each unit's own copy-out from its columns when it is used. So every unit ends
 up exactly as if it had gathered alone (its own unsharded storage, freed by
 its own reshard); only the output is shared, alive until the bucket's last
-unit has copied out. Torch's FSDP has no such bucket (DeepSpeed's ZeRO-3
+unit has copied out. A unit under FSDP1's flat layout needs its W chunks
+back to back: its copy-out first copies its columns into one contiguous
+temporary (the unit's gathered size, small by the bucket's limit). Torch's FSDP has no such bucket (DeepSpeed's ZeRO-3
 has one, by parameter count).
 
 A bucket holds consecutive units of the prefetch order that agree: the same

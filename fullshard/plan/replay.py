@@ -14,7 +14,8 @@ live total, and what was alive then is the breakdown. It follows:
   (``BACKWARD_PRE``) the unit before the current one, issued once its own is done;
   small units several at a time, as one bucket (``PlanConfig.all_gather_bucket_bytes``,
   see [Note: Gather buckets] in ``fullshard/_core/bucket.py``): one output for all of
-  them, alive until the last has copied out;
+  them, alive until the last has copied out (a flat unit's copy-out makes a
+  contiguous copy of its columns first);
   autograd's gradients of a unit's unsharded parameters until its
   post-backward, which reshards, finishes older reductions, then copies the
   gradients (casting to the reduce dtype on the way) into one reduce-scatter
@@ -210,6 +211,8 @@ class StepReplay:
             nbytes, waiting = self.buckets.pop(unit.name)
             waiting.discard(unit.name)
             nbytes = 0 if waiting else nbytes
+            if unit.flat:  # its columns of the bucket's output, copied contiguous for the split
+                self._transient(unit.gathered_numel * self.c)
         if self.codes is not None and self.config.shard_size > 1:
             self._transient(self._decode_temporaries(unit, self.codes))
         self.tape.free(GATHER, nbytes)
