@@ -5,6 +5,7 @@ imports.
 """
 
 from ._core.mesh import hybrid_mesh
+from .all_gather_buckets import set_all_gather_bucket_size
 from .all_gather_quantization import set_all_gather_quantization
 from .api import (
     AllGatherQuantization,
@@ -70,6 +71,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "replicate",
     "restore_torch_names",
+    "set_all_gather_bucket_size",
     "set_all_gather_quantization",
     "share_comm_ctx",
     "use_in_place_of_torch",

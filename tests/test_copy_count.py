@@ -98,7 +98,7 @@ def build(framework: str, model: nn.Module, mixed: bool) -> nn.Module:
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         for layer in model.layers:
             fully_shard(layer, mp_policy=policy)
-        return fully_shard(model, mp_policy=policy)
+        return no_buckets(fully_shard(model, mp_policy=policy), framework)
     if framework == "wrapper":
         from fullshard import FSDP, MixedPrecision
         from fullshard.wrap import ModuleWrapPolicy
@@ -107,7 +107,18 @@ def build(framework: str, model: nn.Module, mixed: bool) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecision
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     policy = MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32) if mixed else None
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=CPU, mixed_precision=policy)
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=CPU, mixed_precision=policy)
+    return no_buckets(wrapped, framework)
+
+
+def no_buckets(model: nn.Module, framework: str) -> nn.Module:
+    """Ours gathering unit by unit, as torch's: the budgets are per unit and gather (the
+    bucketed gathers' copies: tests/test_bucketed_collectives.py)."""
+    if framework in ("fullshard", "wrapper"):
+        from fullshard import set_all_gather_bucket_size
+
+        set_all_gather_bucket_size(model, 0)
+    return model
 
 
 def count_step(model: nn.Module) -> collections.Counter[str]:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard import fully_shard, register_fsdp_forward_method
+from fullshard import fully_shard, register_fsdp_forward_method, set_all_gather_bucket_size
 from fullshard._core import comm
 from fullshard.models import MLP, ModelArgs, Transformer
 from fullshard.testing import assert_params_equal, distributed, run_distributed
@@ -43,6 +43,7 @@ def padded_bytes(model: nn.Module, world_size: int) -> int:
 @distributed(world_size=2)
 def test_one_all_gather_and_one_reduce_scatter_per_unit():
     model = sharded_transformer(reshard_after_forward=True)
+    set_all_gather_bucket_size(model, 0)  # one gather per unit (buckets: tests/test_bucketed_collectives.py)
     num_units = ARGS.n_layers + 1
     train_step(model)  # the first step records the order used for prefetching
     with comm.record_comms() as records:
@@ -59,6 +60,7 @@ def test_one_all_gather_and_one_reduce_scatter_per_unit():
 @distributed(world_size=2)
 def test_root_keeps_parameters_by_default():
     model = sharded_transformer()
+    set_all_gather_bucket_size(model, 0)  # one gather per unit
     with comm.record_comms() as records:
         train_step(model)
     # reshard_after_forward=None: the root unit is gathered once per step.

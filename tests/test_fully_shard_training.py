@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, replicate
+from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, replicate, set_all_gather_bucket_size
 from fullshard._core import comm
 from fullshard.models import MLP, ModelArgs, Transformer
 from fullshard.testing import (
@@ -164,6 +164,7 @@ def test_parity_gradient_accumulation_mixed_precision():
 def test_reshard_after_backward_false_keeps_parameters():
     ref = make_transformer()
     model = shard_transformer(copy.deepcopy(ref))
+    set_all_gather_bucket_size(model, 0)  # the counts below are one gather per unit
     optim, ref_optim = adamw(model), adamw(ref)
     batch = token_batches(1, batch=16)[0]
     local = split_batch(batch, dist.get_rank(), 2)
@@ -431,6 +432,7 @@ def test_parity_activation_checkpointing(checkpointing, reshard_after_forward):
             model.layers[index] = checkpoint_wrapper(layer, checkpoint_impl=impl)
             fully_shard(model.layers[index], reshard_after_forward=reshard_after_forward)
     fully_shard(model)
+    set_all_gather_bucket_size(model, 0)  # the count below is one gather per unit
     with comm.record_comms() as records:
         train_in_parity(model, ref, adamw(model), adamw(ref), token_batches(5), lm_loss)
     # Recomputation reuses the gather that backward needs anyway: no extra all-gathers.

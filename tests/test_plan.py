@@ -90,7 +90,10 @@ def test_hybrid_reduces_within_nodes_and_all_reduces_across():
         "reduce_scatter": padded_bytes(model, 8),
         "all_reduce": padded_bytes(model, 8) // 8,
     }
-    assert plan.comm_calls == {"all_gather": 8, "reduce_scatter": 4, "all_reduce": 4}
+    # The root alone, the three small blocks in one bucket (forward and backward); unbucketed: 2 x 4.
+    assert plan.comm_calls == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 4}
+    unbucketed = estimate(PlanConfig(ARGS, 64, "hybrid", ranks_per_node=8, all_gather_bucket_bytes=0))
+    assert unbucketed.comm == plan.comm and unbucketed.comm_calls["all_gather"] == 8
     with pytest.raises(ValueError, match="multiple of ranks_per_node for hybrid, but got 12 and 8"):
         PlanConfig(ARGS, 12, "hybrid", ranks_per_node=8)
 

@@ -1,12 +1,14 @@
-"""At most one prefetched unit in flight by default: while a unit computes, the
-only other unit gathered (or being gathered) is the next one, in forward and in
-backward, so a step's memory is bounded by two units' full parameters (plus the
-root's). Explicit prefetch lists raise the bound on purpose."""
+"""At most one prefetched unit in flight without gather buckets: while a unit
+computes, the only other unit gathered (or being gathered) is the next one, in
+forward and in backward, so a step's memory is bounded by two units' full
+parameters (plus the root's). Explicit prefetch lists raise the bound on purpose,
+and so do buckets of small units (bounded by their bytes instead:
+tests/test_bucketed_collectives.py)."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fullshard import fully_shard
+from fullshard import fully_shard, set_all_gather_bucket_size
 from fullshard._core.state import get_state
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing.fake_group import fake_world
@@ -35,6 +37,7 @@ def most_gathered(explicit: bool) -> tuple[int, int]:
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+    set_all_gather_bucket_size(model, 0)
     if explicit:
         model.layers[0].set_modules_to_forward_prefetch([model.layers[1], model.layers[2]])
     groups = [get_state(layer).group for layer in model.layers]
@@ -47,7 +50,7 @@ def most_gathered(explicit: bool) -> tuple[int, int]:
     return forward.most, backward.most
 
 
-def test_at_most_one_unit_prefetched_by_default():
+def test_at_most_one_unit_prefetched_without_buckets():
     with fake_world(2):
         assert most_gathered(explicit=False) == (2, 2)  # the running unit and the next one
         assert most_gathered(explicit=True)[0] == 3  # two explicit targets: the count sees them

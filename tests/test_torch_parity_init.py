@@ -262,6 +262,7 @@ def train_lm(model: nn.Module, steps: int = 3) -> list[float]:
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 @distributed(world_size=2)
 def test_one_unit_over_several_modules(reshard_after_forward):
+    from fullshard import set_all_gather_bucket_size
     from fullshard._core import comm
 
     runs = {}
@@ -277,6 +278,7 @@ def test_one_unit_over_several_modules(reshard_after_forward):
         assert type(model.norm).__name__ == "FSDPLayerNorm", lib
         runs[lib] = (train_lm(model), full_state(model))
         if lib == "fullshard":  # one all-gather per unit and forward: the group's three modules share one
+            set_all_gather_bucket_size(model, 0)  # (gathered unit by unit, not in buckets)
             with comm.record_comms() as records, torch.no_grad():
                 model(torch.zeros(2, 5, dtype=torch.long))
             assert sum(r.op == "all_gather" for r in records) == 3

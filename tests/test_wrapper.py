@@ -17,6 +17,7 @@ from fullshard import (
     MixedPrecision,
     ShardingStrategy,
     hybrid_mesh,
+    set_all_gather_bucket_size,
 )
 from fullshard._core.layout import flat_pieces
 from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
@@ -138,6 +139,7 @@ def test_activation_checkpointing_applied_after_wrapping(reentrant, use_orig_par
             check_fn=lambda module: isinstance(module, TransformerBlock),
         )
     assert all(type(unit.module).__name__ == "CheckpointWrapper" for unit in FSDP.fsdp_modules(model)[1:])
+    set_all_gather_bucket_size(model, 0)  # the count below is one gather per unit
     reference = DataParallelReference(ref, lm_loss)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, oracle, ref)]
     with comm.record_comms() as records:

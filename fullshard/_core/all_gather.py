@@ -96,8 +96,8 @@ class CopyOutTargets:
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
         versions = tuple([tensor._version for tensor in self.padded])
-        if self._dim == 0:
-            source = output.view(-1)[: self._numel]
+        if self._dim == 0:  # a bucket's (W, chunk) columns are not contiguous: reshape copies them
+            source = output.reshape(-1)[: self._numel]
         else:
             source = output if output.dim() == 2 else output.view(self.num_chunks, -1)
         torch.split_with_sizes_copy(source, self.sizes, dim=self._dim, out=self.chunks)
@@ -146,15 +146,22 @@ class AllGather:
         else:
             staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
         with self._copy_stream(), trace.span(labels.all_gather_copy_in):
-            if not buffers.needs_cast or gather_layout.lines_up(buffers.storage_layout):  # one fused cast
-                staged.copy_(shard_buffer, non_blocking=True)
-            else:
-                torch._foreach_copy_(
-                    [gather_layout.region(staged, i, p.param_dtype) for i, p in enumerate(self.params)],
-                    [buffers.storage_layout.region(shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
-                    non_blocking=True,
-                )
+            self.copy_in(staged)
         return GatherInput(staged, gather_layout, group, output)
+
+    def copy_in(self, staged: torch.Tensor) -> None:
+        """Writes this rank's shards into ``staged`` (1D, the gather layout), cast to the
+        gather dtype: one fused cast where the layouts line up. On the copy stream."""
+        buffers, gather_layout = self.buffers, self.buffers.gather_layout
+        shard_buffer = buffers.shard_buffer
+        if not buffers.needs_cast or gather_layout.lines_up(buffers.storage_layout):  # one fused cast
+            staged.copy_(shard_buffer, non_blocking=True)
+        else:
+            torch._foreach_copy_(
+                [gather_layout.region(staged, i, p.param_dtype) for i, p in enumerate(self.params)],
+                [buffers.storage_layout.region(shard_buffer, i, p.orig_dtype) for i, p in enumerate(self.params)],
+                non_blocking=True,
+            )
 
     def _codec_casts(self, group: GroupInfo) -> bool:
         """Whether the quantized codec reads the shards in their own dtype, casting as it encodes

@@ -143,6 +143,9 @@ class CheckedSchedule(Schedule):
     def prefetch(self, unit: ParamGroup, in_backward: bool = False) -> None:
         pass  # every gather passes the order check instead
 
+    def prefetch_following(self, order: list[ParamGroup], start: int, step: int, in_backward: bool = False) -> None:
+        pass  # nor are units gathered in buckets (see [Note: Gather buckets])
+
     def _gather_for_forward(self, unit: ParamGroup) -> None:
         fingerprint = self._fingerprint("forward", unit, unit.unshard_needs_collective())
         self._run_agreed_all_gathers(self.validator.gate_forward(fingerprint), unit)

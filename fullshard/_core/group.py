@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from . import compat
+from .bucket import BucketKey, bucket_key, gather_bucket, gathered_bytes
 from .common import TrainingState, outside_transforms
 from .forms import ParamForms, ShardedState
 from .grads import GradIntake
@@ -94,6 +95,21 @@ class ParamGroup(ParamForms):
             return False
         self.unshard(async_op=True)
         return True
+
+    def gathers_on_prefetch(self, in_backward: bool = False) -> bool:
+        """Whether ``prefetch(in_backward)`` would issue an all-gather now."""
+        return self.training_state is not TrainingState.POST_BACKWARD and self.unshard_needs_collective(in_backward)
+
+    def bucket_entry(self) -> tuple[BucketKey, int, int] | None:
+        """(key, gathered bytes, bucket limit) when this unit, about to gather, may share its
+        all-gather with others (see [Note: Gather buckets]); None: it gathers alone."""
+        limit = self.settings.all_gather_bucket_bytes
+        if limit <= 0 or self._post_forward_shard is not None or self._gathered_version is not None:
+            return None
+        group = self.spec.mesh_info.shard
+        key = bucket_key(self.gather, group, self.spec.offload)
+        nbytes = gathered_bytes(self.gather, group)
+        return None if key is None or nbytes > limit else (key, nbytes, limit)
 
     def finish_unused_prefetch(self) -> None:
         """A forward prefetch whose use did not come (the order changed): the unit
@@ -205,3 +221,43 @@ class ParamGroup(ParamForms):
         self.reshard()  # waits for a gather in flight first
         self.grads.discard()
         self._go_idle()
+
+
+def prefetch_following(order: list[ParamGroup], start: int, step: int, in_backward: bool) -> list[ParamGroup]:
+    """Starts gathering ``order[start]`` ahead of use, together with the units after it (``step``
+    1 or -1) that may share its all-gather (see [Note: Gather buckets]); returns the units that
+    started gathering."""
+    head = order[start]
+    entry = head.bucket_entry() if head.gathers_on_prefetch(in_backward) else None
+    bucket = [head]
+    if entry is not None:
+        key, total, limit = entry
+        index = start + step
+        while 0 <= index < len(order):
+            unit = order[index]
+            index += step
+            if not unit.gathers_on_prefetch(in_backward):
+                if unit in bucket:  # used twice: the bucket ends at its second use
+                    break
+                continue  # already unsharded or in flight: nothing to gather
+            joining = unit.bucket_entry()
+            if joining is None or joining[0] != key or total + joining[1] > limit:
+                break
+            bucket.append(unit)
+            total += joining[1]
+    if len(bucket) == 1:
+        return bucket if head.prefetch(in_backward) else []
+    _gather_together(bucket)
+    return bucket
+
+
+@outside_transforms
+def _gather_together(units: list[ParamGroup]) -> None:
+    """Starts one all-gather for ``units`` (their bucket keys equal): each finishes it as
+    its own (``wait_for_unshard``)."""
+    for unit in units:
+        unit.buffers.check_materialized()
+    head = units[0].spec
+    in_flight = gather_bucket([u.gather for u in units], head.mesh_info.shard, head.labels)
+    for unit, gathering in zip(units, in_flight):
+        unit._all_gather = gathering

@@ -11,8 +11,9 @@ backend runs the collective on its own stream and ``Work.wait`` makes the
 compute stream wait for it. Every rank derives the same decisions from the same
 order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
-implicit choice. So by default at most one prefetched unit is in flight, and
-``fullshard plan`` models exactly that (see [Note: Plan model]).
+implicit choice. So by default at most one prefetched unit is in flight, or
+one bucket of small units gathered together (see [Note: Gather buckets] in
+bucket.py), and ``fullshard plan`` models exactly that (see [Note: Plan model]).
 
 The module hooks make one call each: ``before_forward`` (gather this unit,
 prefetch the next one in forward) and ``before_backward`` (the same in
@@ -28,7 +29,7 @@ from typing import Protocol
 
 from ..api import BackwardPrefetch
 from .common import TrainingState, UnitConfig
-from .group import ParamGroup, UnitUse
+from .group import ParamGroup, UnitUse, prefetch_following
 
 
 class ScheduledState(Protocol):
@@ -74,15 +75,12 @@ class Schedule:
         position = len(self.forward_order)
         self.forward_order.append(unit)
         if state.forward_prefetch is not None:
-            targets = [s.group for s in state.forward_prefetch if s.group is not None]
+            for target in [s.group for s in state.forward_prefetch if s.group is not None]:
+                self.prefetch(target)
         elif state.config.forward_prefetch:
             previous = self.previous_forward_order
-            following = position + 1 < len(previous) and previous[position] is unit
-            targets = [previous[position + 1]] if following else []
-        else:
-            targets = []
-        for target in targets:
-            self.prefetch(target)
+            if position + 1 < len(previous) and previous[position] is unit:
+                self.prefetch_following(previous, position + 1, 1)
 
     def _gather_for_forward(self, unit: ParamGroup) -> None:
         # Finish this unit's gather before starting the next one's: at most one
@@ -104,6 +102,11 @@ class Schedule:
         if unit.prefetch(in_backward):
             self.prefetched.add(unit)
 
+    def prefetch_following(self, order: list[ParamGroup], start: int, step: int, in_backward: bool = False) -> None:
+        """Prefetches ``order[start]`` and, in the same all-gather, the units after it
+        (``step`` 1: forward, -1: backward) that agree with it (see [Note: Gather buckets])."""
+        self.prefetched.update(prefetch_following(order, start, step, in_backward))
+
     # -- backward --------------------------------------------------------------------
     def before_backward(self, state: ScheduledState, use: UnitUse | None) -> None:
         """Backward reached the outputs of ``use`` of ``state``'s unit: gathers the
@@ -124,7 +127,10 @@ class Schedule:
         else:
             targets = [self.post_forward_order[index - 1]] if index and mode is not None else []
         if mode is BackwardPrefetch.BACKWARD_POST:
-            self._after_backward[unit] = targets  # issued once this unit's gradients are out
+            self._after_backward[unit] = targets  # issued once this unit's gradients are out, alone
+            return
+        if state.backward_prefetch is None and targets and index:  # the units that ran before, in reverse
+            self.prefetch_following(self.post_forward_order, index - 1, -1, in_backward=True)
             return
         for target in targets:
             self.prefetch(target, in_backward=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .bucket import DEFAULT_ALL_GATHER_BUCKET_BYTES
 from .mesh import GroupInfo
 from .reduction import ReduceSettings
 
@@ -22,6 +23,9 @@ class UnitSettings:
     requires_gradient_sync: bool = True
     unshard_in_backward: bool = True  # False: backward needs no parameter values (embeddings)
     reduce: ReduceSettings = field(default_factory=ReduceSettings)
+    # Prefetched with the following units in one all-gather up to this many gathered bytes (0: alone);
+    # see [Note: Gather buckets].
+    all_gather_bucket_bytes: int = DEFAULT_ALL_GATHER_BUCKET_BYTES
 
     def choose_reshard_after_forward(self, reshard_after_forward: bool) -> None:
         """The user's bool: reshard fully or not at all, no smaller post-forward group."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._core.bucket import DEFAULT_ALL_GATHER_BUCKET_BYTES
 from ..models.transformer import ModelArgs
 
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
@@ -37,6 +38,9 @@ class PlanConfig:
         flat_params: the FSDP1 wrapper with ``use_orig_params=False``: each unit's shard is a piece
             of its flat parameter (``ceil(numel / shard size)`` elements, padded once at the end)
             rather than every parameter's padded rows.
+        all_gather_bucket_bytes: ``set_all_gather_bucket_size``: prefetched units gathered together
+            in one all-gather up to this many gathered bytes (0: each alone; see [Note: Gather
+            buckets] in ``fullshard/_core/bucket.py``).
         device: ``cuda`` or ``cpu``, where the step runs. Decides what some
             kernels allocate: AdamW (foreach on accelerators, one tensor at a
             time on CPU) and ``torch._chunk_cat`` (pads copies on CPU).
@@ -56,6 +60,7 @@ class PlanConfig:
     all_gather_dtype: torch.dtype | None = None
     all_gather_block_size: int = 128
     flat_params: bool = False
+    all_gather_bucket_bytes: int = DEFAULT_ALL_GATHER_BUCKET_BYTES
     device: str = "cuda"
 
     def __post_init__(self) -> None:

@@ -12,6 +12,10 @@ live total, and what was alive then is the breakdown. It follows:
   ``fullshard/_core/schedule.py``): in forward the next unit of the previous
   step's order, issued once the current unit's gather is done; in backward
   (``BACKWARD_PRE``) the unit before the current one, issued once its own is done;
+  small units several at a time, as one bucket (``PlanConfig.all_gather_bucket_bytes``,
+  see [Note: Gather buckets] in ``fullshard/_core/bucket.py``): one output for all of
+  them, alive until the last has copied out (a flat unit's copy-out makes a
+  contiguous copy of its columns first);
   autograd's gradients of a unit's unsharded parameters until its
   post-backward, which reshards, finishes older reductions, then copies the
   gradients (casting to the reduce dtype on the way) into one reduce-scatter
@@ -56,7 +60,7 @@ import torch
 from .._core.fused_codec import MIN_FUSED_VALUES
 from .._core.quantize import BlockQuantizer
 from .config import PlanConfig
-from .units import Unit, gather_codes
+from .units import Unit, gather_codes, units_per_bucket
 
 # What is alive, by category (the keys of Plan.peak_breakdown).
 PARAMS, GRADS, OPTIM = "sharded params", "sharded grads", "optimizer states"
@@ -121,6 +125,10 @@ class StepReplay:
         self.logits32 = tokens * args.vocab_size * 4  # the loss works in fp32
         self.embedding_grad = args.vocab_size * args.dim * self.c
         self.in_flight: dict[str, int] = {}  # unit -> bytes of its all-gather buffers
+        # Blocks one prefetched all-gather takes, and each bucket's output bytes and units still
+        # to copy out (see [Note: Gather buckets] in fullshard/_core/bucket.py).
+        self.per_bucket = units_per_bucket(config, self.blocks[0]) if self.blocks else 1
+        self.buckets: dict[str, tuple[int, set[str]]] = {}
         self.codes = gather_codes(config)  # a quantized all-gather's, or None
         self.unsharded: set[str] = set()
         self.reductions: list[Reduction] = []
@@ -169,12 +177,42 @@ class StepReplay:
         if self.codes is not None and self.config.shard_size > 1:
             self._transient(self._encode_temporaries(unit, self.codes))
 
+    def prefetch(self, blocks: list[Unit], start: int, step: int) -> None:
+        """The schedule's implicit prefetch of ``blocks[start]``: with the blocks after it
+        (``step``) that need a gather, up to ``per_bucket`` of them in one all-gather."""
+        bucket: list[Unit] = []
+        index = start
+        while 0 <= index < len(blocks) and len(bucket) < self.per_bucket:
+            unit = blocks[index]
+            index += step
+            if unit.name not in self.unsharded and unit.name not in self.in_flight:
+                bucket.append(unit)
+            elif not bucket:
+                return  # the next unit needs no gather: nothing is prefetched
+        if len(bucket) < 2:
+            for unit in bucket:
+                self.gather(unit)
+            return
+        nbytes = sum(self.config.shard_size * u.shard_numel for u in bucket) * self.c
+        self.tape.alloc(GATHER, nbytes)  # one output; each unit's copy-in is its own columns of it
+        names = {u.name for u in bucket}
+        for unit in bucket:
+            self.in_flight[unit.name] = 0
+            self.buckets[unit.name] = (nbytes, names)
+
     def wait(self, unit: Unit) -> None:
-        """``wait_for_unshard()``: copy-out into the unsharded parameters, then drop the buffers."""
+        """``wait_for_unshard()``: copy-out into the unsharded parameters, then drop the buffers
+        (a bucket's once its last unit copied out)."""
         nbytes = self.in_flight.pop(unit.name, None)
         if nbytes is None:
             return
         self.tape.alloc(UNSHARDED, unit.unsharded_numel * self.c)
+        if unit.name in self.buckets:
+            nbytes, waiting = self.buckets.pop(unit.name)
+            waiting.discard(unit.name)
+            nbytes = 0 if waiting else nbytes
+            if unit.flat:  # its columns of the bucket's output, copied contiguous for the split
+                self._transient(unit.gathered_numel * self.c)
         if self.codes is not None and self.config.shard_size > 1:
             self._transient(self._decode_temporaries(unit, self.codes))
         self.tape.free(GATHER, nbytes)
@@ -217,11 +255,12 @@ class StepReplay:
             if not self.alias:
                 self.tape.free(UNSHARDED, unit.unsharded_numel * self.c)
 
-    def pre_backward(self, unit: Unit, prefetch: Unit | None) -> None:
+    def pre_backward(self, unit: Unit, prefetch: int) -> None:
+        """Gathers ``unit``, then prefetches ``blocks[prefetch]`` and the blocks before it (-1: none)."""
         self.gather(unit)
         self.wait(unit)
-        if prefetch is not None:
-            self.gather(prefetch)
+        if prefetch >= 0:
+            self.prefetch(self.blocks, prefetch, -1)
 
     def post_backward(self, unit: Unit) -> None:
         """Reshard, advance older reductions, copy the gradients into this unit's reduction."""
@@ -260,13 +299,13 @@ class StepReplay:
         self.gather(root)
         self.wait(root)
         if blocks:
-            self.gather(blocks[0])  # implicit forward prefetch: the order of the previous step
+            self.prefetch(blocks, 0, 1)  # implicit forward prefetch: the order of the previous step
         t.alloc(ACTIVATIONS, self.td + self.pos + self.td)  # token and position embeddings, their sum
         t.free(ACTIVATIONS, self.td + self.pos)
         for i, block in enumerate(blocks):
             self.wait(block)
             if i + 1 < len(blocks):
-                self.gather(blocks[i + 1])
+                self.prefetch(blocks, i + 1, 1)
             self._block_forward()
             if self.config.reshard_after_forward:
                 self.reshard(block)
@@ -299,7 +338,7 @@ class StepReplay:
         if self.c != 4:
             t.alloc(ACTIVATIONS, self.logits)  # cast back to the compute dtype
             t.free(ACTIVATIONS, self.logits32)
-        self.pre_backward(self.root, self.blocks[-1] if self.blocks else None)
+        self.pre_backward(self.root, len(self.blocks) - 1)
         # Output projection: its weight gradient waits for the tied embedding's until the end.
         t.alloc(UNSHARDED_GRADS, self.embedding_grad)
         t.alloc(ACTIVATIONS, td)
@@ -308,7 +347,7 @@ class StepReplay:
         t.alloc(UNSHARDED_GRADS, 2 * args.dim * self.c)
         t.free(ACTIVATIONS, 2 * td + 2 * self.stat)
         for i in reversed(range(len(self.blocks))):
-            self.pre_backward(self.blocks[i], self.blocks[i - 1] if i > 0 else None)
+            self.pre_backward(self.blocks[i], i - 1)
             self._block_backward()
             self.post_backward(self.blocks[i])
         t.alloc(ACTIVATIONS, self.pos)  # position embedding: the batch sum, then its weight gradient

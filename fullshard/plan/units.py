@@ -129,6 +129,15 @@ def gather_codes(config: PlanConfig) -> BlockQuantizer | None:
     return BlockQuantizer(config.all_gather_dtype, config.all_gather_block_size)
 
 
+def units_per_bucket(config: PlanConfig, unit: Unit) -> int:
+    """How many consecutive blocks like ``unit`` one prefetched all-gather takes (see [Note: Gather
+    buckets] in ``fullshard/_core/bucket.py``): 1 where they gather alone."""
+    if config.shard_size == 1 or config.cpu_offload or config.all_gather_dtype is not None:
+        return 1
+    nbytes = unit.gathered_numel * config.compute_dtype.itemsize
+    return max(1, config.all_gather_bucket_bytes // nbytes) if nbytes else 1
+
+
 def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int], dict[str, int]]:
     """(bytes, calls) per step by collective, counted as ``comm.record_comms()`` counts them.
 
@@ -141,11 +150,14 @@ def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int]
     reduce = config.gradient_reduce_dtype.itemsize
     gathers = 2 if config.reshard_after_forward else 1  # again in backward when resharded after forward
     codes = gather_codes(config)
+    if config.shard_size > 1 and len(units) > 1:  # the root alone, the blocks prefetched in buckets
+        per_bucket = units_per_bucket(config, units[1])
+        calls["all_gather"] += gathers * (1 + -(-(len(units) - 1) // per_bucket))
     for unit in units:
         if config.shard_size > 1:
             chunk = unit.shard_numel * compute if codes is None else unit.packed_chunk_bytes(codes, compute)
             nbytes["all_gather"] += gathers * config.shard_size * chunk
-            calls["all_gather"] += gathers
+            calls["all_gather"] += gathers if len(units) == 1 else 0
             nbytes["reduce_scatter"] += unit.gathered_numel * reduce
             calls["reduce_scatter"] += 1
         if config.replicate_size > 1:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._core import comm
 from .._core.mesh import default_mesh, hybrid_mesh
 from .._core.state import get_state
+from ..all_gather_buckets import set_all_gather_bucket_size
 from ..all_gather_quantization import set_all_gather_quantization
 from ..api import (
     AllGatherQuantization,
@@ -67,13 +68,15 @@ def measure_step(
     front_end: str = "fully_shard",
     offload: bool = False,
     all_gather_dtype: torch.dtype | None = None,
+    all_gather_bucket_bytes: int | None = None,
 ) -> dict:
     """This rank's peak bytes in a training step of the reference Transformer (one
     unit per block plus the root, as ``fullshard plan`` models it) and what the
     step communicated, through ``front_end`` (``fully_shard``, the FSDP1
     ``wrapper`` with ``use_orig_params=True``, or ``wrapper-flat``: its flat
     parameters, ``PlanConfig.flat_params``), with the shards offloaded to the host or not, and weights
-    gathered as ``all_gather_dtype`` codes when it is set. See [Note:
+    gathered as ``all_gather_dtype`` codes when it is set, and small units prefetched together up to
+    ``all_gather_bucket_bytes`` (None: the default; see [Note: Gather buckets]). See [Note:
     Measured step memory on CPU]."""
     torch.manual_seed(0)
     base = Transformer(args)
@@ -93,6 +96,8 @@ def measure_step(
         model = base
     if all_gather_dtype is not None:
         set_all_gather_quantization(model, AllGatherQuantization(dtype=all_gather_dtype))
+    if all_gather_bucket_bytes is not None:
+        set_all_gather_bucket_size(model, all_gather_bucket_bytes)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(args.vocab_size, (batch, args.max_seq_len), generator=generator)

@@ -132,8 +132,13 @@ def _count_collectives(r: Run, counts: Counter, phase: str) -> Iterator[None]:
 
 @probe("accumulate_counts")
 def accumulate_counts(r: Run) -> None:
-    """Gradient accumulation: two micro-batches without gradient sync, one with; collectives per phase."""
+    """Gradient accumulation: two micro-batches without gradient sync, one with; collectives per phase
+    (ours one all-gather per unit, as torch's: buckets are tests/test_bucketed_collectives.py's)."""
     r.step("loss0")  # lazy initialisation out of the count
+    if r.a.lib != "torch":
+        from fullshard import set_all_gather_bucket_size
+
+        set_all_gather_bucket_size(r.model, 0)
     counts: Counter = Counter()
     with _count_collectives(r, counts, "accumulate"):
         if r.wrapper:
