@@ -105,6 +105,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="override comm.GLOO_NATIVE_ALL_GATHER_BYTES (0: every all-gather by broadcasts)")
     parser.add_argument("--gloo-reduce-scatter-bytes", type=int, default=None,
                         help="override comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES (0: every reduce-scatter by all-reduce)")
+    parser.add_argument("--all-gather-bucket-bytes", type=int, default=None,
+                        help="fullshard's set_all_gather_bucket_size for its frameworks (0: one all-gather per unit, "
+                             "as torch's FSDP; default: fullshard's default)")
     parser.add_argument("--count-steps", type=int, default=0,
                         help="also count Python and builtin calls per unit and step over this many steps (cProfile)")
     parser.add_argument("--callgrind", action="store_true",
@@ -293,6 +296,12 @@ def measure(args: argparse.Namespace) -> dict:
         torch.manual_seed(0)
         reference = nn.Sequential(*[Unit(args.width) for _ in range(args.units)])
         trainers = [Trainer(name, copy.deepcopy(reference), world, barrier) for name in args.frameworks]
+        if args.all_gather_bucket_bytes is not None:
+            from fullshard import set_all_gather_bucket_size
+
+            for trainer in trainers:
+                if trainer.name.startswith("fullshard"):
+                    set_all_gather_bucket_size(trainer.model, args.all_gather_bucket_bytes)
         rank = dist.get_rank()
         torch.manual_seed(1 + rank)
         x = torch.randn(args.batch, args.width)
@@ -375,7 +384,8 @@ def main(argv: list[str]) -> None:
             # the ranks' own arguments, without --nproc (torchrun would take it for --nproc-per-node)
             ranks_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                           if k in ("units", "width", "batch", "steps", "warmup", "profile_steps", "count_steps",
-                                   "gloo_all_gather_bytes", "gloo_reduce_scatter_bytes") and v is not None]
+                                   "gloo_all_gather_bytes", "gloo_reduce_scatter_bytes", "all_gather_bucket_bytes")
+                          and v is not None]
             ranks_argv.append("--frameworks=" + ",".join(args.frameworks))
             result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),
                                       env={"OMP_NUM_THREADS": "1"})
