@@ -90,7 +90,7 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     A dim other than 0 goes chunk by chunk (``_chunk_cat`` splits on one dim)."""
     dims = dims or [0] * len(tensors)
     world, offset, dtype = out.size(0), 0, out.dtype
-    if not any(dims) and (not out.is_cpu or all(t.size(0) % world == 0 and t.dtype == dtype for t in tensors)):
+    if not any(dims) and (not out.is_cpu or _splits_evenly(tensors, world, dtype)):
         compat.chunk_cat([t for t in tensors if t.numel()], world, out)  # it refuses empty tensors
         return
     targets: list[torch.Tensor] = []
@@ -124,6 +124,15 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
         torch._foreach_copy_(targets, sources)
     if padding:
         torch._foreach_zero_(padding)
+
+
+def _splits_evenly(tensors: list[torch.Tensor], world: int, dtype: torch.dtype) -> bool:
+    """Whether every tensor splits into ``world`` equal chunks on dim 0 and has ``dtype``
+    (a loop, not a generator: once per unit and step)."""
+    for tensor in tensors:
+        if tensor.size(0) % world or tensor.dtype != dtype:
+            return False
+    return True
 
 
 def flat_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
