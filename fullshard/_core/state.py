@@ -21,7 +21,6 @@ ends, which then finishes the pass.
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import warnings
 import weakref
@@ -297,15 +296,26 @@ class ModuleState:
     def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
         """Every output's gradient starts ``use``'s backward (the modules of a
         grouped unit share the pass's one use)."""
-        hook = functools.partial(self._pre_backward, use=use)
+        hook = _PreBackwardHook(self, use)
         outputs = [output] if type(output) is torch.Tensor else flatten_tensors(output)
         for tensor in outputs:
             if tensor.requires_grad:
                 _register_tensor_hook(tensor, hook)
 
-    # -- backward ------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor, use: UnitUse | None = None) -> None:
-        self.ctx.schedule.before_backward(self, use)
+
+class _PreBackwardHook:
+    """The hook on a forward use's outputs: backward reached them. One small object per unit
+    and forward (a partial of a bound method with a keyword is three, each one the garbage
+    collector then walks)."""
+
+    __slots__ = ("state", "use")
+
+    def __init__(self, state: ModuleState, use: UnitUse | None) -> None:
+        self.state, self.use = state, use
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        state = self.state
+        state.ctx.schedule.before_backward(state, self.use)
 
 
 # Keys of the hooks we register in a tensor's hook dict: negative, so never one of the
