@@ -153,12 +153,7 @@ class GradIntake:
         if view is not None:
             self._accept_in_buffer_layout(view.tensor, params, output)
             return
-        numels = [p.shard_numel for p in params]
-        dtypes = (
-            [self.buffers.reduce_dtype] * len(params)
-            if self.spec.keep_low_precision_grads
-            else [p.orig_dtype for p in params]
-        )
+        numels, dtypes = [p.shard_numel for p in params], [self._grad_dtype(p) for p in params]
         for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
             sharded = param.sharded_param
             if sharded.grad is None:

@@ -332,9 +332,9 @@ class GradReduction:
         if self._work is None:
             return False
         self._work.wait()
-        if self._spare_on_wait is not None and self._spare is not None:
-            self._spare.keep(self._spare_on_wait)
-            self._spare_on_wait = None
+        done_input, self._spare_on_wait = self._spare_on_wait, None
+        if done_input is not None and self._spare is not None:
+            self._spare.keep(done_input)
         self._work, self._in_flight = None, ()
         return True
 
