@@ -117,7 +117,7 @@ class GradIntake:
             params, grads, partial = self._take_partial(params, grads)
         plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.flat_chunk)
         on_done = self._keep_partial if partial_only else self._accept
-        reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels)
+        reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels, queue.spare)
         del grads  # the copy-in holds them now; free the unsharded gradients
         queue.submit(reduction)
 
@@ -157,7 +157,7 @@ class GradIntake:
         for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
             sharded = param.sharded_param
             if sharded.grad is None:
-                sharded.grad = param.present_from_padded(padded)
+                sharded.grad = param.present_gradient(padded)
             else:
                 offload.wait_for_host_copies()  # the CPU adds now
                 local = param.rows_from_presented(sharded.grad)

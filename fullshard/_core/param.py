@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,9 @@ from .common import ParamModuleInfo, set_module_tensor
 from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
 from .mesh import MeshInfo
 from .presentation import DTENSOR_SHARDS, DTensorShards
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -98,6 +102,9 @@ class ShardParam:
         self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
         self._local_size: tuple[int, ...] | None = None  # this rank's unpadded rows' size (cached: every gradient)
+        # (spec, dtype): the sharded parameter's DTensor spec, found to serve gradients of that dtype
+        # (``present_gradient``); reused while the parameter keeps that spec object.
+        self._gradient_spec: tuple[DTensorSpec, torch.dtype] | None = None
         if is_tensor_subclass(local):
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
@@ -242,6 +249,20 @@ class ShardParam:
     def present_from_padded(self, padded_shard: torch.Tensor) -> torch.Tensor:
         """``present`` of a padded region laid out like the shard buffer's."""
         return self.present(self._unpadded(padded_shard))
+
+    def present_gradient(self, padded_shard: torch.Tensor) -> torch.Tensor:
+        """``present_from_padded`` for a reduced gradient (every parameter and step): once the
+        sharded parameter's spec was found to serve, the DTensor is built around it directly,
+        without the presentation's checks (see ``dtensor_from_rows``)."""
+        local = self._unpadded(padded_shard)
+        known = self._gradient_spec
+        if known is not None and known[1] is local.dtype and getattr(self.sharded_param, "_spec", None) is known[0]:
+            return compat.dtensor_with_spec(local, known[0])
+        presented = self.present(local)
+        spec = getattr(self.sharded_param, "_spec", None)
+        if isinstance(presented, DTensor) and spec is not None and presented._spec is spec:
+            self._gradient_spec = (spec, local.dtype)
+        return presented
 
     def rows_from_presented(self, presented: torch.Tensor) -> torch.Tensor:
         """The rows behind a presented tensor (the inverse of ``present``)."""

@@ -23,6 +23,14 @@ sums, and the result is the sum over all ranks divided by the factor: part of
 the division before the first collective (float16 only), the rest after the
 last.
 
+The reduce-scatter input of a finished reduction is handed to the next one
+when it has the same size (``SpareInput``): many small units of one shape then
+allocate it once per backward instead of once each. It is handed on only once
+its collective was waited for, so no collective in flight sees it rewritten
+(on accelerators ``wait`` orders the compute stream after the collective, and
+the next copy-in runs there), and dropped before any allocation of another
+size and at the end of backward: no more memory is held than before.
+
 HSDP accumulation without the all-reduce (``set_requires_all_reduce(False)``)
 stops after the reduce-scatter: the unit keeps the partial result, and the
 next reduction that all-reduces adds it in first, so one all-reduce carries
@@ -82,7 +90,7 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     A dim other than 0 goes chunk by chunk (``_chunk_cat`` splits on one dim)."""
     dims = dims or [0] * len(tensors)
     world, offset, dtype = out.size(0), 0, out.dtype
-    if not any(dims) and (not out.is_cpu or all(t.size(0) % world == 0 and t.dtype == dtype for t in tensors)):
+    if not any(dims) and (not out.is_cpu or _splits_evenly(tensors, world, dtype)):
         compat.chunk_cat([t for t in tensors if t.numel()], world, out)  # it refuses empty tensors
         return
     targets: list[torch.Tensor] = []
@@ -116,6 +124,15 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
         torch._foreach_copy_(targets, sources)
     if padding:
         torch._foreach_zero_(padding)
+
+
+def _splits_evenly(tensors: list[torch.Tensor], world: int, dtype: torch.dtype) -> bool:
+    """Whether every tensor splits into ``world`` equal chunks on dim 0 and has ``dtype``
+    (a loop, not a generator: once per unit and step)."""
+    for tensor in tensors:
+        if tensor.size(0) % world or tensor.dtype != dtype:
+            return False
+    return True
 
 
 def flat_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -214,8 +231,10 @@ class GradReduction:
         plan: ReductionPlan,
         on_done: Callable[[torch.Tensor], None],
         labels: UnitLabels | None = None,
+        spare: SpareInput | None = None,
     ) -> None:
-        """``labels``: the unit's profiler labels (see [Note: Profiler labels])."""
+        """``labels``: the unit's profiler labels (see [Note: Profiler labels]); ``spare``: where
+        the reduce-scatter input comes from and goes back to (see the Note)."""
         settings, shard, reduce_dtype, final = plan.settings, plan.shard, plan.reduce_dtype, plan.final
         self._labels = labels or unit_labels("")
         self._on_done = on_done
@@ -231,11 +250,20 @@ class GradReduction:
         device = grads[0].device
         total = sum(plan.shard_numels) if plan.flat_chunk is None else plan.flat_chunk
         custom = settings.custom_reduce_scatter if shard.size > 1 else None
+        self._spare = spare
+        self._spare_on_wait: torch.Tensor | None = None  # the input, kept as spare once its collective is done
+        # Taken first either way: one of another size (or unused by a custom collective) is freed before
+        # anything is allocated.
+        reused = spare.take(shard.size * total, reduce_dtype, device) if spare is not None else None
+        if custom is not None:
+            reused = None
         if custom is None:  # sizes as ints: a tuple argument costs a third more
             self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
             reduced = self._output
             if shard.size > 1:
-                reduced = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+                if reused is None:
+                    reused = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+                reduced = reused
         else:
             self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
             reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
@@ -276,6 +304,7 @@ class GradReduction:
         label, pg = self._labels.reduce_scatter, shard.process_group
         if custom is None:
             self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)
+            self._spare_on_wait = reduced
         else:
             self._work = call(label, comm.custom_reduce_scatter, custom, self._output, reduced, pg, op)
 
@@ -303,6 +332,9 @@ class GradReduction:
         if self._work is None:
             return False
         self._work.wait()
+        done_input, self._spare_on_wait = self._spare_on_wait, None
+        if done_input is not None and self._spare is not None:
+            self._spare.keep(done_input)
         self._work, self._in_flight = None, ()
         return True
 
@@ -324,11 +356,35 @@ class GradReduction:
         return True
 
 
+class SpareInput:
+    """A finished reduce-scatter's input, kept for the next reduction of its size (see
+    [Note: Reduction pipeline])."""
+
+    __slots__ = ("_tensor", "_key")
+
+    def __init__(self) -> None:
+        self._tensor: torch.Tensor | None = None  # 1D
+        self._key: tuple[int, torch.dtype, torch.device] | None = None
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        self._tensor, self._key = tensor, (tensor.numel(), tensor.dtype, tensor.device)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The kept tensor if it has that size, dtype and device (else None); kept no longer either way."""
+        tensor, key = self._tensor, self._key
+        self._tensor = self._key = None
+        return tensor if key is not None and key == (numel, dtype, device) else None
+
+    def drop(self) -> None:
+        self._tensor = self._key = None
+
+
 class ReductionQueue:
     """See [Note: Reduction pipeline]."""
 
     def __init__(self) -> None:
         self._pending: list[GradReduction] = []
+        self.spare = SpareInput()
 
     def make_room(self) -> None:
         """Advances older reductions one stage (call before building a new one)."""
@@ -343,6 +399,7 @@ class ReductionQueue:
             while not reduction.advance():
                 pass
         self._pending = []
+        self.spare.drop()
 
     def discard(self) -> None:
         """Drops every reduction after waiting for its collective in flight (an
@@ -350,3 +407,4 @@ class ReductionQueue:
         for reduction in self._pending:
             reduction.wait_in_flight()
         self._pending = []
+        self.spare.drop()

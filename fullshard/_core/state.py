@@ -20,7 +20,8 @@ ends, which then finishes the pass.
 
 from __future__ import annotations
 
-import functools
+import collections
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -295,15 +296,47 @@ class ModuleState:
     def _hook_output_grads(self, output: Any, use: UnitUse | None) -> None:
         """Every output's gradient starts ``use``'s backward (the modules of a
         grouped unit share the pass's one use)."""
-        hook = functools.partial(self._pre_backward, use=use)
+        hook = _PreBackwardHook(self, use)
         outputs = [output] if type(output) is torch.Tensor else flatten_tensors(output)
         for tensor in outputs:
             if tensor.requires_grad:
-                tensor.register_hook(hook)
+                _register_tensor_hook(tensor, hook)
 
-    # -- backward ------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor, use: UnitUse | None = None) -> None:
-        self.ctx.schedule.before_backward(self, use)
+
+class _PreBackwardHook:
+    """The hook on a forward use's outputs: backward reached them. One small object per unit
+    and forward (a partial of a bound method with a keyword is three, each one the garbage
+    collector then walks)."""
+
+    __slots__ = ("state", "use")
+
+    def __init__(self, state: ModuleState, use: UnitUse | None) -> None:
+        self.state, self.use = state, use
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        state = self.state
+        state.ctx.schedule.before_backward(state, self.use)
+
+
+# Keys of the hooks we register in a tensor's hook dict: negative, so never one of the
+# non-negative ids ``Tensor.register_hook`` gives the user's hooks in the same dict.
+_hook_keys = itertools.count(-1, -1)
+
+
+def _register_tensor_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
+    """``tensor.register_hook(hook)`` without the removable handle we never use: the same
+    dict of hooks on the tensor, kept in registration order with the user's (once per
+    unit and forward; the handle, its weak reference and the import cost twice the rest).
+    Tensor subclasses and torch-function modes take ``register_hook`` itself."""
+    if torch._C._has_torch_function_unary(tensor):
+        tensor.register_hook(hook)
+        return
+    hooks = tensor._backward_hooks
+    if hooks is None:
+        hooks = tensor._backward_hooks = collections.OrderedDict()
+        if tensor.grad_fn is not None:
+            tensor.grad_fn._register_hook_dict(tensor)
+    hooks[next(_hook_keys)] = hook
 
 
 def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
