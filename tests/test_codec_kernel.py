@@ -68,7 +68,9 @@ def test_kernel_gives_the_eager_codecs_bits(
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.usefixtures("kernel")
-def test_kernel_on_every_float8_code_and_at_the_edges(param_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_on_every_float8_code_and_at_the_edges(
+    param_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The 256 codes decode as torch's float8 cast times the scale (subnormal results included), and
     +-0, subnormals and their ties, saturation at 448, tiny, NaN and infinite blocks encode as the
     eager codec does (a NaN's sign and payload aside)."""
@@ -182,7 +184,8 @@ def test_a_failed_build_warns_once_and_the_codec_takes_over(monkeypatch: pytest.
     layout = Layout.build(SIZES, [torch.bfloat16] * len(SIZES))
     sources = _sources(torch.bfloat16, layout)
     expected = _run(QuantizedGather(BlockQuantizer(torch.float8_e4m3fn, BLOCK), EXACT), layout, sources)
-    monkeypatch.setattr(codec_kernel, "_State", type("_State", (), {"library": None, "tried": False, "disabled": False}))
+    fresh_state = type("_State", (), {"library": None, "tried": False, "disabled": False})
+    monkeypatch.setattr(codec_kernel, "_State", fresh_state)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", 0)
