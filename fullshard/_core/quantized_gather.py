@@ -9,8 +9,9 @@ quantize.py), then the bytes of the parameters kept exact (norms, biases,
 embeddings by default). Decoding multiplies the codes by their scales and
 scatters the values, like ``Layout.copy_out``, straight into the unsharded
 parameters: one split-copy for the coded ones, one for the exact ones. Large
-units on the CPU run the same arithmetic compiled into fused loops instead
-(see [Note: Fused codec] in fused_codec.py).
+units on the CPU run the same arithmetic as a C kernel, or compiled into fused
+loops where it cannot be built (see [Note: Codec kernel] in codec_kernel.py and
+[Note: Fused codec] in fused_codec.py).
 
 [Note: Quantized flat chunks]
 Under FSDP1's flat layout (see [Note: Flat layout] in layout.py) rank ``r``'s
@@ -22,8 +23,10 @@ layout from the pieces every rank holds): its coded pieces back to back in
 blocks, their scales, its exact pieces. Every rank sends the longest of these
 chunks (the others end in unused bytes), so the all-gather stays one collective
 of equal chunks. Decoding reads each rank's chunk under that rank's layout and
-writes its pieces straight into the unsharded parameters (one decode per rank:
-the ranks' chunks differ in layout, so they cannot share one ``(W, -1)`` view).
+writes its pieces straight into the unsharded parameters: the C kernel in one
+call for all ranks (a table of every rank's pieces, built once per layout; see
+[Note: Codec kernel] in codec_kernel.py), the compiled or eager codec one decode
+per rank (the ranks' chunks differ in layout: no shared ``(W, -1)`` view).
 Blocks group other elements than under per-parameter rows, so the codes differ
 from a ``use_orig_params=True`` run's (other scales); their error bounds do not.
 """
