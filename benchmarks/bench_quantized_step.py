@@ -4,6 +4,7 @@ weights gathered in bf16, int8 and float8, paired step by step, in wall and CPU 
     python benchmarks/bench_quantized_step.py --nproc 2 --steps 30
     python benchmarks/bench_quantized_step.py --nproc 4 --steps 20
     python benchmarks/bench_quantized_step.py --nproc 2 --steps 30 --front-end wrapper   # flat parameters
+    FULLSHARD_CODEC_KERNEL=0 python benchmarks/bench_quantized_step.py ...   # inductor's codec, not the C kernel
 
 The three models (identical copies, bf16 compute, fp32 reduction; ``fully_shard`` per block
 and the root, ``set_all_gather_quantization`` with the default rule) train in the same gloo
