@@ -1,12 +1,13 @@
 /* The quantized all-gather's codec as plain C loops (see [Note: Codec kernel] in codec_kernel.py).
 
-   Every conversion is written so that gcc vectorizes it (branch-free selects on integer bits)
-   and gives the bits of torch's own: fp32 -> bf16 and fp32 -> float8_e4m3fn round to nearest
-   even, float8 -> fp32 is exact and does not depend on denormals being kept (no subnormal
-   fp32 input or output in the conversion itself). No torch header: this compiles in about a
-   second. */
+   Every conversion gives the bits of torch's own: fp32 -> bf16 and fp32 -> float8_e4m3fn round
+   to nearest even (float8 saturating at 448 after the clamp), float8 -> fp32 is exact and does
+   not depend on denormals being kept. The portable loops are written for gcc to vectorize
+   (branch-free selects on integer bits); float8's two conversions also have AVX-512 versions,
+   chosen at load time where the CPU has it, about twice (encode) and 1.3 times (decode) as fast
+   as gcc's vectorization of the portable ones. No torch header: this compiles in about a second. */
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -180,15 +181,16 @@ CLONES static float code_block(const uint32_t *values, int64_t n, int code, uint
 
 /* Encodes the coded values, laid back to back from the source's segments (rows of
    `segments`: source offset, coded position, length; sorted, contiguous from 0 to
-   coded_numel), into `codes` (whole blocks, the padding zero) and `scales` (fp32, a block each). */
+   coded_numel), into `codes` (whole blocks, the padding zero) and `scales` (fp32, a block each).
+   `scratch` holds a block of values for each of the `num_threads` threads. */
 void fullshard_encode(const void *source, int source_bf16, int round_bf16, const int64_t *segments,
                       int64_t num_segments, int64_t coded_numel, int64_t block_size, int code, uint8_t *codes,
-                      uint8_t *scales, int num_threads) {
+                      uint8_t *scales, uint32_t *scratch, int num_threads) {
   int64_t num_blocks = (coded_numel + block_size - 1) / block_size;
   int64_t element_size = source_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
-    uint32_t *values = (uint32_t *)malloc((size_t)block_size * 4);
+    uint32_t *values = scratch + (int64_t)omp_get_thread_num() * block_size;
 #pragma omp for schedule(static)
     for (int64_t block = 0; block < num_blocks; block++) {
       int64_t start = block * block_size;
@@ -209,7 +211,6 @@ void fullshard_encode(const void *source, int source_bf16, int round_bf16, const
       memset(codes + stop, 0, (size_t)(start + block_size - stop));
       memcpy(scales + 4 * block, &scale, 4);
     }
-    free(values);
   }
 }
 

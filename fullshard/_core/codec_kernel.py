@@ -4,10 +4,12 @@
 Inductor's loops (see [Note: Fused codec] in fused_codec.py) convert float8 with
 torch's vector routine, masked steps for saturation, subnormals and NaN: on
 loopback that cost more than the halved bytes saved. ``codec_kernel.c`` does the
-same arithmetic as plain C loops that gcc vectorizes: float8 decoded by rebiasing
-the exponent in the bits (subnormals as mantissa x 2**-9, so flushed denormals do
-not matter), encoded with torch's round-to-nearest-even and saturation, bf16 by
-the same rounding as torch's cast. Codes, scales and decoded values are the eager
+same arithmetic as C loops: portable ones that gcc vectorizes (float8 decoded by
+rebiasing the exponent in the bits, subnormals as mantissa x 2**-9, so flushed
+denormals do not matter; encoded with torch's round-to-nearest-even and
+saturation; bf16 by the same rounding as torch's cast), and AVX-512 versions of
+float8's two conversions (a 128-entry table in registers for the decode), chosen
+when the library loads. Codes, scales and decoded values are the eager
 codec's bit for bit (a NaN's sign and payload aside; ``tests/test_codec_kernel.py``).
 
 It includes no torch header, so it compiles in about a second (gcc, one file, an
@@ -95,7 +97,7 @@ def _build() -> Path:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.fullshard_encode.argtypes = [_PTR, _INT, _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _INT]
+    lib.fullshard_encode.argtypes = [_PTR, _INT, _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT]
     lib.fullshard_encode.restype = None
     lib.fullshard_decode.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _INT, _I64, _INT, _INT]
     lib.fullshard_decode.restype = None
@@ -134,6 +136,8 @@ def encode(
     """Codes of the source's regions (``segments``, see ``encode_segments``) rounded to
     ``value_dtype`` into ``codes`` (the code dtype, whole blocks) and ``scales`` (fp32)."""
     num_values = int(segments[-1, 1] + segments[-1, 2]) if segments.numel() else 0
+    num_threads = _threads(num_values)
+    scratch = torch.empty(num_threads * block_size, dtype=torch.int32)  # a block of values per thread
     lib.fullshard_encode(
         source.data_ptr(),
         int(source.dtype == torch.bfloat16),
@@ -145,7 +149,8 @@ def encode(
         _CODES[codes.dtype],
         codes.data_ptr(),
         scales.data_ptr(),
-        _threads(num_values),
+        scratch.data_ptr(),
+        num_threads,
     )
 
 
