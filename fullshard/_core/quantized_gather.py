@@ -73,6 +73,7 @@ class QuantizedGather:
         self._rank_layouts: dict[Layout, tuple[Layout, ...]] = {}
         self._kernel_encodes: dict[Layout, torch.Tensor] = {}  # 2D: see codec_kernel.encode_segments
         self._kernel_decodes: dict[tuple[Layout, int], torch.Tensor] = {}  # 2D: see _decode_segments
+        self._most_coded: dict[tuple[Layout, int], int] = {}  # (gather layout, chunks): see _decode_kernel
 
     def _plan(self, layout: Layout) -> _Plan:
         plan = self._plans.get(layout)
@@ -214,16 +215,19 @@ class QuantizedGather:
     def _decode_kernel(self, chunks: torch.Tensor, layout: Layout, outputs: list[torch.Tensor]) -> bool:
         """``decode`` by the C kernel, every rank's chunk, coded and exact pieces, in one call;
         False where it does not take this gather (the outputs then still to be written)."""
-        plans = [self._plan(rank_layout) for rank_layout in self._chunk_layouts(layout, chunks.size(0))]
-        num_values = max(plan.coded_numel for plan in plans)
-        if not num_values or not all(o.dtype == layout.dtype and o.is_contiguous() for o in outputs):
+        key = (layout, chunks.size(0))
+        most_coded = self._most_coded.get(key)
+        if most_coded is None:  # the most coded values in one chunk: whether the kernel takes them
+            chunk_layouts = self._chunk_layouts(layout, chunks.size(0))
+            most_coded = self._most_coded[key] = max(self._plan(each).coded_numel for each in chunk_layouts)
+        if not most_coded or not all(o.dtype == layout.dtype and o.is_contiguous() for o in outputs):
             return False
-        lib = self._kernel(num_values, chunks.device, [layout.dtype, layout.dtype])
+        lib = self._kernel(most_coded, chunks.device, [layout.dtype, layout.dtype])
         if lib is None:
             return False
-        segments = self._kernel_decodes.get((layout, chunks.size(0)))
+        segments = self._kernel_decodes.get(key)
         if segments is None:
-            segments = self._kernel_decodes[layout, chunks.size(0)] = self._decode_segments(layout, chunks.size(0))
+            segments = self._kernel_decodes[key] = self._decode_segments(layout, chunks.size(0))
         codec_kernel.decode(lib, chunks, segments, outputs, self.quantizer.code_dtype, self.quantizer.block_size)
         return True
 
