@@ -93,16 +93,11 @@ CODEC_LABELS = ("fullshard::all_gather_quantize", "fullshard::all_gather_dequant
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument(
-        "--frameworks", default="fullshard,fsdp2", help=f"comma-separated, or 'all': {', '.join(ALL_FRAMEWORKS)}"
-    )
+    parser.add_argument("--frameworks", default="fullshard,fsdp2",
+                        help=f"comma-separated, or 'all': {', '.join(ALL_FRAMEWORKS)}")
     parser.add_argument("--strategy", choices=["full", "grad-op", "hybrid"], default="full")
-    parser.add_argument(
-        "--mixed-precision",
-        choices=["bf16"],
-        default=None,
-        help="compute in bf16, reduce gradients in fp32 (DDP and local: CPU autocast)",
-    )
+    parser.add_argument("--mixed-precision", choices=["bf16"], default=None,
+                        help="compute in bf16, reduce gradients in fp32 (DDP and local: CPU autocast)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=576)
     parser.add_argument("--heads", type=int, default=8)
@@ -112,15 +107,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="measured steps per framework")
     parser.add_argument("--memory-steps", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="cuda: one process, world 1 over NCCL or --fake-world (see device_mode.py)",
-    )
-    parser.add_argument(
-        "--fake-world", type=int, default=None, help="run as rank 0 of N on torch's fake process group (one process)"
-    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one process, world 1 over NCCL or --fake-world (see device_mode.py)")
+    parser.add_argument("--fake-world", type=int, default=None,
+                        help="run as rank 0 of N on torch's fake process group (one process)")
     parser.add_argument("--model", default=None, help="a fullshard.models preset (device mode); else --layers/--dim")
     parser.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: by GPU name)")
     parser.add_argument("--phase", choices=["time", "memory"], default=None, help=argparse.SUPPRESS)
@@ -157,19 +147,12 @@ class ByteCounter:
 
     # The tensor collectives' names differ between torch versions (``*_single`` is newer, see
     # fullshard/_core/compat.py): count whichever this torch has, by the argument holding the buffer.
-    COUNTED = {
-        name: arg
-        for name, arg in {
-            "all_gather_single": "output_tensor",
-            "reduce_scatter_single": "input",
-            "all_gather_into_tensor": "output_tensor",
-            "reduce_scatter_tensor": "input",
-            "all_reduce": "tensor",
-            "broadcast": "tensor",
-            "all_gather": "tensor_list",  # FSDP1 gathers into a list on CPU
-        }.items()
-        if hasattr(dist, name)
-    }
+    COUNTED = {name: arg for name, arg in {
+        "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
+        "all_gather_into_tensor": "output_tensor", "reduce_scatter_tensor": "input",
+        "all_reduce": "tensor", "broadcast": "tensor",
+        "all_gather": "tensor_list",  # FSDP1 gathers into a list on CPU
+    }.items() if hasattr(dist, name)}
 
     def __init__(self) -> None:
         self.nbytes = 0
@@ -228,11 +211,8 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
         # the mesh pinned to the CPU: the default one would take a GPU where there is one
         mesh = _hybrid_mesh(args) if args.strategy == "hybrid" else init_device_mesh("cpu", (dist.get_world_size(),))
         reshard = args.strategy != "grad-op"
-        mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if args.mixed_precision
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision \
             else MixedPrecisionPolicy()
-        )
         for layer in model.layers:
             fully_shard(layer, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
         model = fully_shard(model, reshard_after_forward=reshard, mesh=mesh, mp_policy=mp)
@@ -255,14 +235,8 @@ def build(name: str, model: nn.Module, args: argparse.Namespace, counter_box: li
             mesh = _hybrid_mesh(args)
             groups = (mesh.get_group("shard"), mesh.get_group("replicate"))
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision else None
-        model = FSDP(
-            model,
-            sharding_strategy=ShardingStrategy[strategy],
-            process_group=groups,
-            auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-            device_id=cpu,
-            mixed_precision=mp,
-        )
+        model = FSDP(model, sharding_strategy=ShardingStrategy[strategy], process_group=groups,
+                     auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=cpu, mixed_precision=mp)
         if name in QUANTIZED_WRAPPER:
             from fullshard import AllGatherQuantization, set_all_gather_quantization
 
@@ -335,10 +309,8 @@ def worker(args: argparse.Namespace) -> None:
         tokens = torch.randint(256, (args.batch, args.seq), generator=generator)
         model = models[name]
         autocast = args.mixed_precision and name in ("ddp", "local")
-        with (
-            debug_level(dist.DebugLevel.DETAIL if name == CHECKED and name not in started else None),
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(autocast)),
-        ):
+        with debug_level(dist.DebugLevel.DETAIL if name == CHECKED and name not in started else None), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(autocast)):
             logits = model(tokens)
         started.add(name)
         nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
@@ -418,24 +390,18 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
             "peak_mib": max(r[name]["peak_bytes"] for r in memory) / mib,
             "bytes_mib": timing[0][name]["bytes_per_step"] / mib,
         }
-    print(
-        f"\nGPT {num_params / 1e6:.1f}M params, {world} ranks (gloo, CPU), {args.batch}x{args.seq} "
-        f"tokens per rank, strategy {args.strategy}, {args.mixed_precision or 'fp32'}"
-    )
+    print(f"\nGPT {num_params / 1e6:.1f}M params, {world} ranks (gloo, CPU), {args.batch}x{args.seq} "
+          f"tokens per rank, strategy {args.strategy}, {args.mixed_precision or 'fp32'}")
     print(f"{'framework':<18} {'step (s)':>9} {'peak/rank (MiB)':>16} {'bytes/step (MiB)':>17} {'bytes/ideal':>12}")
     for name, row in rows.items():
-        print(
-            f"{name:<18} {row['step_s']:>9.3f} {row['peak_mib']:>16.1f} {row['bytes_mib']:>17.1f} "
-            f"{row['bytes_mib'] * mib / ideal:>12.4f}"
-        )
+        print(f"{name:<18} {row['step_s']:>9.3f} {row['peak_mib']:>16.1f} {row['bytes_mib']:>17.1f} "
+              f"{row['bytes_mib'] * mib / ideal:>12.4f}")
     base = "fullshard" if "fullshard" in rows else next(iter(rows))
     print(f"\nratios to {base} (below 1: less than {base})")
     print(f"{'framework':<18} {'step time':>10} {'peak memory':>12} {'bytes':>8}")
     for name, row in rows.items():
-        cells = [
-            row[key] / rows[base][key] if rows[base][key] else float("nan")
-            for key in ("step_s", "peak_mib", "bytes_mib")
-        ]
+        cells = [row[key] / rows[base][key] if rows[base][key] else float("nan")
+                 for key in ("step_s", "peak_mib", "bytes_mib")]
         print(f"{name:<18} {cells[0]:>9.3f}x {cells[1]:>11.3f}x {cells[2]:>7.3f}x")
     ratios = {}
     print("\nours / theirs:")
@@ -446,21 +412,15 @@ def report(timing: list[dict], memory: list[dict], args: argparse.Namespace) -> 
                 for key in ("step_s", "peak_mib", "bytes_mib")
             }
             r = ratios[f"{ours}/{theirs}"]
-            print(
-                f"  {ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
-                f"bytes {r['bytes_mib']:.4f}x"
-            )
+            print(f"  {ours} / {theirs}: step time {r['step_s']:.3f}x, peak memory {r['peak_mib']:.3f}x, "
+                  f"bytes {r['bytes_mib']:.4f}x")
     for name in rows:
         if name in QUANTIZED:
             rows[name]["codec_s"] = statistics.median(r[name]["codec_s"] for r in timing)
-            print(
-                f"  {name}: quantize + dequantize {1e3 * rows[name]['codec_s']:.1f} ms per step "
-                f"({100 * rows[name]['codec_s'] / rows[name]['step_s']:.1f}% of its step)"
-            )
-    print(
-        f"(ideal bytes for full sharding: 2 all-gathers of {gather_bytes * num_params / mib:.1f} MiB and one "
-        f"reduce-scatter of {4 * num_params / mib:.1f} MiB)"
-    )
+            print(f"  {name}: quantize + dequantize {1e3 * rows[name]['codec_s']:.1f} ms per step "
+                  f"({100 * rows[name]['codec_s'] / rows[name]['step_s']:.1f}% of its step)")
+    print(f"(ideal bytes for full sharding: 2 all-gathers of {gather_bytes * num_params / mib:.1f} MiB and one "
+          f"reduce-scatter of {4 * num_params / mib:.1f} MiB)")
     return {"args": {k: v for k, v in vars(args).items() if k not in ("phase", "out")}, "rows": rows, "ratios": ratios}
 
 

@@ -135,9 +135,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         forwarded = [f"--layers={args.layers}", f"--dim={args.dim}", f"--repeats={args.repeats}", f"--dir={tmp}"]
         timing = common.run_ranks(__file__, args.nproc, [*forwarded, "--phase=time"], os.path.join(tmp, "t.json"))
-        memory = common.run_ranks(
-            __file__, args.nproc, [*forwarded, "--phase=memory"], os.path.join(tmp, "m.json"), common.MEMORY_ENV
-        )
+        memory = common.run_ranks(__file__, args.nproc, [*forwarded, "--phase=memory"], os.path.join(tmp, "m.json"),
+                                  common.MEMORY_ENV)
     mib = 1024**2
     rows = {}
     for name in FRAMEWORKS:
@@ -148,20 +147,14 @@ def main() -> None:
             }
             for op in OPERATIONS
         }
-    print(
-        f"\ncheckpoint of a {args.layers}-layer dim-{args.dim} GPT + AdamW, {args.nproc} ranks (slowest rank per repeat)"
-    )
+    print(f"\ncheckpoint of a {args.layers}-layer dim-{args.dim} GPT + AdamW, {args.nproc} ranks (slowest rank per repeat)")
     print(f"{'framework':<10} {'save (s)':>9} {'save peak (MiB)':>16} {'load (s)':>9} {'load peak (MiB)':>16}")
     for name, row in rows.items():
-        print(
-            f"{name:<10} {row['save']['s']:>9.3f} {row['save']['peak_mib']:>16.1f} "
-            f"{row['load']['s']:>9.3f} {row['load']['peak_mib']:>16.1f}"
-        )
-    ratios = {op: {k: rows["fullshard"][op][k] / rows["fsdp2"][op][k] for k in ("s", "peak_mib")} for op in OPERATIONS}
-    print(
-        f"fullshard / fsdp2: save {ratios['save']['s']:.3f}x time, {ratios['save']['peak_mib']:.3f}x memory; "
-        f"load {ratios['load']['s']:.3f}x time, {ratios['load']['peak_mib']:.3f}x memory"
-    )
+        print(f"{name:<10} {row['save']['s']:>9.3f} {row['save']['peak_mib']:>16.1f} "
+              f"{row['load']['s']:>9.3f} {row['load']['peak_mib']:>16.1f}")
+    ratios = {op: {k: rows['fullshard'][op][k] / rows['fsdp2'][op][k] for k in ("s", "peak_mib")} for op in OPERATIONS}
+    print(f"fullshard / fsdp2: save {ratios['save']['s']:.3f}x time, {ratios['save']['peak_mib']:.3f}x memory; "
+          f"load {ratios['load']['s']:.3f}x time, {ratios['load']['peak_mib']:.3f}x memory")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "ratios": ratios}, f, indent=2)

@@ -130,9 +130,8 @@ def report(result: dict, sizes: list[int]) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument(
-        "--sizes", default="4096,16384,65536,262144,1048576,4194304", help="buffer sizes in bytes, comma-separated"
-    )
+    parser.add_argument("--sizes", default="4096,16384,65536,262144,1048576,4194304",
+                        help="buffer sizes in bytes, comma-separated")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
@@ -147,9 +146,8 @@ def main(argv: list[str]) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         ranks_argv = [f"--sizes={','.join(map(str, args.sizes))}", f"--calls={args.calls}", f"--repeats={args.repeats}"]
-        result = common.run_ranks(
-            __file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"), env={"OMP_NUM_THREADS": "1"}
-        )
+        result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),
+                                  env={"OMP_NUM_THREADS": "1"})
     report(result, args.sizes)
     if args.json:
         with open(args.json, "w") as f:

@@ -42,11 +42,8 @@ def shard(name: str, model: torch.nn.Module, mesh) -> torch.nn.Module:
         from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     else:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    kwargs = {
-        "mesh": mesh,
-        "offload_policy": CPUOffloadPolicy(),
-        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    }
+    kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     return fully_shard(model, **kwargs)
@@ -84,10 +81,8 @@ def main() -> None:
                 peaks[name].append(torch.cuda.max_memory_allocated())
                 between[name] = held
     for name in names:
-        print(
-            f"{name:>9}: step {statistics.median(times[name]):.3f} s, peak {max(peaks[name]) / 2**30:.2f} GiB, "
-            f"between steps {between[name] / 2**30:.2f} GiB (all models' GPU memory)"
-        )
+        print(f"{name:>9}: step {statistics.median(times[name]):.3f} s, peak {max(peaks[name]) / 2**30:.2f} GiB, "
+              f"between steps {between[name] / 2**30:.2f} GiB (all models' GPU memory)")
     ratio = statistics.median(times["fullshard"]) / statistics.median(times["fsdp2"])
     print(f"fullshard / fsdp2: step time {ratio:.2f}x, peak {max(peaks['fullshard']) / max(peaks['fsdp2']):.2f}x")
     dist.destroy_process_group()

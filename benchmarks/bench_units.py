@@ -94,30 +94,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=2, help="0: no breakdown")
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
-    parser.add_argument(
-        "--gloo-all-gather-bytes",
-        type=int,
-        default=None,
-        help="override comm.GLOO_NATIVE_ALL_GATHER_BYTES (0: every all-gather by broadcasts)",
-    )
-    parser.add_argument(
-        "--gloo-reduce-scatter-bytes",
-        type=int,
-        default=None,
-        help="override comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES (0: every reduce-scatter by all-reduce)",
-    )
-    parser.add_argument(
-        "--count-steps",
-        type=int,
-        default=0,
-        help="also count Python and builtin calls per unit and step over this many steps (cProfile)",
-    )
-    parser.add_argument(
-        "--callgrind",
-        action="store_true",
-        help="with --count-steps, under `valgrind --tool=callgrind --instr-atstart=no`: count the "
-        "instructions of those steps instead (callgrind's Collected / steps; one framework)",
-    )
+    parser.add_argument("--gloo-all-gather-bytes", type=int, default=None,
+                        help="override comm.GLOO_NATIVE_ALL_GATHER_BYTES (0: every all-gather by broadcasts)")
+    parser.add_argument("--gloo-reduce-scatter-bytes", type=int, default=None,
+                        help="override comm.GLOO_GATHERED_REDUCE_SCATTER_BYTES (0: every reduce-scatter by all-reduce)")
+    parser.add_argument("--count-steps", type=int, default=0,
+                        help="also count Python and builtin calls per unit and step over this many steps (cProfile)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="with --count-steps, under `valgrind --tool=callgrind --instr-atstart=no`: count the "
+                             "instructions of those steps instead (callgrind's Collected / steps; one framework)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a rank's result file (gloo)
     args = parser.parse_args(argv)
@@ -296,10 +281,8 @@ def _stats(seconds: list[float]) -> dict[str, float]:
 def report(result: dict, args: argparse.Namespace) -> None:
     frameworks = result["frameworks"]
     where = f"fake world {result['world']}" if result["backend"] == "fake" else f"gloo, {result['world']} ranks"
-    print(
-        f"\n{args.units} units of Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, SGD; {where}; "
-        f"median (min-max) of {args.steps} steps, torch {torch.__version__}"
-    )
+    print(f"\n{args.units} units of Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, SGD; {where}; "
+          f"median (min-max) of {args.steps} steps, torch {torch.__version__}")
     print("| framework | step ms | forward ms | backward ms | optimizer ms | CPU ms | per unit and step |")
     print("|---|---|---|---|---|---|---|")
     for name, entry in frameworks.items():
@@ -349,27 +332,12 @@ def main(argv: list[str]) -> None:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             # the ranks' own arguments, without --nproc (torchrun would take it for --nproc-per-node)
-            ranks_argv = [
-                f"--{k.replace('_', '-')}={v}"
-                for k, v in vars(args).items()
-                if k
-                in (
-                    "units",
-                    "width",
-                    "batch",
-                    "steps",
-                    "warmup",
-                    "profile_steps",
-                    "count_steps",
-                    "gloo_all_gather_bytes",
-                    "gloo_reduce_scatter_bytes",
-                )
-                and v is not None
-            ]
+            ranks_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                          if k in ("units", "width", "batch", "steps", "warmup", "profile_steps", "count_steps",
+                                   "gloo_all_gather_bytes", "gloo_reduce_scatter_bytes") and v is not None]
             ranks_argv.append("--frameworks=" + ",".join(args.frameworks))
-            result = common.run_ranks(
-                __file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"), env={"OMP_NUM_THREADS": "1"}
-            )
+            result = common.run_ranks(__file__, args.nproc, ranks_argv, os.path.join(tmp, "out.json"),
+                                      env={"OMP_NUM_THREADS": "1"})
     report(result, args)
     if args.json:
         with open(args.json, "w") as f:

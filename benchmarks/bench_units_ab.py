@@ -88,10 +88,8 @@ def main(argv: list[str]) -> None:
     for name, seconds in times.items():
         ordered = sorted(seconds)
         quantiles[name] = [ordered[len(ordered) * q // 100] * 1e3 for q in (10, 25, 50)]
-    print(
-        f"\n{args.units} units, fake world {args.fake_world}, {args.steps} alternating steps, thread time "
-        f"(ms: p10, p25, median), base {args.base}, torch {torch.__version__}"
-    )
+    print(f"\n{args.units} units, fake world {args.fake_world}, {args.steps} alternating steps, thread time "
+          f"(ms: p10, p25, median), base {args.base}, torch {torch.__version__}")
     for name, (p10, p25, p50) in quantiles.items():
         print(f"| {name} | {p10:.2f} | {p25:.2f} | {p50:.2f} |")
     for name in (BASE_PACKAGE, "fullshard"):

@@ -42,14 +42,8 @@ def run_ranks(script: str, nproc: int, arguments: list[str], out: str, env: dict
     """Runs ``script`` on ``nproc`` ranks through torchrun; returns the JSON it wrote to ``out``."""
     # --standalone: torchrun picks a free port itself (no window for another process to take it).
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        script,
-        *arguments,
-        f"--out={out}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        script, *arguments, f"--out={out}",
     ]
     subprocess.run(command, check=True, env={**os.environ, **(env or {})})
     with open(out) as f:

@@ -57,10 +57,8 @@ def main() -> None:
         final, validation = summary.get("final_loss"), summary.get("validation_loss")
         curves.plot(smoothed, label=f"{label} (final {final:.4f}, validation {validation:.4f})")
         differences.plot([100 * (a - b) / b for a, b in zip(smoothed, reference)], label=label)
-        print(
-            f"{label:<12} final {final:.4f}  validation {validation:.4f}  "
-            f"all-gather bytes/step {summary.get('comm_bytes_per_step', {}).get('all_gather', 0):,}"
-        )
+        print(f"{label:<12} final {final:.4f}  validation {validation:.4f}  "
+              f"all-gather bytes/step {summary.get('comm_bytes_per_step', {}).get('all_gather', 0):,}")
     curves.set(xlabel="step", ylabel=f"training loss (mean of {args.window})", title="loss")
     differences.set(xlabel="step", ylabel=f"% vs {labels[0]}", title="relative difference")
     curves.legend()
