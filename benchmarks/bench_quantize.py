@@ -19,6 +19,9 @@ alternating, next to the bf16 gather's copy-out that the decode replaces. Those
 encode the bf16 chunk; ``fp32`` encodes the fp32 shards directly, as the engine
 does under bf16 compute, in place of the cast copy-in into a new buffer
 (``copy-in``, as the engine did before) and the encode of its result.
+``kernel`` and ``kernel-fp32`` are the same two encodes by the C kernel
+(see [Note: Codec kernel] in ``fullshard/_core/codec_kernel.py``), which also
+decodes; ``fused`` and ``fp32`` are inductor's loops with the kernel turned off.
 ``--cpu-time``: each call's thread CPU time instead of wall time (steadier on a
 shared machine).
 """
@@ -31,13 +34,15 @@ from collections.abc import Callable
 
 import torch
 
-from fullshard._core import fused_codec
+from fullshard._core import codec_kernel, fused_codec
 from fullshard._core.layout import Layout
 from fullshard._core.quantize import BlockQuantizer
 from fullshard._core.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer
 
 BLOCK_SIZES = (32, 64, 128, 256, 1024)
+# --unit's codecs: eager ops, inductor's loops (from the bf16 chunk or the fp32 shards), the C kernel (the same two).
+PATHS = ("eager", "fused", "fp32", "kernel", "kernel-fp32")
 
 
 def coded_weights(args: argparse.Namespace) -> torch.Tensor:
@@ -91,7 +96,7 @@ def unit_codec(reps: int, block_sizes: list[int], clock: Callable[[], float]) ->
         f"one block unit, {sum(p.numel() for p in params) / 1e6:.1f}M values, bf16 compute; ms, min / median of {reps}"
     )
     print(
-        f"{'ranks':>5} {'code':<15} {'block':>5} {'path':<6} {'encode':>14} {'decode':>14} {'bf16 copy-out':>14}"
+        f"{'ranks':>5} {'code':<15} {'block':>5} {'path':<11} {'encode':>14} {'decode':>14} {'bf16 copy-out':>14}"
         f" {'copy-in':>14} {'compile (s)':>12}"
     )
     for world in (2, 4):
@@ -102,12 +107,11 @@ def unit_codec(reps: int, block_sizes: list[int], clock: Callable[[], float]) ->
         bf16_gathered = torch.cat([source] * world)
         for code, block_size in [(code, size) for code in (torch.int8, torch.float8_e4m3fn) for size in block_sizes]:
             codecs = {
-                path: QuantizedGather(BlockQuantizer(code, block_size), [p.dim() < 2 for p in params])
-                for path in ("eager", "fused", "fp32")
+                path: QuantizedGather(BlockQuantizer(code, block_size), [p.dim() < 2 for p in params]) for path in PATHS
             }
             gathered = torch.cat([codecs["eager"].encode(source, layout)] * world)
             row = torch.empty_like(gathered[: gathered.numel() // world])  # the engine encodes into its gather row
-            fused_codec.MIN_FUSED_VALUES = 0
+            fused_codec.MIN_FUSED_VALUES, codec_kernel._State.disabled = 0, True
             start = time.perf_counter()
             codecs["fused"].encode(source, layout, row)
             codecs["fused"].decode(gathered, world, layout, outputs)
@@ -117,8 +121,9 @@ def unit_codec(reps: int, block_sizes: list[int], clock: Callable[[], float]) ->
             for _ in range(reps):
                 for path, codec in codecs.items():
                     fused_codec.MIN_FUSED_VALUES = 1 << 40 if path == "eager" else 0
+                    codec_kernel._State.disabled = not path.startswith("kernel")
                     calls = {
-                        "encode": (codec.encode, (shards if path == "fp32" else source, layout, row)),
+                        "encode": (codec.encode, (shards if "fp32" in path else source, layout, row)),
                         "decode": (codec.decode, (gathered, world, layout, outputs)),
                         "copy-out": (layout.copy_out, (bf16_gathered, world, outputs)),
                         "copy-in": (_cast_copy_in, (shards,)),
@@ -134,7 +139,7 @@ def unit_codec(reps: int, block_sizes: list[int], clock: Callable[[], float]) ->
                 ]
                 compiled = f"{compile_s:.1f}" if path == "fused" else ""
                 print(
-                    f"{world:>5} {str(code).removeprefix('torch.'):<15} {block_size:>5} {path:<6} {cells[0]:>14}"
+                    f"{world:>5} {str(code).removeprefix('torch.'):<15} {block_size:>5} {path:<11} {cells[0]:>14}"
                     f" {cells[1]:>14} {cells[2]:>14} {cells[3]:>14} {compiled:>12}"
                 )
 

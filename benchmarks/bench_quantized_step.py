@@ -4,6 +4,7 @@ weights gathered in bf16, int8 and float8, paired step by step, in wall and CPU 
     python benchmarks/bench_quantized_step.py --nproc 2 --steps 30
     python benchmarks/bench_quantized_step.py --nproc 4 --steps 20
     python benchmarks/bench_quantized_step.py --nproc 2 --steps 30 --front-end wrapper   # flat parameters
+    FULLSHARD_CODEC_KERNEL=0 python benchmarks/bench_quantized_step.py ...   # inductor's codec, not the C kernel
 
 The three models (identical copies, bf16 compute, fp32 reduction; ``fully_shard`` per block
 and the root, ``set_all_gather_quantization`` with the default rule) train in the same gloo
@@ -40,13 +41,27 @@ from fullshard import (
     fully_shard,
     set_all_gather_quantization,
 )
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard._core.manage import states_below
 from fullshard.models import ModelArgs, Transformer
+from fullshard.wrap import ModuleWrapPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the benchmarks folder is not a package)
 
 GATHERS = {"bf16": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
+# --cast-encode: float8 once more, encoded from a bf16 copy-in of the shards (the engine before it read fp32 shards)
+CAST = "float8-cast"
+
+
+def gathers(args: argparse.Namespace) -> dict[str, torch.dtype | None]:
+    return {**GATHERS, CAST: torch.float8_e4m3fn} if args.cast_encode else GATHERS
+
+
+def encode_from_a_cast_copy_in(model: nn.Module) -> None:
+    """Every unit casts its shards into a new bf16 buffer and encodes that (no fp32 read)."""
+    for state in states_below(model):
+        if state.group is not None:
+            state.group.gather._codec_casts = lambda group: False
 
 
 def sharded(base: nn.Module, code: torch.dtype | None, front_end: str) -> nn.Module:
@@ -74,12 +89,14 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = Transformer(ModelArgs(n_layers=args.layers, vocab_size=256, max_seq_len=args.seq, dim=args.dim, n_heads=8))
-    models = {name: sharded(base, code, args.front_end) for name, code in GATHERS.items()}
+    models = {name: sharded(base, code, args.front_end) for name, code in gathers(args).items()}
+    if CAST in models:
+        encode_from_a_cast_copy_in(models[CAST])
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     generator = torch.Generator().manual_seed(rank)
-    wall: dict[str, list[float]] = {name: [] for name in GATHERS}
-    cpu: dict[str, list[float]] = {name: [] for name in GATHERS}
-    names = list(GATHERS)
+    wall: dict[str, list[float]] = {name: [] for name in models}
+    cpu: dict[str, list[float]] = {name: [] for name in models}
+    names = list(models)
     for round_index in range(args.warmup + args.steps):
         tokens = torch.randint(256, (args.batch, args.seq), generator=generator)
         shift = round_index % len(names)
@@ -103,22 +120,22 @@ def worker(args: argparse.Namespace) -> None:
 
 def report(ranks: list[dict], args: argparse.Namespace) -> dict:
     wall = ranks[0]["wall"]  # the barrier before each step: ranks' walls agree to the slowest
-    cpu = {name: [sum(r["cpu"][name][i] for r in ranks) for i in range(args.steps)] for name in GATHERS}
+    cpu = {name: [sum(r["cpu"][name][i] for r in ranks) for i in range(args.steps)] for name in gathers(args)}
     print(
         f"bench GPT ({args.layers} x {args.dim}), {args.front_end}, {args.nproc} gloo ranks, bf16 compute, "
         f"{args.steps} rounds"
     )
-    print(f"{'gather':<7} {'wall median (s)':>16} {'ratio':>7} {'paired':>7}", end="")
+    print(f"{'gather':<11} {'wall median (s)':>16} {'ratio':>7} {'paired':>7}", end="")
     print(f" {'CPU median (s)':>15} {'ratio':>7} {'paired':>7}")
     result = {}
-    for name in GATHERS:
+    for name in gathers(args):
         cells = []
         for times in (wall, cpu):
             paired = statistics.median(q / b for q, b in zip(times[name], times["bf16"]))
             median = statistics.median(times[name])
             cells += [median, median / statistics.median(times["bf16"]), paired]
         result[name] = cells
-        print(f"{name:<7} {cells[0]:>16.3f} {cells[1]:>6.3f}x {cells[2]:>6.3f}x", end="")
+        print(f"{name:<11} {cells[0]:>16.3f} {cells[1]:>6.3f}x {cells[2]:>6.3f}x", end="")
         print(f" {cells[3]:>15.3f} {cells[4]:>6.3f}x {cells[5]:>6.3f}x")
     return result
 
@@ -133,6 +150,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="measured rounds (one step of each gather)")
     parser.add_argument("--front-end", choices=["fully_shard", "wrapper"], default="fully_shard")
+    parser.add_argument("--cast-encode", action="store_true", help="also float8 encoded from a bf16 copy-in")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -142,8 +160,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
-        skip = ("nproc", "json", "worker", "out")
+        skip = ("nproc", "json", "worker", "out", "cast_encode")
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+        forwarded += ["--cast-encode"] if args.cast_encode else []
         ranks = common.run_ranks(__file__, args.nproc, [*forwarded, "--worker"], out)
     result = report(ranks, args)
     if args.json:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
-from fullshard._core import fused_codec
+from fullshard._core import codec_kernel, fused_codec
 from fullshard._core.fused_codec import Span, spans
 from fullshard._core.layout import Layout
 from fullshard._core.quantize import BlockQuantizer
@@ -24,8 +24,11 @@ def fresh_fused_codecs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """An empty registry of compiled layouts, with dynamo's compile counts emptied alongside: the
     registry's ``MAX_FUSED_LAYOUTS`` keeps a process under dynamo's recompile limit only while the
     two count the same compiles, which a test that empties the registry alone breaks (suites
-    compiling many layouts in one process then hit the limit)."""
+    compiling many layouts in one process then hit the limit). The C kernel, which would take
+    the compiled codec's units, is turned off: these tests are about the compiled codec
+    (``tests/test_codec_kernel.py`` checks the kernel)."""
     monkeypatch.setattr(fused_codec._Status, "codecs", {})
+    monkeypatch.setattr(codec_kernel._State, "disabled", True)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()  # the registry the monkeypatch restores recompiles from zero
@@ -175,6 +178,7 @@ def test_float8_fused_codec_on_every_code_and_at_the_edges(
     assert _same_values(fused_out[1], expected)
 
 
+@pytest.mark.usefixtures("fresh_fused_codecs")
 def test_a_failed_compile_warns_once_and_the_eager_codec_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_compile(fn, **kwargs):
         def compiled(*args):
@@ -248,7 +252,8 @@ def _train(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
 def test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_too():
     """The forward and backward gathers of every unit, fused, under ``unit.compile()`` too
     (the hooks run between the compiled graphs, so the codec compiles on its own)."""
-    saved = fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs
+    saved = fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs, codec_kernel._State.disabled
+    codec_kernel._State.disabled = True  # the compiled codec's units (tests/test_codec_kernel.py: the kernel's)
     try:
         fused_codec.MIN_FUSED_VALUES = 1 << 40
         eager = _train(compiled=False)
@@ -263,4 +268,4 @@ def test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_to
             len(fused_codec._Status.codecs) == 1 and not fused_codec._Status.broken
         )  # the blocks' (the root's are exact)
     finally:
-        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs = saved
+        fused_codec.MIN_FUSED_VALUES, fused_codec._Status.codecs, codec_kernel._State.disabled = saved

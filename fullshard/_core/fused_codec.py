@@ -86,14 +86,15 @@ class _Status:
     full = False  # MAX_FUSED_LAYOUTS reached (logged once)
 
 
+def worth_fusing(device: torch.device, num_values: int) -> bool:
+    """Whether ``num_values`` coded values per rank on ``device`` are worth a fused codec (this
+    one's compiled loops, or the C kernel's: see [Note: Codec kernel] in codec_kernel.py)."""
+    return device.type == "cpu" and num_values >= MIN_FUSED_VALUES and not torch.compiler.is_compiling()
+
+
 def fusable(device: torch.device, num_values: int) -> bool:
     """Whether a unit of ``num_values`` coded values per rank on ``device`` gets the fused codec."""
-    return (
-        device.type == "cpu"
-        and num_values >= MIN_FUSED_VALUES
-        and not _Status.broken
-        and not torch.compiler.is_compiling()
-    )
+    return worth_fusing(device, num_values) and not _Status.broken
 
 
 class FusedCodec:

@@ -9,8 +9,9 @@ quantize.py), then the bytes of the parameters kept exact (norms, biases,
 embeddings by default). Decoding multiplies the codes by their scales and
 scatters the values, like ``Layout.copy_out``, straight into the unsharded
 parameters: one split-copy for the coded ones, one for the exact ones. Large
-units on the CPU run the same arithmetic compiled into fused loops instead
-(see [Note: Fused codec] in fused_codec.py).
+units on the CPU run the same arithmetic as a C kernel, or compiled into fused
+loops where it cannot be built (see [Note: Codec kernel] in codec_kernel.py and
+[Note: Fused codec] in fused_codec.py).
 
 [Note: Quantized flat chunks]
 Under FSDP1's flat layout (see [Note: Flat layout] in layout.py) rank ``r``'s
@@ -22,23 +23,28 @@ layout from the pieces every rank holds): its coded pieces back to back in
 blocks, their scales, its exact pieces. Every rank sends the longest of these
 chunks (the others end in unused bytes), so the all-gather stays one collective
 of equal chunks. Decoding reads each rank's chunk under that rank's layout and
-writes its pieces straight into the unsharded parameters (one decode per rank:
-the ranks' chunks differ in layout, so they cannot share one ``(W, -1)`` view).
+writes its pieces straight into the unsharded parameters: the C kernel in one
+call for all ranks (a table of every rank's pieces, built once per layout; see
+[Note: Codec kernel] in codec_kernel.py), the compiled or eager codec one decode
+per rank (the ranks' chunks differ in layout: no shared ``(W, -1)`` view).
 Blocks group other elements than under per-parameter rows, so the codes differ
 from a ``use_orig_params=True`` run's (other scales); their error bounds do not.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
 
-from .fused_codec import FusedCodec, fusable, spans
+from . import codec_kernel
+from .fused_codec import FusedCodec, fusable, spans, worth_fusing
 from .layout import Layout
 from .quantize import BlockQuantizer
 
 _SCALE_ALIGN = 4  # bytes of an fp32 scale
+_SEGMENT = 1 << 16  # the longest piece one thread of the C decode takes at a time
 
 
 class _Plan(NamedTuple):
@@ -65,6 +71,9 @@ class QuantizedGather:
         self._fused: dict[Layout, FusedCodec | None] = {}
         self._fused_regions: dict[Layout, list[tuple[int, int, int]]] = {}  # see _cut_regions
         self._rank_layouts: dict[Layout, tuple[Layout, ...]] = {}
+        self._kernel_encodes: dict[Layout, torch.Tensor] = {}  # 2D: see codec_kernel.encode_segments
+        self._kernel_decodes: dict[tuple[Layout, int], torch.Tensor] = {}  # 2D: see _decode_segments
+        self._most_coded: dict[tuple[Layout, int], int] = {}  # (gather layout, chunks): see _decode_kernel
 
     def _plan(self, layout: Layout) -> _Plan:
         plan = self._plans.get(layout)
@@ -160,14 +169,29 @@ class QuantizedGather:
         region = layout.region(source, index, source.dtype)
         return region if region.dtype == layout.dtype else region.to(layout.dtype)
 
+    def _kernel(self, num_values: int, device: torch.device, dtypes: list[torch.dtype]) -> ctypes.CDLL | None:
+        """The C codec (see [Note: Codec kernel]) where it takes ``num_values`` coded values per rank
+        converted between ``dtypes`` (the compute dtype, then the source's or the outputs')."""
+        if not worth_fusing(device, num_values) or not codec_kernel.supports(self.quantizer.code_dtype, *dtypes):
+            return None
+        return codec_kernel.library()
+
     def _encode_fused(self, source: torch.Tensor, layout: Layout, plan: _Plan, packed: torch.Tensor) -> bool:
-        """The coded parameters of ``encode`` by the fused codec, straight into ``packed``;
-        False where there is none."""
+        """The coded parameters of ``encode`` by the C kernel or the compiled codec, straight into
+        ``packed``; False where there is neither."""
+        codes = packed[: plan.coded_padded].view(self.quantizer.code_dtype)
+        scales = packed[plan.coded_padded : plan.coded_bytes].view(torch.float32)
+        lib = self._kernel(plan.coded_numel, source.device, [layout.dtype, source.dtype])
+        if lib is not None and source.is_contiguous():
+            segments = self._kernel_encodes.get(layout)
+            if segments is None:
+                offsets, sizes = [layout.offsets[i] for i in plan.coded], [layout.sizes[i] for i in plan.coded]
+                segments = self._kernel_encodes[layout] = codec_kernel.encode_segments(offsets, sizes)
+            codec_kernel.encode(lib, source, segments, codes, scales, self.quantizer.block_size, layout.dtype)
+            return True
         fused = self._fused_codec(layout, plan, source.device)
         if fused is None:
             return False
-        codes = packed[: plan.coded_padded].view(self.quantizer.code_dtype)
-        scales = packed[plan.coded_padded : plan.coded_bytes].view(torch.float32)
         return fused.encode(source, codes, scales)
 
     @torch.no_grad()
@@ -177,6 +201,8 @@ class QuantizedGather:
         Under a flat layout ``outputs[i]`` is parameter i, whose pieces every rank's chunk
         fills (see [Note: Quantized flat chunks])."""
         chunks = gathered.view(num_chunks, -1)
+        if self._decode_kernel(chunks, layout, outputs):
+            return
         if not layout.flat:
             self._decode_chunks(chunks, layout, outputs)
             return
@@ -185,6 +211,54 @@ class QuantizedGather:
         for rank, rank_layout in enumerate(self.rank_layouts(layout)):
             pieces = [output[ranges[rank][0] : ranges[rank][1]] for output, ranges in zip(outputs, self.pieces)]
             self._decode_chunks(chunks[rank : rank + 1], rank_layout, pieces)
+
+    def _decode_kernel(self, chunks: torch.Tensor, layout: Layout, outputs: list[torch.Tensor]) -> bool:
+        """``decode`` by the C kernel, every rank's chunk, coded and exact pieces, in one call;
+        False where it does not take this gather (the outputs then still to be written)."""
+        key = (layout, chunks.size(0))
+        most_coded = self._most_coded.get(key)
+        if most_coded is None:  # the most coded values in one chunk: whether the kernel takes them
+            chunk_layouts = self._chunk_layouts(layout, chunks.size(0))
+            most_coded = self._most_coded[key] = max(self._plan(each).coded_numel for each in chunk_layouts)
+        if not most_coded or not all(o.dtype == layout.dtype and o.is_contiguous() for o in outputs):
+            return False
+        lib = self._kernel(most_coded, chunks.device, [layout.dtype, layout.dtype])
+        if lib is None:
+            return False
+        segments = self._kernel_decodes.get(key)
+        if segments is None:
+            segments = self._kernel_decodes[key] = self._decode_segments(layout, chunks.size(0))
+        codec_kernel.decode(lib, chunks, segments, outputs, self.quantizer.code_dtype, self.quantizer.block_size)
+        return True
+
+    def _chunk_layouts(self, layout: Layout, num_chunks: int) -> tuple[Layout, ...]:
+        """The layout of each gathered chunk: every rank's own under a flat layout, else ``layout``."""
+        return self.rank_layouts(layout) if layout.flat else (layout,) * num_chunks
+
+    def _decode_segments(self, layout: Layout, num_chunks: int) -> torch.Tensor:
+        """The C decode's table (see ``codec_kernel.decode``): each chunk's coded then exact pieces,
+        cut at most ``_SEGMENT`` long so that threads share a large parameter."""
+        rows = []
+        for chunk, chunk_layout in enumerate(self._chunk_layouts(layout, num_chunks)):
+            plan = self._plan(chunk_layout)
+            position, exact_at = 0, plan.coded_bytes
+            for index in plan.coded + plan.exact:
+                size = chunk_layout.sizes[index]
+                if layout.flat:  # rank `chunk`'s piece of parameter `index`
+                    offset = self.pieces[index][chunk][0] if self.pieces is not None else 0
+                else:  # row `chunk` of the (num_chunks, size) region
+                    offset = chunk * size
+                if self.exact[index]:
+                    scales, at = codec_kernel.EXACT, exact_at
+                    exact_at += size * layout.dtype.itemsize
+                else:
+                    scales, at = plan.coded_padded, position
+                    position += size
+                for cut in range(0, size, _SEGMENT):
+                    length = min(_SEGMENT, size - cut)
+                    step = cut * (layout.dtype.itemsize if self.exact[index] else 1)
+                    rows.append((chunk, at + step, scales, index, offset + cut, length))
+        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
 
     def _decode_chunks(self, chunks: torch.Tensor, layout: Layout, outputs: list[torch.Tensor]) -> None:
         """``decode`` of chunks that share ``layout`` (one row each)."""
