@@ -8,7 +8,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_quantize_fused import BLOCK, EXACT, SIZES, _edge_values, _run, _same_values, _sources, _train
+from test_quantize_fused import (
+    BLOCK,
+    EXACT,
+    SIZES,
+    _edge_values,
+    _every_code_round_trip,
+    _run,
+    _same_values,
+    _sources,
+    _train,
+)
 
 from fullshard._core import codec_kernel, fused_codec
 from fullshard._core.layout import Layout, flat_pieces
@@ -80,16 +90,7 @@ def test_kernel_on_every_float8_code_and_at_the_edges(
     block_scales = torch.tensor([1.0, 0.5, 3.0, 2.0**-20, 2.0**-130, 2.0**100, 7.1e-3, 1.0])
 
     def run():
-        codec = QuantizedGather(BlockQuantizer(torch.float8_e4m3fn, BLOCK), [False, False])
-        plan = codec._plan(layout)
-        wire = codec.encode(source, layout)
-        gathered = wire.clone()  # the second parameter's codes replaced by all 256 bytes
-        gathered[values.numel() : values.numel() + 256] = torch.arange(256, dtype=torch.uint8)
-        gathered[plan.coded_padded : plan.coded_bytes].view(torch.float32)[values.numel() // BLOCK :] = block_scales
-        outputs = [torch.empty(size, dtype=param_dtype) for size in layout.sizes]
-        codec.decode(gathered, 1, layout, outputs)
-        scales = wire[plan.coded_padded : plan.coded_bytes].view(torch.float32)
-        return wire[: plan.coded_padded].view(torch.float8_e4m3fn).float(), scales, outputs
+        return _every_code_round_trip(layout, source, values.numel(), block_scales, param_dtype)
 
     (eager_codes, eager_scales, eager_out), (codes, scales, out) = _paths(monkeypatch, run)
     assert _same_values(eager_codes, codes) and _same_values(eager_scales, scales)

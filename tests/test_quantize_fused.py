@@ -134,6 +134,24 @@ def _edge_values() -> torch.Tensor:
     return torch.cat([top, top.flip(0) * 1e-30, nan_block, inf_block, torch.zeros(BLOCK)])
 
 
+def _every_code_round_trip(
+    layout: Layout, source: torch.Tensor, coded_values: int, block_scales: torch.Tensor, param_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Encodes ``source`` (float8), then decodes its wire with the second parameter's codes replaced by
+    all 256 bytes (its blocks' scales by ``block_scales``); returns the codes as floats, the scales
+    and the decoded parameters."""
+    codec = QuantizedGather(BlockQuantizer(torch.float8_e4m3fn, BLOCK), [False, False])
+    plan = codec._plan(layout)
+    wire = codec.encode(source, layout)
+    gathered = wire.clone()
+    gathered[coded_values : coded_values + 256] = torch.arange(256, dtype=torch.uint8)
+    gathered[plan.coded_padded : plan.coded_bytes].view(torch.float32)[coded_values // BLOCK :] = block_scales
+    outputs = [torch.empty(size, dtype=param_dtype) for size in layout.sizes]
+    codec.decode(gathered, 1, layout, outputs)
+    scales = wire[plan.coded_padded : plan.coded_bytes].view(torch.float32)
+    return wire[: plan.coded_padded].view(torch.float8_e4m3fn).float(), scales, outputs
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bits, signed zeros included, except that any NaN matches any NaN (the codecs agree on
     where NaN is, not on its sign and payload bits)."""
@@ -156,18 +174,9 @@ def test_float8_fused_codec_on_every_code_and_at_the_edges(
     for path, min_fused in (("eager", 1 << 40), ("fused", 0)):
         monkeypatch.setattr(fused_codec, "MIN_FUSED_VALUES", min_fused)
         monkeypatch.setattr(fused_codec._Status, "codecs", {})
-        codec = QuantizedGather(BlockQuantizer(torch.float8_e4m3fn, BLOCK), [False, False])
-        plan = codec._plan(layout)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", "quantized all-gather")
-            wire = codec.encode(source, layout)
-            gathered = wire.clone()  # the second parameter's codes replaced by all 256 bytes
-            gathered[values.numel() : values.numel() + 256] = torch.arange(256, dtype=torch.uint8)
-            gathered[plan.coded_padded : plan.coded_bytes].view(torch.float32)[values.numel() // BLOCK :] = block_scales
-            outputs = [torch.empty(size, dtype=param_dtype) for size in layout.sizes]
-            codec.decode(gathered, 1, layout, outputs)
-        codes = wire[: plan.coded_padded].view(torch.float8_e4m3fn).float()
-        results[path] = (codes, wire[plan.coded_padded : plan.coded_bytes].view(torch.float32), outputs)
+            results[path] = _every_code_round_trip(layout, source, values.numel(), block_scales, param_dtype)
     (eager_codes, eager_scales, eager_out), (fused_codes, fused_scales, fused_out) = results.values()
     assert _same_values(eager_codes, fused_codes) and _same_values(eager_scales, fused_scales)
     assert eager_codes[2 * BLOCK : 3 * BLOCK].isnan().all() and eager_scales[2].isnan()  # the NaN block
