@@ -252,19 +252,17 @@ class GradReduction:
         custom = settings.custom_reduce_scatter if shard.size > 1 else None
         self._spare = spare
         self._spare_on_wait: torch.Tensor | None = None  # the input, kept as spare once its collective is done
-        # Taken first either way: one of another size (or unused by a custom collective) is freed before
-        # anything is allocated.
+        # Taken first either way: a spare of another size is freed before anything is allocated.
         reused = spare.take(shard.size * total, reduce_dtype, device) if spare is not None else None
-        if custom is not None:
-            reused = None
         if custom is None:  # sizes as ints: a tuple argument costs a third more
             self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
             reduced = self._output
             if shard.size > 1:
-                if reused is None:
-                    reused = torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-                reduced = reused
+                reduced = (
+                    reused if reused is not None else torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
+                )
         else:
+            reused = None  # the custom collective allocates its own: the spare is freed first
             self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
             reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
         if plan.flat_chunk is None:

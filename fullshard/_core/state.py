@@ -20,8 +20,6 @@ ends, which then finishes the pass.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -300,7 +298,7 @@ class ModuleState:
         outputs = [output] if type(output) is torch.Tensor else flatten_tensors(output)
         for tensor in outputs:
             if tensor.requires_grad:
-                _register_tensor_hook(tensor, hook)
+                tensor.register_hook(hook)
 
 
 class _PreBackwardHook:
@@ -316,27 +314,6 @@ class _PreBackwardHook:
     def __call__(self, grad: torch.Tensor) -> None:
         state = self.state
         state.ctx.schedule.before_backward(state, self.use)
-
-
-# Keys of the hooks we register in a tensor's hook dict: negative, so never one of the
-# non-negative ids ``Tensor.register_hook`` gives the user's hooks in the same dict.
-_hook_keys = itertools.count(-1, -1)
-
-
-def _register_tensor_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
-    """``tensor.register_hook(hook)`` without the removable handle we never use: the same
-    dict of hooks on the tensor, kept in registration order with the user's (once per
-    unit and forward; the handle, its weak reference and the import cost twice the rest).
-    Tensor subclasses and torch-function modes take ``register_hook`` itself."""
-    if torch._C._has_torch_function_unary(tensor):
-        tensor.register_hook(hook)
-        return
-    hooks = tensor._backward_hooks
-    if hooks is None:
-        hooks = tensor._backward_hooks = collections.OrderedDict()
-        if tensor.grad_fn is not None:
-            tensor.grad_fn._register_hook_dict(tensor)
-    hooks[next(_hook_keys)] = hook
 
 
 def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:

@@ -150,14 +150,14 @@ def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int]
     reduce = config.gradient_reduce_dtype.itemsize
     gathers = 2 if config.reshard_after_forward else 1  # again in backward when resharded after forward
     codes = gather_codes(config)
-    if config.shard_size > 1 and len(units) > 1:  # the root alone, the blocks prefetched in buckets
-        per_bucket = units_per_bucket(config, units[1])
-        calls["all_gather"] += gathers * (1 + -(-(len(units) - 1) // per_bucket))
+    if config.shard_size > 1:  # the root alone, then the blocks prefetched in buckets
+        blocks = len(units) - 1
+        buckets = -(-blocks // units_per_bucket(config, units[1])) if blocks else 0
+        calls["all_gather"] += gathers * (1 + buckets)
     for unit in units:
         if config.shard_size > 1:
             chunk = unit.shard_numel * compute if codes is None else unit.packed_chunk_bytes(codes, compute)
             nbytes["all_gather"] += gathers * config.shard_size * chunk
-            calls["all_gather"] += gathers if len(units) == 1 else 0
             nbytes["reduce_scatter"] += unit.gathered_numel * reduce
             calls["reduce_scatter"] += 1
         if config.replicate_size > 1:
