@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -509,7 +510,7 @@ class ShardParam:
             unsharded.requires_grad_(self.sharded_param.requires_grad)
         if unsharded.requires_grad and not self._hooked:
             # Registered lazily: a frozen parameter may be unfrozen later.
-            unsharded.register_post_accumulate_grad_hook(self._grad_accumulated)
+            unsharded.register_post_accumulate_grad_hook(_weak_hook(self._grad_accumulated))
             self._hooked = True
         if self.register_sharded:
             self._register(unsharded)
@@ -521,3 +522,17 @@ class ShardParam:
 
     def __repr__(self) -> str:
         return f"ShardParam({self.fqn}, size={tuple(self.global_size)})"
+
+
+def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``method`` as a tensor hook that does not keep its object alive: the garbage
+    collector does not see through a tensor's hook dict, so a hook holding the object
+    that holds the tensor would keep both (and the whole model) forever."""
+    weak = weakref.WeakMethod(method)
+
+    def hook(tensor: torch.Tensor) -> None:
+        bound = weak()
+        if bound is not None:
+            bound(tensor)
+
+    return hook

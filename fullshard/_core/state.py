@@ -35,11 +35,15 @@ from .exec_order import validation_enabled
 from .group import ParamGroup, UnitUse
 from .log import log_lazy_init
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
+# Weak both ways: a module keeps its state alive through the hooks it holds (the
+# state's methods), and the state holds its modules; a strong value here would keep
+# its own weak key alive, and with it every unit, shard and process group, forever.
+_STATES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleState]] = weakref.WeakKeyDictionary()
 
 
 def get_state(module: nn.Module) -> ModuleState | None:
-    return _STATES.get(module)
+    ref = _STATES.get(module)
+    return None if ref is None else ref()
 
 
 class _InputGradHook(torch.autograd.Function):
@@ -116,7 +120,7 @@ class ModuleState:
         pre_forward_hook = _eager_hook(self._pre_forward_hook)
         post_forward_hook = _eager_hook(self._post_forward_hook)
         for module in self.modules:
-            _STATES[module] = self
+            _STATES[module] = weakref.ref(self)
             module.register_forward_pre_hook(pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_forward_hook, prepend=False)
 
