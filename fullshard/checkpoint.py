@@ -48,7 +48,7 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -147,12 +147,15 @@ class _ChecksummingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            record = self.records[os.path.basename(os.fspath(path))] = {"crc32": 0, "size": 0}
-            yield _ChecksummedStream(stream, record)
+        try:
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                record = self.records[os.path.basename(os.fspath(path))] = {"crc32": 0, "size": 0}
+                yield _ChecksummedStream(stream, record)
+        except OSError as exc:  # a full disk, a quota: name the file (DCP's message does not)
+            raise OSError(exc.errno, f"{exc.strerror or exc} (writing {os.fspath(path)})") from exc
 
 
 def _exactly_sized(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,28 +223,61 @@ def save(
         comm.barrier()
     writer = FileSystemWriter(folder)
     writer.fs = _ChecksummingFileSystem()
-    with _single_process_is_intended():
-        dcp.save(_for_dcp(_states(model, optimizer)), storage_writer=writer, no_dist=not _distributed())
+    try:
+        with _single_process_is_intended():
+            dcp.save(_for_dcp(_states(model, optimizer)), storage_writer=writer, no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # DCP raises on every rank when one fails
+        _failed_save(path, folder, _causes(exc))
     mine = {name: info for name, info in writer.fs.records.items() if name.startswith("__")}
     every = comm.all_gather_objects(mine) if _distributed() else [mine]
+    failure = None
     if _rank() == 0:
-        if extra is not None:
-            torch.save(extra, os.path.join(folder, EXTRA))
-        files = {name: info for part in every for name, info in part.items()}
-        for name in (".metadata", EXTRA):  # small: read back
-            if os.path.exists(os.path.join(folder, name)):
-                full = os.path.join(folder, name)
-                files[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
-        manifest = {"format": FORMAT_VERSION, "world_size": len(every), "files": files}
-        with open(os.path.join(folder, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _point_latest_to(path, version)
-        _remove_other_versions(path, keep=version)
+        try:
+            _finish_version(path, version, every, extra)
+        except OSError as exc:
+            failure = f"rank 0: {type(exc).__name__}: {exc}"
     if _distributed():
-        comm.barrier()
+        failure = comm.broadcast_object(failure)  # every rank learns whether rank 0 finished
+    if failure is not None:
+        _failed_save(path, folder, failure)
     return folder
+
+
+def _finish_version(path: str, version: str, every: list[dict[str, Any]], extra: Any) -> None:
+    """Rank 0: the extra object and the manifest, then ``LATEST`` moves to ``version``."""
+    folder = os.path.join(path, version)
+    if extra is not None:
+        torch.save(extra, os.path.join(folder, EXTRA))
+    files = {name: info for part in every for name, info in part.items()}
+    for name in (".metadata", EXTRA):  # small: read back
+        if os.path.exists(os.path.join(folder, name)):
+            full = os.path.join(folder, name)
+            files[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
+    manifest = {"format": FORMAT_VERSION, "world_size": len(every), "files": files}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _point_latest_to(path, version)
+    _remove_other_versions(path, keep=version)
+
+
+def _causes(exc: BaseException) -> str:
+    """Each failed rank's exception in one line (DCP's own message is every traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in failures.items())
+    return f"rank {_rank()}: {type(exc).__name__}: {exc}"
+
+
+def _failed_save(path: str, folder: str, causes: str) -> NoReturn:
+    """Every rank: drops the unfinished version (rank 0) and raises; ``LATEST`` never moved."""
+    if _distributed():
+        comm.barrier()  # no rank still writes into the folder
+    if _rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    previous = "the previous complete one stays what load() finds" if exists(path) else "there is no earlier one"
+    raise CheckpointError(f"saving checkpoint {folder} failed ({causes}); the folder was removed and {previous}")
 
 
 def _point_latest_to(path: str, version: str) -> None:
