@@ -18,7 +18,7 @@ from torch.autograd import Variable
 
 from . import offload
 from .common import TrainingState
-from .exec_order import CheckedSchedule
+from .exec_order import CheckedSchedule, check_ranks_agree_on_units
 from .group import ParamGroup
 from .reduction import ReductionQueue
 from .schedule import Schedule, ScheduledState
@@ -52,13 +52,17 @@ class RootContext:
         self._units: list[ParamGroup] = []
         self._grouped_states: list[ContextState] = []
 
-    def adopt(self, states: list[ContextState], validate: bool) -> None:
-        """Puts ``states`` (the root's first) and their units under this context;
-        ``validate``: check the execution order (see [Note: Execution order])."""
+    def adopt(self, states: list[ContextState], validate: bool, root_name: str) -> None:
+        """Puts ``states`` (the root's first) and their units under this context, once every
+        rank agrees on them (see [Note: Ranks agree on the model]); ``validate``: check the
+        execution order (see [Note: Execution order])."""
         self.all_states = states
         # Only a unit over several modules can end a forward with some not run (see finish_forward_pass).
         self._grouped_states = [s for s in states if len(s.modules) > 1]
         self._units = [s.group for s in states if s.group is not None]
+        if self._units:
+            mesh_info = self._units[0].spec.mesh_info
+            check_ranks_agree_on_units(root_name, mesh_info, [unit.describe() for unit in self._units])
         gate = None
         if validate:
             checked = CheckedSchedule(self.queue_end_of_backward, self._units)

@@ -80,6 +80,20 @@ class ParamGroup(ParamForms):
             param.fqn = fqns.get(param.sharded_param, param.fqn)
         self.spec = self.grads.spec = self.spec.named(path)
 
+    def describe(self) -> tuple:
+        """What every rank of this unit's groups must agree on (see [Note: Ranks agree on the
+        model] in exec_order.py): its name, its parameters and the settings that shape its collectives."""
+        spec, policy = self.spec, self.spec.mp_policy
+        # requires_grad is left out: a rank-dependent freeze changes which units run, which
+        # the execution-order check reports at DETAIL level (and which may change at run time).
+        params = tuple((p.fqn, tuple(p.global_size), str(p.sharded_param.dtype)) for p in spec.params)
+        settings = (
+            f"reshard_after_forward={self.settings.reshard_after_forward}",
+            f"param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}",
+            f"shard size {spec.mesh_info.shard.size}, replicas {spec.mesh_info.replicate.size}",
+        )
+        return spec.name, params, settings
+
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
         """A bool reshards fully or not at all, dropping a smaller post-forward group."""
         self.drop_post_forward_shard()  # 1/k kept since forward: the shards are registered

@@ -143,12 +143,12 @@ class ModuleState:
                     )
                 state.is_root = False
             states.append(state)
-        self.ctx.adopt(list(states), validate=validation_enabled())
+        self._init_names()  # first: the units' names are in what adopt checks
+        self.ctx.adopt(list(states), validate=validation_enabled(), root_name=module_class_name(self.module))
         for state in states:
             state.ctx = self.ctx
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
-        self._init_names()
         log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
 
     def _init_names(self) -> None:

@@ -7,6 +7,7 @@ names the failing rank.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -27,6 +28,9 @@ def main() -> None:
     try:
         result = train(config)
     finally:
+        # The model, its units and their meshes are garbage in reference cycles now: collect
+        # them while the groups they hold are still valid, not in the interpreter's teardown.
+        gc.collect()
         dist.destroy_process_group()
     if result.interrupted:
         sys.exit(130)  # the shell's code for "stopped by Ctrl-C"
