@@ -19,7 +19,8 @@ CASES = {
     r"torch\.float32 on rank 1",
     "one more layer": r"unit '3' \(and any after it\) is sharded on rank 1 only",
     "no unit per block": r"the units' order reaches '0' on rank 0 where it reaches 'Sequential' on rank 1",
-    "another resharding": r"unit '1' has reshard_after_forward=True on rank 0 and reshard_after_forward=False on rank 1",
+    "another resharding": r"unit '1' has reshard_after_forward=True on rank 0 and "
+    r"reshard_after_forward=False on rank 1",
     "another dtype": r"unit '0' holds 0\.weight \[16, 16\] torch\.float32 on rank 0 and 0\.weight \[16, 16\] "
     r"torch\.float64 on rank 1",
 }
