@@ -94,8 +94,10 @@ def main() -> int:
         return 1
     INVENTORY.write_text(new)
     rows = parse(new)
-    print(f"{INVENTORY.relative_to(ROOT)}: {len({r.file for r in rows})} files, {len(rows)} tests, "
-          f"{sum(status_of(r) == 'gap' for r in rows)} gaps")
+    print(
+        f"{INVENTORY.relative_to(ROOT)}: {len({r.file for r in rows})} files, {len(rows)} tests, "
+        f"{sum(status_of(r) == 'gap' for r in rows)} gaps"
+    )
     return 0
 
 
