@@ -128,8 +128,9 @@ def main() -> None:
     print(f"\n{'fault':15s} {'framework':10s} {'all exited (s)':>15s} {'torchrun code':>14s} "
           f"{'rank and cause named':>21s} {'gloo abort':>11s} {'last step done':>15s}")  # fmt: skip
     for fault, framework, r in rows:
-        print(f"{fault:15s} {framework:10s} {r['seconds']:15.1f} {r['code']!s:>14s} {'yes' if r['named'] else 'no':>21s} "
-              f"{'yes' if r['aborted'] else 'no':>11s} {r['last_step']:15d}")  # fmt: skip
+        named, aborted = ("yes" if r[key] else "no" for key in ("named", "aborted"))
+        print(f"{fault:15s} {framework:10s} {r['seconds']:15.1f} {r['code']!s:>14s} {named:>21s} "
+              f"{aborted:>11s} {r['last_step']:15d}")  # fmt: skip
 
 
 if __name__ == "__main__":
