@@ -14,6 +14,8 @@ and ``run(args) -> int`` (the exit status); ``SUBCOMMANDS`` lists them.
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 
 from . import plan, train
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(subparser)
-        subparser.set_defaults(run=module.run)
+        subparser.set_defaults(run=module.run, parser=subparser)
     return parser
 
 
@@ -44,8 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's, and the flag meant
+        args.parser.error(_unknown_flags(args.parser, unknown))
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `fullshard plan ... | head`: the reader has all it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again
+        return 141  # as a shell reports a process ended by SIGPIPE
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    known = [option for action in parser._actions for option in action.option_strings]
+    said = []
+    for word in unknown:
+        close = difflib.get_close_matches(word.split("=")[0], known, n=1)
+        said.append(f"{word} (did you mean {close[0]}?)" if close else word)
+    return "unrecognized arguments: " + " ".join(said)
 
 
 if __name__ == "__main__":
