@@ -77,3 +77,21 @@ def test_optimizer_built_before_sharding_warns_at_its_first_step():
 def test_api_docs_do_not_refuse_dp_mesh_dims():
     text = (ROOT / "docs" / "api.md").read_text()
     assert "`dp_mesh_dims` is not accepted" not in text
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["train", "--stepz", "5"], "unrecognized arguments: --stepz (did you mean --steps?) 5"),
+        (["plan", "--world-sise", "8"], "unrecognized arguments: --world-sise (did you mean --world-size?) 8"),
+    ],
+)
+def test_an_unknown_flag_gets_the_subcommands_usage(argv, hint, capsys):
+    from fullshard.cli.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: fullshard {argv[0]} [-h]"), err
+    assert err.rstrip().endswith(f"fullshard {argv[0]}: error: {hint}"), err

@@ -245,6 +245,73 @@ def test_cli_plot_without_matplotlib(tmp_path, monkeypatch):
         main(["plan", "--plot", str(tmp_path / "plan.png")])
 
 
+@pytest.mark.parametrize(
+    "flags, lines",
+    [
+        (["--strategy", "hybrid", "--ranks-per-node", "0"], ["--ranks-per-node expects a positive number but got 0"]),
+        (["--ranks-per-node", "4"], ["--ranks-per-node 4 applies only to --strategy hybrid (or all), but got "
+                                     "--strategy full: add hybrid, or drop --ranks-per-node"]),
+        (["--batch", "0", "--layers", "0", "--dim", "30", "--heads", "4", "--memory-limit", "0"], [
+            "--layers expects a positive number but got 0",
+            "--batch expects a positive number but got 0",
+            "--memory-limit expects a positive number of GiB but got 0",
+            "--dim 30 must be divisible by --heads 4",
+        ]),
+        (["--plot", "{tmp}/missing/plan.png"], ["--plot {tmp}/missing/plan.png: the folder {tmp}/missing does not exist"]),
+        (["--plot", "{tmp}/plan.xyz"], ["--plot {tmp}/plan.xyz: expects a file name ending in one of .png, .pdf"]),
+        (["--batch", "3", "--world-size", "2", "4"], ["nothing to estimate (see the notes above)"]),
+    ],
+    ids=["ranks-per-node-0", "ranks-per-node-without-hybrid", "all-at-once", "plot-folder", "plot-format",
+         "batch-divides-nothing"],
+)
+def test_cli_bad_flags_are_one_line_each_naming_the_flag(flags, lines, tmp_path, capsys):
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    assert main(["plan", *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == len(lines), err
+    for said, line in zip(err, lines):
+        assert said.startswith("fullshard plan: " + line.format(tmp=tmp_path)), said
+
+
+def test_cli_batch_is_the_global_batch_as_in_train(capsys):
+    """``--batch`` is sequences per step over all ranks, as ``fullshard train``'s; ``--batch-per-rank``
+    the old meaning. World sizes the batch does not divide are skipped, and said so."""
+    assert main(["plan", "--world-size", "1-8", "--batch", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "(--batch 4 (over all ranks) skips world sizes it does not divide: 8)" in out
+    assert "4 x 64 tokens per step over all ranks (sequences per rank: 4 at 1, 2 at 2, 1 at 4)" in out
+    rows = {row.split()[1]: " ".join(row.split()[-4:-2]) for row in out.splitlines() if row.startswith("full ")}
+    for world, per_rank in (("1", 4), ("2", 2), ("4", 1)):
+        plan = estimate(PlanConfig(get_preset("gpt-tiny"), int(world), batch_size=per_rank, device="cpu"))
+        assert rows[world] == human_bytes(plan.peak)
+    assert main(["plan", "--world-size", "4", "--batch-per-rank", "2"]) == 0
+    assert "2 x 64 tokens per rank" in capsys.readouterr().out
+
+
+def test_cli_labels_say_what_runs(capsys):
+    main(["plan", "--strategy", "no-shard", "--world-size", "2", "--all-gather-dtype", "int8"])
+    out = capsys.readouterr().out
+    assert "(--all-gather-dtype int8 has no effect where no all-gather runs: no-shard at 2)" in out
+    assert "gathered as" not in out
+    main(["plan", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert "saved activations" in out.splitlines()[3]  # the table's column: what forward leaves for backward
+    assert "  activations and their grads" in out  # the breakdown's: alive at the peak
+
+
+def test_cli_closed_pipe_is_quiet():
+    root = os.path.dirname(os.path.dirname(fullshard.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fullshard", "plan", "--world-size", "1-1024", "--strategy", "all"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    process.stdout.readline()
+    process.stdout.close()  # as `| head -1` does
+    err = process.stderr.read().decode()
+    assert process.wait(120) in (0, 141) and "Traceback" not in err, err
+
+
 # -- against the real engine (see [Note: Measured step memory on CPU]) --------------------------
 @pytest.mark.parametrize(
     "strategy, world_size, bf16, front_end, offload",

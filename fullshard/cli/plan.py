@@ -253,9 +253,8 @@ def _label_notes(args: argparse.Namespace, plans: list[Plan]) -> list[str]:
     """What a row's label does not say: hybrid with one shard group is full sharding; a quantized
     all-gather does nothing where no all-gather runs."""
     notes = []
-    alone = sorted(
-        {p.config.world_size for p in plans if p.config.strategy == "hybrid" and p.config.replicate_size == 1}
-    )
+    hybrid = [p.config for p in plans if p.config.strategy == "hybrid"]
+    alone = sorted({c.world_size for c in hybrid if c.replicate_size == 1 and c.world_size > 1})
     if alone:
         notes.append(
             f"hybrid at world size {', '.join(map(str, alone))}: one shard group of every rank, no replicas: "

@@ -47,9 +47,15 @@ def checkpoint_problems(config: TrainConfig) -> tuple[list[str], list[str]]:
         ], []
     errors = []
     if extra["model"] != dataclasses.asdict(config.model_args()):
+        saved = extra["model"]
+        flags = " ".join(
+            f"--{flag} {saved[field]}"
+            for flag, field in (("layers", "n_layers"), ("dim", "dim"), ("heads", "n_heads"), ("seq", "max_seq_len"))
+            if field in saved
+        )
         errors.append(
-            f"the checkpoint in {config.checkpoint_dir} holds another model ({extra['model']}): resume with "
-            "the same --model/--layers/--dim/--heads/--seq"
+            f"the checkpoint in {config.checkpoint_dir} holds another model ({flags}, vocabulary "
+            f"{saved.get('vocab_size')}): resume with the flags that built it"
         )
     if config.steps < step:
         errors.append(
