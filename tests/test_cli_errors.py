@@ -95,3 +95,16 @@ def test_an_unknown_flag_gets_the_subcommands_usage(argv, hint, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"usage: fullshard {argv[0]} [-h]"), err
     assert err.rstrip().endswith(f"fullshard {argv[0]}: error: {hint}"), err
+
+
+@distributed(world_size=1)
+def test_torch_fsdp_below_the_wrapper_names_torch_fsdp():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fullshard import FullyShardedDataParallel
+
+    model = _two_blocks()
+    torch_fully_shard(model[1])
+    with pytest.raises(ValueError, match=r"^FullyShardedDataParallel expects modules that torch's FSDP has not been "
+                                         r"applied to, but _Block \(1\) is already sharded by torch's FSDP"):
+        FullyShardedDataParallel(model)
