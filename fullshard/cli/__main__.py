@@ -4,7 +4,7 @@
     fullshard train --nproc 4 --strategy hybrid --shard-size 2 --checkpoint-dir ckpt
     fullshard plan --model gpt-7b --world-size 8 64 1024
     fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png
-    fullshard plan --model gpt-30m --world-size 1 2 4 --batch 2 --device cpu
+    fullshard plan --model gpt-30m --world-size 1 2 4 --batch-per-rank 2 --device cpu
     python -m fullshard train                        # the same, without the console script
 
 Each subcommand is one module of this package with ``HELP``, ``add_arguments(parser)``

@@ -329,7 +329,7 @@ def format_table(plans: list[Plan], memory_limit: float | None) -> str:
 def format_breakdown(plan: Plan) -> str:
     lines = [f"\npeak {human_bytes(plan.peak)} per rank, during {plan.peak_phase}:"]
     for category, nbytes in sorted(plan.peak_breakdown.items(), key=lambda item: -item[1]):
-        lines.append(f"  {category:<24}{human_bytes(nbytes):>12}")
+        lines.append(f"  {category:<28}{human_bytes(nbytes):>12}")
     if plan.host:
         lines.append(f"host memory (CPU offload): {human_bytes(plan.host)}")
     collectives = ", ".join(f"{op} {plan.comm_calls[op]} x = {human_bytes(nbytes)}" for op, nbytes in plan.comm.items())
