@@ -156,6 +156,20 @@ def _no_effect(config: TrainConfig, world_size: int) -> list[str]:
     return said
 
 
+@contextlib.contextmanager
+def _quiet_launcher(quiet: bool) -> Iterator[None]:
+    """A failure is described once, below; torchrun's error log lines would repeat it (``--debug``
+    keeps them)."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     config, errors, notices = check(args)
     device = "cpu"
@@ -170,12 +184,10 @@ def run(args: argparse.Namespace) -> int:
         for line in "\n".join(errors).splitlines():
             print(f"fullshard train: {line}", file=sys.stderr)
         return 2
-    if not config.debug:  # a failure is described below, once; torchrun's own log lines repeat it
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # torchrun would set 1 thread per rank (and warn); the ranks set their own count.
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // args.nproc)))
     try:
-        with _ranks_see(device):
+        with _ranks_see(device), _quiet_launcher(not config.debug):
             torchrun(parse_torchrun_args(torchrun_arguments(args, config)))
     except ChildFailedError as exc:
         print(_describe_failure(exc, config), file=sys.stderr)
