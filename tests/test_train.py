@@ -345,6 +345,24 @@ def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_second_sigint_leaves_only_complete_checkpoints(tmp_path):
+    """Two SIGINTs to the launcher alone (GNU ``timeout`` forwards Ctrl-C so): torchrun stops the
+    ranks with SIGTERM, which a saving rank holds until its save is done; nothing partial remains."""
+    saving = ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1", "--metrics", "metrics.jsonl"]
+    process = _start([*SMALL_FLAGS, "--steps", "1000000", *saving], tmp_path)
+    _wait_for_steps(tmp_path / "metrics.jsonl", 3, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    code, out, err = _wait(process, tmp_path, timeout=60)
+    assert code == 130, err
+    assert not _session_alive(process)
+    folders = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len(folders) == 2 and folders[0] == "LATEST", folders  # LATEST and the one version it names
+    assert checkpoint.read_extra(tmp_path / "ckpt")["step"] >= 3
+
+
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
     process = _start([*SMALL_FLAGS, "--steps", "1000000", "--metrics", "metrics.jsonl"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 2, process)
