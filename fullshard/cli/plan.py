@@ -20,9 +20,12 @@ then (saved activations not yet freed, and the gradients backward computes).
 is skipped); ``--batch-per-rank`` gives each rank that many at every world size.
 Until issue 39, plan's ``--batch`` meant per rank: that is now ``--batch-per-rank``
 (the default, 1). The root unit is gathered once a step, as the engine keeps
-its parameters from forward to backward. Numbers come from ``fullshard.plan.estimate`` (arithmetic,
-no processes started); see [Note: Plan model] in fullshard/plan/replay.py for
-what is and is not counted.
+its parameters from forward to backward.
+
+Numbers come from ``fullshard.plan.estimate`` (arithmetic, no processes
+started); see [Note: Plan model] in fullshard/plan/replay.py for what is and is
+not counted. Every invalid flag is reported at once, one line each naming it;
+``--debug`` shows the traceback of a failure to write ``--plot``.
 """
 
 from __future__ import annotations
