@@ -20,7 +20,12 @@ continues it exactly, at any world size or strategy.
 
 Ctrl-C stops every rank after the same step and saves a checkpoint (with
 ``--checkpoint-dir``); a second Ctrl-C, or a rank that dies, stops the others
-at once, and the newest complete checkpoint stays loadable.
+at once (a rank that is saving finishes the save first), the launcher removes
+what a cut save left, and the newest complete checkpoint stays loadable.
+
+Every problem with the flags is reported before any rank starts, all at once,
+one ``fullshard train: <flag> <value>: ...`` line each (exit code 2); flags that
+do nothing in a combination are warned, and the summary labels what ran.
 """
 
 from __future__ import annotations
