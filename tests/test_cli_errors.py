@@ -108,3 +108,15 @@ def test_torch_fsdp_below_the_wrapper_names_torch_fsdp():
     with pytest.raises(ValueError, match=r"^FullyShardedDataParallel expects modules that torch's FSDP has not been "
                                          r"applied to, but _Block \(1\) is already sharded by torch's FSDP"):
         FullyShardedDataParallel(model)
+
+
+def test_ctrl_c_outside_the_ranks_is_one_line(capsys, monkeypatch):
+    from fullshard.cli import plan
+    from fullshard.cli.__main__ import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan, "run", interrupted)
+    assert main(["plan"]) == 130
+    assert capsys.readouterr().err == "\nfullshard plan: interrupted\n"

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again
         return 141  # as a shell reports a process ended by SIGPIPE
+    except KeyboardInterrupt:  # Ctrl-C before any rank started, or during a long plan
+        print(f"\nfullshard {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
