@@ -89,12 +89,42 @@ def test_api_docs_do_not_refuse_dp_mesh_dims():
 def test_an_unknown_flag_gets_the_subcommands_usage(argv, hint, capsys):
     from fullshard.cli.__main__ import main
 
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"usage: fullshard {argv[0]} [-h]"), err
     assert err.rstrip().endswith(f"fullshard {argv[0]}: error: {hint}"), err
+
+
+@pytest.mark.parametrize(
+    "argv, lines",
+    [
+        (["train", "--steps", "abc", "--strategy", "zero", "--lr", "-1", "--nproc", "x"], [
+            "fullshard train: error: argument --steps: invalid int value: 'abc'",
+            "fullshard train: error: argument --strategy: invalid choice: 'zero' (choose from 'full', 'grad-op', "
+            "'no-shard', 'hybrid')",
+            "fullshard train: error: argument --nproc/--nproc-per-node: invalid int value: 'x'",
+            "fullshard train: --lr expects a positive number but got -1",
+        ]),
+        (["plan", "--world-size=0", "--batch", "q", "--batch-per-rank", "2", "--dim", "30", "--heads", "4"], [
+            "fullshard plan: error: argument --world-size: expects 1 <= A <= B but got '0'",
+            "fullshard plan: error: argument --batch: invalid int value: 'q'",
+            "fullshard plan: --dim 30 must be divisible by --heads 4",
+        ]),
+        (["plan", "--batch", "2", "--batch-per-rank", "2", "--stepz"], [
+            "fullshard plan: error: argument --batch-per-rank: not allowed with argument --batch",
+            "fullshard plan: error: unrecognized arguments: --stepz (did you mean --seq?)",
+        ]),
+    ],
+    ids=["train", "plan", "exclusive-and-unknown"],
+)
+def test_values_argparse_cannot_read_are_reported_with_every_other_problem(argv, lines, capsys, monkeypatch):
+    monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
+    from fullshard.cli.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: fullshard {argv[0]} [-h]"), err
+    assert [line for line in err.splitlines() if line.startswith("fullshard ")] == lines
 
 
 @distributed(world_size=1)

@@ -51,7 +51,7 @@ from ..training.resume import checkpoint_problems, remove_unfinished_saves, save
 
 HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
 
-__all__ = ["HELP", "add_arguments", "check", "run", "torchrun_arguments"]
+__all__ = ["HELP", "add_arguments", "check", "problems", "run", "torchrun_arguments"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +140,11 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
         return None, errors, notices
     found, said = checkpoint_problems(config)
     return (None if found else config), errors + found, notices + said
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Every invalid flag, one line each (``check``'s errors)."""
+    return check(args)[1]
 
 
 def _no_effect(config: TrainConfig, world_size: int) -> list[str]:
