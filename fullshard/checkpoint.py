@@ -297,6 +297,28 @@ def _remove_other_versions(path: str, keep: str) -> None:
             shutil.rmtree(full, ignore_errors=True)
 
 
+def remove_unfinished(path: str | os.PathLike) -> list[str]:
+    """Removes the version folders under ``path`` that ``LATEST`` does not name: saves that were
+    cut short (the next successful save would remove them too). Call it only while no save runs.
+
+    Returns:
+        The folders removed.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return []
+    keep = None
+    with contextlib.suppress(OSError), open(os.path.join(path, LATEST)) as f:
+        keep = f.read().strip()
+    removed = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name != keep and name.startswith("v") and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
+
+
 def _resolve(path: str) -> str:
     """The version folder to load: ``path`` itself, or the one ``path``/LATEST names."""
     if os.path.exists(os.path.join(path, MANIFEST)):
@@ -404,12 +426,22 @@ def load(
             dcp.load(states, checkpoint_id=folder, no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # DCP's derives from BaseException
         _verify(folder, checksums=True)  # names a damaged file, if one is the cause
-        raise CheckpointError(f"checkpoint {folder} does not fit this model: {exc}") from exc
+        raise CheckpointError(f"checkpoint {folder} does not fit this model: {_first_failure(exc)}") from exc
     with _sharded_form(model):
         model.load_state_dict(states["model"])
     if optimizer is not None:
         optimizer.load_state_dict(optim_state_dict_to_load(model, optimizer, states["optim"]))
     return _read_extra(folder)
+
+
+def _first_failure(exc: BaseException) -> str:
+    """The cause behind DCP's CheckpointException (which lists every rank's failure with its traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (exception, its frames) in torch 2.13
+        inner = first[0] if isinstance(first, tuple) and first else getattr(first, "exception", first)
+        return f"{type(inner).__name__}: {inner}"
+    return str(exc)
 
 
 def exists(path: str | os.PathLike) -> bool:

@@ -334,7 +334,8 @@ def fully_shard(
         ``FSDPModule``.
 
     Raises:
-        ValueError: the module is already managed or is a container without
+        ValueError: the module is already managed (by fullshard, or by torch's FSDP
+            anywhere below it) or is a container without
             forward (``nn.ModuleList``), the mesh is not 1D/2D (or does not suit
             ``strategy``), parameters sit on different devices,
             ``reshard_after_forward`` is neither a bool nor an int dividing the

@@ -38,6 +38,7 @@ from . import wrapper_optim_state as optim_states
 from . import wrapper_summon
 from ._core.common import TrainingState as EngineState
 from ._core.common import module_class_name
+from ._core.init import reject_torch_fsdp
 from ._core.manage import manage_module, states_below
 from ._core.mesh import MeshInfo
 from ._core.param_units import register_param_unit
@@ -140,6 +141,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         _check_not_wrapped_differently(module, strategy)
+        reject_torch_fsdp(module, "FullyShardedDataParallel")
         ignored_mods, ignored_params = resolve_ignored(
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )

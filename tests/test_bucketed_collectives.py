@@ -295,9 +295,9 @@ def test_plan_models_buckets_within_1_percent(world, front_end):
     unbucketed = estimate(dataclasses.replace(config, all_gather_bucket_bytes=0))
     assert plan.peak == pytest.approx(measured["peak"], rel=0.01), (plan.peak, measured["peak"])
     assert plan.peak > unbucketed.peak  # two blocks' buffers in flight where one was
-    if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
-        assert measured["comm"] == plan.comm
+    assert measured["comm"] == plan.comm  # both front ends keep the root gathered from forward to backward
+    if front_end == "fully_shard":
         steps = 2 + 3  # measure_step's two warm-up steps and three profiled ones
         gathers = sum(r.op == "all_gather" for r in records)
-        first = 1 + 4 + 1 + 2  # the first forward unit by unit; backward: the root, then 2 + 2
+        first = 1 + 4 + 2  # the first forward unit by unit; backward: 2 + 2 (the root is still gathered)
         assert gathers == first + (steps - 1) * plan.comm_calls["all_gather"], gathers

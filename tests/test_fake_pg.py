@@ -131,8 +131,7 @@ def test_per_rank_memory_matches_plan(world, front_end, strategy, offload):
     )
     units = model_units(ARGS, config.shard_size, config.flat_params)
     assert measured["shard_numels"] == [u.shard_numel for u in units]
-    if front_end == "fully_shard":  # the wrapper keeps the root gathered after forward, as FSDP1 does
-        assert measured["comm"] == plan.comm
+    assert measured["comm"] == plan.comm  # both front ends keep the root gathered from forward to backward
     # Both ways. At 1024 the units pad to 1024 rows, so unit-sized buffers (all-gather outputs,
     # unsharded parameters, the reduce-scatter input in flight) are most of the peak: one unit
     # more or less prefetched, or a buffer held longer or shorter than the plan says, fails here.

@@ -268,7 +268,7 @@ def test_bad_input():
 def test_plan_counts_the_bytes_gathered(code: torch.dtype, bf16: bool):
     """``fullshard plan``'s all-gather bytes of a quantized gather are what the comm spy counts."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-    model = _sharded(AllGatherQuantization(dtype=code), mp_policy=mp, reshard_after_forward=True)  # as the plan
+    model = _sharded(AllGatherQuantization(dtype=code), mp_policy=mp)  # the root kept from forward to backward
     measured, _ = _gathered_bytes(model)
     config = PlanConfig(ARGS, 2, "full", param_dtype=torch.bfloat16 if bf16 else None, all_gather_dtype=code)
     assert estimate(config).comm["all_gather"] == measured

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,10 @@ import torch.distributed as dist
 from fullshard import checkpoint
 from fullshard.cli.__main__ import main as cli_main
 from fullshard.cli.train import choose_device, torchrun_arguments
+from fullshard.training.metrics import MetricsFile
+from fullshard.training.stop import StopRequest
 from fullshard.models import Transformer
+from fullshard.plan import PlanConfig, estimate
 from fullshard.testing import DataParallelReference, full_value, run_distributed
 from fullshard.training import TrainConfig, loop, summary
 from fullshard.training.corpus import Corpus
@@ -141,6 +145,12 @@ def test_demo_peak_matches_the_plan():
     predicted, _ = summary._predicted_peaks(result)
     for rank, peak in enumerate(result.peaks):
         assert peak == pytest.approx(predicted, rel=0.05), f"rank {rank}: measured {peak} B, predicted {predicted} B"
+    # fullshard plan with the same flags (--batch: over all ranks in both) says the same; its bytes are the
+    # engine's collectives the run counted (the root gathered once a step), all but the clip's norm all-reduce.
+    plan = estimate(PlanConfig(config.model_args(), 2, batch_size=config.batch // 2, device="cpu"))
+    assert plan.peak == predicted
+    assert {op: n for op, n in result.comm.items() if op != "all_reduce"} == plan.comm
+    assert cli_main(["plan", "--world-size", "2", "--batch", str(config.batch), "--device", "cpu"]) == 0
 
 
 def test_fp16_with_loss_scaling_trains():
@@ -335,6 +345,24 @@ def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_second_sigint_leaves_only_complete_checkpoints(tmp_path):
+    """Two SIGINTs to the launcher alone (GNU ``timeout`` forwards Ctrl-C so): torchrun stops the
+    ranks with SIGTERM, which a saving rank holds until its save is done; nothing partial remains."""
+    saving = ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1", "--metrics", "metrics.jsonl"]
+    process = _start([*SMALL_FLAGS, "--steps", "1000000", *saving], tmp_path)
+    _wait_for_steps(tmp_path / "metrics.jsonl", 3, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    code, out, err = _wait(process, tmp_path, timeout=60)
+    assert code == 130, err
+    assert not _session_alive(process)
+    folders = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len(folders) == 2 and folders[0] == "LATEST", folders  # LATEST and the one version it names
+    assert checkpoint.read_extra(tmp_path / "ckpt")["step"] >= 3
+
+
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
     process = _start([*SMALL_FLAGS, "--steps", "1000000", "--metrics", "metrics.jsonl"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 2, process)
@@ -363,17 +391,159 @@ def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
         (["--dim", "30", "--heads", "4"], "--dim 30 must be divisible by --heads 4"),
         (["--nproc", "0"], "--nproc expects at least 1 rank but got 0"),
         (["--device", "cuda"], "--device cuda needs a GPU per rank, but this process sees no GPU: use --device cpu"),
+        (["--lr", "-1"], "fullshard train: --lr expects a positive number but got -1\n"),
+        (["--threads", "0"], "--threads expects a positive number but got 0"),
+        (["--shard-size", "2"], "--shard-size 2 applies only to --strategy hybrid, but got --strategy full: add "
+                                "--strategy hybrid, or drop --shard-size"),
+        (["--checkpoint-dir", "{saved}", "--resume", "--steps", "2"],
+         "--steps 2 is below the checkpoint's step 3 in {saved}: nothing would train; pass --steps above 3"),
+        (["--checkpoint-dir", "{foreign}"], "holds a checkpoint that fullshard train did not write"),
     ],
 )
 def test_bad_flags_fail_before_any_rank_starts(flags, message, tmp_path, capsys, monkeypatch):
     saved = tmp_path / "saved"
     checkpoint.save(saved, Transformer(SMALL.model_args()), extra={"step": 3, "model": dataclasses.asdict(
         SMALL.model_args())})
-    flags = [f.format(empty=tmp_path / "empty", saved=saved) for f in flags]
+    foreign = tmp_path / "foreign"
+    checkpoint.save(foreign, Transformer(SMALL.model_args()), extra=None)
+    flags = [f.format(empty=tmp_path / "empty", saved=saved, foreign=foreign) for f in flags]
     monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same on a GPU machine
     assert cli_main(["train", "--layers", "2", "--dim", "32", "--seq", "16", *flags]) == 2
-    assert message in capsys.readouterr().err
+    assert message.format(saved=saved) in capsys.readouterr().err
+
+
+def test_every_bad_flag_is_reported_at_once(capsys, monkeypatch):
+    """One try names every problem (issue 39: the batch first, the real problem only on the second try)."""
+    monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
+    code = cli_main(["train", "--nproc", "3", "--strategy", "hybrid", "--shard-size", "2", "--lr", "0",
+                     "--warmup", "-1", "--threads", "0", "--dim", "30", "--heads", "4"])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "fullshard train: --threads expects a positive number but got 0",
+        "fullshard train: --lr expects a positive number but got 0",
+        "fullshard train: --warmup expects a number >= 0 but got -1",
+        "fullshard train: --dim 30 must be divisible by --heads 4",
+        "fullshard train: --batch 16 must be divisible by the number of ranks 3 (it is the global batch: "
+        "sequences per step over all ranks)",
+        "fullshard train: --shard-size 2 must divide the number of ranks 3",
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, warning",
+    [
+        (["--strategy", "hybrid"], "warning: --strategy hybrid with shard groups of 2 over --nproc 2 is full "
+                                   "sharding (no replicas, no all-reduce): it is labelled so"),
+        (["--strategy", "hybrid", "--shard-size", "1"], "is replication (no sharding)"),
+        (["--strategy", "no-shard", "--all-gather-dtype", "int8"],
+         "warning: --all-gather-dtype int8 has no effect here: with one rank per shard group no all-gather runs"),
+    ],
+)
+def test_flags_without_effect_are_warned(flags, warning, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr("fullshard.cli.train.torchrun", started.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli_main(["train", "--layers", "2", "--dim", "32", "--seq", "16", *flags]) == 0
+    assert started and warning in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "strategy, world, shard, gather, label",
+    [
+        ("hybrid", 4, 4, "none", "4 ranks, strategy hybrid as full (one shard group of all 4 ranks, no replicas), fp32;"),
+        ("hybrid", 4, 2, "int8", "4 ranks, strategy hybrid (2 replicas of 2-rank shard groups), fp32, weights "
+                                 "gathered as int8;"),
+        ("no-shard", 2, 1, "int8", "2 ranks, strategy no-shard, fp32;"),  # no all-gather ran
+        ("full", 2, 2, "float8", "2 ranks, strategy full, fp32, weights gathered as float8;"),
+    ],
+)
+def test_summary_labels_what_ran(strategy, world, shard, gather, label, capsys):
+    config = dataclasses.replace(SMALL, strategy=strategy, all_gather_dtype=gather)
+    result = summary.RunResult(config=config, world_size=world, start_step=0, steps_done=0, shard_size=shard)
+    summary.print_summary(result)
+    assert label in capsys.readouterr().out
+
+
+def test_resume_says_what_it_resumes_and_warns_of_a_new_schedule(tmp_path, capsys, monkeypatch):
+    saved = tmp_path / "saved"
+    schedule = {"steps": 6, "lr": SMALL.lr, "warmup": 2}
+    checkpoint.save(saved, Transformer(SMALL.model_args()), extra={
+        "step": 3, "model": dataclasses.asdict(SMALL.model_args()), "schedule": schedule})
+    monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    flags = ["train", "--layers", "2", "--dim", "32", "--seq", "16", "--warmup", "2", "--checkpoint-dir", str(saved),
+             "--resume"]
+    assert cli_main([*flags, "--steps", "6"]) == 0
+    err = capsys.readouterr().err
+    assert f"fullshard train: resuming {saved} at step 3 of 6\n" in err and "schedule" not in err
+    assert cli_main([*flags, "--steps", "9"]) == 0
+    assert (f"fullshard train: warning: the learning-rate schedule changes (--steps 6 -> 9): from step 3 on, "
+            "the rate follows the new one") in capsys.readouterr().err
+    assert cli_main([*flags, "--steps", "3"]) == 0
+    assert "at step 3 of 3: no step left to train" in capsys.readouterr().err
+
+
+def test_metrics_file_appends_and_a_resume_replaces_only_the_interrupted_tail(tmp_path):
+    path = tmp_path / "m.jsonl"
+    earlier = ['{"step": 1, "loss": 9.0}\n', '{"summary": {"steps_done": 1}}\n']
+    path.write_text("".join(earlier))
+    fresh = MetricsFile(str(path), resumed_at=0)  # a new run: what is there stays
+    for step in (1, 2, 3):
+        fresh.write({"step": step})
+    fresh.write({"summary": {"interrupted": True}})
+    fresh.close()
+    assert path.read_text().splitlines()[:2] == [line.strip() for line in earlier]
+    resumed = MetricsFile(str(path), resumed_at=2)  # the checkpoint of step 2: step 3 and the summary go
+    resumed.write({"step": 3})
+    resumed.close()
+    steps = [json.loads(line).get("step") for line in path.read_text().splitlines()]
+    assert steps == [1, None, 1, 2, 3]
+    path.write_text("not json\n")
+    MetricsFile(str(path), resumed_at=2).close()  # another file: appended to, never cut
+    assert path.read_text() == "not json\n"
+
+
+def test_a_termination_signal_waits_for_the_save(monkeypatch):
+    """The second Ctrl-C's SIGTERM (from the launcher) lands after the save, never inside it."""
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("handled"))
+    stop = StopRequest()
+    try:
+        with stop.deferring_termination():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            seen.append("saved")
+        assert seen == ["saved", "handled"]
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_unfinished_saves_are_removed(tmp_path):
+    from fullshard.training.resume import remove_unfinished_saves
+
+    kept = checkpoint.save(tmp_path, Transformer(SMALL.model_args()), extra={"step": 1})
+    (tmp_path / "v20260101-000000-deadbeef").mkdir()  # a save cut short
+    removed = remove_unfinished_saves(dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path)))
+    assert removed == [str(tmp_path / "v20260101-000000-deadbeef")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["LATEST", Path(kept).name])
+    assert checkpoint.read_extra(tmp_path) == {"step": 1}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_one_line(tmp_path):
+    """A checkpoint that claims this model but holds another: DCP's error in one line, no traceback."""
+    other = TrainConfig(layers=2, dim=48, heads=4, seq=16)
+    checkpoint.save(tmp_path / "ckpt", Transformer(other.model_args()),
+                    extra={"step": 3, "model": dataclasses.asdict(SMALL.model_args())})
+    flags = [*SMALL_FLAGS, "--steps", "5", "--checkpoint-dir", "ckpt", "--resume"]
+    code, out, err = _wait(_start(flags, tmp_path), tmp_path)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err) < 1000, err
+    assert re.search(r"^fullshard train: checkpoint ckpt/v[\w-]+ does not fit this model: ValueError: Size mismatch "
+                     r"between saved torch.Size\(\[256, 48\]\) and current: torch.Size\(\[256, 32\]\) for "
+                     r"model.tok_embeddings.weight \(--debug shows the traceback\)$", err, re.M), err
 
 
 @pytest.mark.parametrize(

@@ -117,8 +117,10 @@ class ExecOrderValidator:
             self.warned = True
             warnings.warn(
                 f"Forward order differs from that of the first iteration on rank {dist.get_rank()}. "
-                "Collectives are unchecked and may give incorrect results or hang (at this debug level "
-                "fullshard runs every rank's collectives in one agreed order instead)",
+                "Collectives are unchecked and may give incorrect results or hang without the DETAIL debug "
+                "level; at DETAIL (this run) fullshard checks them instead: each waits until the ranks agree "
+                "on one order, so this step stays correct but slower. Run the units in one order on every "
+                "rank and iteration",
                 UserWarning,
                 stacklevel=6,
             )

@@ -115,6 +115,35 @@ def validate_module(module: nn.Module, api: str) -> None:
             f"{api} expects a module that fully_shard/replicate has not been applied to, but "
             f"{module_class_name(module)} already has; apply it once per module"
         )
+    reject_torch_fsdp(module, api)
+
+
+# torch's own FSDP (both APIs) and composable replicate, recognised by where their classes live:
+# fullshard may not import them (the clean-room line in DESIGN.md).
+_TORCH_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
+
+
+def _torch_fsdp_class(module: nn.Module) -> type | None:
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith(_TORCH_FSDP_MODULES):
+            return cls
+    return None
+
+
+def reject_torch_fsdp(module: nn.Module, api: str) -> None:
+    """Raises ValueError when torch's FSDP already manages ``module`` or a module below it: its
+    parameters are torch's DTensors and its hooks torch's, which no fullshard unit can take over."""
+    for name, sub in module.named_modules():
+        cls = _torch_fsdp_class(sub)
+        if cls is not None:
+            # torch's FSDP2 swaps in a class derived from the user's: name the user's
+            user = next((c for c in type(sub).__mro__ if not c.__module__.startswith(_TORCH_FSDP_MODULES)), cls)
+            where = f"{user.__name__} ({name})" if name else user.__name__
+            raise ValueError(
+                f"{api} expects modules that torch's FSDP has not been applied to, but {where} is already "
+                f"sharded by torch's FSDP ({cls.__module__}.{cls.__name__}): use fullshard's {api} on every "
+                "module (import it from fullshard, not torch.distributed.fsdp), or torch's on every one"
+            )
 
 
 def shard_dims(

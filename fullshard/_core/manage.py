@@ -32,6 +32,7 @@ from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
 from .param import ShardParam
 from .presentation import DTENSOR_SHARDS
 from .spec import UnitSpec
+from .stale_optimizer import remember_replaced
 from .state import ModuleState, get_state
 from .trace import unit_labels
 from .unit_settings import UnitSettings
@@ -107,6 +108,8 @@ def manage_module(
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
+    # See [Note: Optimizer built before sharding].
+    remember_replaced((p, sp.fqn) for sp, p in zip(shard_params, params) if sp.sharded_param is not p)
     claim_params(params, infos, owner, config.api_name)
     if not shard_params:
         return ModuleState(roots, None, config, device, buffer_dtypes)

@@ -2,23 +2,37 @@
 
     fullshard plan --model gpt-7b --world-size 8 64 1024 --mixed-precision bf16
     fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png --memory-limit 80
-    fullshard plan --model gpt-30m --world-size 1 2 4 --batch 2 --device cpu
+    fullshard plan --model gpt-30m --world-size 1 2 4 --batch-per-rank 2 --device cpu
+    fullshard plan --model gpt-tiny --world-size 2 --batch 16 --device cpu   # what fullshard train predicts
     fullshard plan --model gpt-125m --world-size 64 1024 --flat-params
     fullshard plan --model gpt-125m --layers 6 --seq 512 --world-size 16 --strategy hybrid --ranks-per-node 8
 
 For each strategy and world size: this rank's sharded parameters, gradients
 and optimizer states (AdamW), the largest gathered unit (one transformer block,
-or the root: embeddings, final norm, tied head), the activations forward keeps
+or the root: embeddings, final norm, tied head), the activations forward saves
 for backward, the peak of one training step, and the bytes its collectives move
 (full buffers, as fullshard counts them). A single configuration also gets the
-breakdown of its peak. Numbers come from ``fullshard.plan.estimate`` (arithmetic,
-no processes started); see [Note: Plan model] in fullshard/plan/replay.py for
-what is and is not counted.
+breakdown of its peak, whose "activations and their grads" are what is alive
+then (saved activations not yet freed, and the gradients backward computes).
+
+``--batch`` is the global batch, sequences per step over all ranks, as in
+``fullshard train`` (each world size gets its share; one that does not divide it
+is skipped); ``--batch-per-rank`` gives each rank that many at every world size.
+Until issue 39, plan's ``--batch`` meant per rank: that is now ``--batch-per-rank``
+(the default, 1). The root unit is gathered once a step, as the engine keeps
+its parameters from forward to backward.
+
+Numbers come from ``fullshard.plan.estimate`` (arithmetic, no processes
+started); see [Note: Plan model] in fullshard/plan/replay.py for what is and is
+not counted. Every invalid flag is reported at once, one line each naming it;
+``--debug`` shows the traceback of a failure to write ``--plot``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from types import ModuleType
 
 import torch
@@ -32,6 +46,7 @@ HELP = "predict per-rank memory and bytes per step for a model, world sizes and 
 _MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GATHER_CODES = {"none": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
 _PLOT_WORLD_SIZES = "1-16384"
+_RANKS_PER_NODE = 8
 
 
 def world_sizes(text: str) -> list[int]:
@@ -72,8 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="full (FULL_SHARD), grad-op (SHARD_GRAD_OP), no-shard (replicate), hybrid; default full (all with --plot)",
     )
-    setup.add_argument("--ranks-per-node", type=int, default=8, help="hybrid: shard within groups of this size")
-    setup.add_argument("--batch", type=int, default=1, help="sequences per rank and step")
+    setup.add_argument(
+        "--ranks-per-node", type=int, help=f"hybrid only: shard within groups of this size (default {_RANKS_PER_NODE})"
+    )
+    batch = setup.add_mutually_exclusive_group()
+    batch.add_argument(
+        "--batch",
+        type=int,
+        help="sequences per step over all ranks, as fullshard train's --batch (split evenly; world sizes it "
+        "does not divide are skipped)",
+    )
+    batch.add_argument("--batch-per-rank", type=int, help="sequences per rank and step (default 1)")
     setup.add_argument(
         "--mixed-precision",
         choices=list(_MIXED_PRECISION),
@@ -105,9 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="draw peak memory against world size per strategy (needs matplotlib: pip install 'fullshard[plot]')",
     )
+    output.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def run(args: argparse.Namespace) -> int:
+    errors = problems(args)
+    if errors:
+        for line in errors:
+            print(f"fullshard plan: {line}", file=sys.stderr)
+        return 2
     pyplot = load_pyplot() if args.plot else None  # before any work: a missing extra fails at once
     model = get_preset(
         args.model,
@@ -117,74 +147,166 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab,
         max_seq_len=args.seq,
     )
-    plans, skipped = build_plans(args, model)
-    if skipped:
-        print(
-            f"(hybrid skips world sizes that are not multiples of {args.ranks_per_node}: "
-            f"{', '.join(map(str, skipped))})"
-        )
+    plans, notes = build_plans(args, model)
+    for note in notes:
+        print(f"({note})")
     if not plans:
-        raise SystemExit("fullshard plan: nothing to estimate")
-    print(describe_setup(args, plans[0].config))
+        print("fullshard plan: nothing to estimate (see the notes above)", file=sys.stderr)
+        return 2
+    print(describe_setup(args, plans))
     print(format_table(plans, args.memory_limit))
     if len(plans) == 1:
         print(format_breakdown(plans[0]))
     if pyplot is not None:
-        plot(pyplot, plans, args.plot, args.memory_limit, title=f"{args.model}: {describe_model(model)}")
+        try:
+            plot(pyplot, plans, args.plot, args.memory_limit, title=f"{args.model}: {describe_model(model)}")
+        except (OSError, ValueError) as exc:  # a folder that vanished, a full disk
+            if args.debug:
+                raise
+            print(f"fullshard plan: --plot {args.plot}: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.plot}")
     return 0
 
 
-def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan], list[int]]:
-    """A plan per (strategy, world size), and the world sizes hybrid cannot split into nodes."""
+def problems(args: argparse.Namespace) -> list[str]:
+    """Every flag no plan can be made from, one line each naming the flag and its value."""
+    found = []
+    for flag in ("layers", "dim", "heads", "vocab", "seq", "ranks_per_node", "batch", "batch_per_rank"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            found.append(f"--{flag.replace('_', '-')} expects a positive number but got {value}")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        found.append(f"--memory-limit expects a positive number of GiB but got {args.memory_limit:g}")
+    if not any(f.startswith(("--dim", "--heads")) for f in found):
+        model = get_preset(args.model, dim=args.dim, n_heads=args.heads)
+        if model.dim % model.n_heads:
+            found.append(f"--dim {model.dim} must be divisible by --heads {model.n_heads}")
+    if args.plot:
+        found += _plot_path_problems(args.plot)
+    strategies = _strategies(args)
+    if args.ranks_per_node is not None and "hybrid" not in strategies:
+        found.append(
+            f"--ranks-per-node {args.ranks_per_node} applies only to --strategy hybrid (or all), but got "
+            f"--strategy {' '.join(strategies)}: add hybrid, or drop --ranks-per-node"
+        )
+    return found
+
+
+def _plot_path_problems(path: str) -> list[str]:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return [f"--plot {path}: the folder {folder} does not exist"]
+    if not os.access(folder, os.W_OK):
+        return [f"--plot {path}: the folder {folder} is not writable"]
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in _PLOT_FORMATS:
+        return [f"--plot {path}: expects a file name ending in one of .{', .'.join(_PLOT_FORMATS)}"]
+    return []
+
+
+def _strategies(args: argparse.Namespace) -> list[str]:
     strategies = args.strategy or (["all"] if args.plot else ["full"])
-    strategies = list(STRATEGIES) if "all" in strategies else list(dict.fromkeys(strategies))
+    return list(STRATEGIES) if "all" in strategies else list(dict.fromkeys(strategies))
+
+
+def build_plans(args: argparse.Namespace, model: ModelArgs) -> tuple[list[Plan], list[str]]:
+    """A plan per (strategy, world size), and notes on the sizes skipped or the labels' meaning."""
     sizes = sorted(
         {size for group in args.world_size or [world_sizes(_PLOT_WORLD_SIZES if args.plot else "8")] for size in group}
     )
     compute = _MIXED_PRECISION[args.mixed_precision]
-    plans, skipped = [], []
-    for strategy in strategies:
+    ranks_per_node = args.ranks_per_node or _RANKS_PER_NODE
+    plans: list[Plan] = []
+    hybrid_skips, batch_skips = [], []
+    for strategy in _strategies(args):
         for size in sizes:
-            if strategy == "hybrid" and size % min(args.ranks_per_node, size):
-                skipped.append(size)
+            if strategy == "hybrid" and size % min(ranks_per_node, size):
+                hybrid_skips.append(size)
                 continue
-            try:
-                config = PlanConfig(
-                    model,
-                    size,
-                    strategy,
-                    ranks_per_node=args.ranks_per_node,
-                    batch_size=args.batch,
-                    param_dtype=compute,
-                    reduce_dtype=torch.float32 if compute else None,
-                    cpu_offload=args.cpu_offload,
-                    all_gather_dtype=_GATHER_CODES[args.all_gather_dtype],
-                    flat_params=args.flat_params,
-                    device=args.device,
-                )
-            except ValueError as exc:
-                raise SystemExit(f"fullshard plan: {exc}") from None
+            if args.batch is not None and args.batch % size:
+                batch_skips.append(size)
+                continue
+            config = PlanConfig(
+                model,
+                size,
+                strategy,
+                ranks_per_node=ranks_per_node,
+                batch_size=args.batch // size if args.batch is not None else args.batch_per_rank or 1,
+                param_dtype=compute,
+                reduce_dtype=torch.float32 if compute else None,
+                cpu_offload=args.cpu_offload,
+                all_gather_dtype=_GATHER_CODES[args.all_gather_dtype],
+                flat_params=args.flat_params,
+                device=args.device,
+            )
             plans.append(estimate(config))
-    return plans, skipped
+    notes = []
+    if hybrid_skips:
+        notes.append(
+            f"hybrid skips world sizes that are not multiples of {ranks_per_node}: {', '.join(map(str, hybrid_skips))}"
+        )
+    if batch_skips:
+        skips = ", ".join(map(str, dict.fromkeys(batch_skips)))
+        notes.append(f"--batch {args.batch} (over all ranks) skips world sizes it does not divide: {skips}")
+    return plans, notes + _label_notes(args, plans)
 
 
-def describe_setup(args: argparse.Namespace, config: PlanConfig) -> str:
+def _label_notes(args: argparse.Namespace, plans: list[Plan]) -> list[str]:
+    """What a row's label does not say: hybrid with one shard group is full sharding; a quantized
+    all-gather does nothing where no all-gather runs."""
+    notes = []
+    hybrid = [p.config for p in plans if p.config.strategy == "hybrid"]
+    alone = sorted({c.world_size for c in hybrid if c.replicate_size == 1 and c.world_size > 1})
+    if alone:
+        notes.append(
+            f"hybrid at world size {', '.join(map(str, alone))}: one shard group of every rank, no replicas: "
+            "the same as full"
+        )
+    if args.all_gather_dtype != "none":
+        idle = sorted({(p.config.strategy, p.config.world_size) for p in plans if p.config.shard_size == 1})
+        if idle:
+            where = ", ".join(f"{strategy} at {size}" for strategy, size in idle)
+            notes.append(f"--all-gather-dtype {args.all_gather_dtype} has no effect where no all-gather runs: {where}")
+    return notes
+
+
+def describe_setup(args: argparse.Namespace, plans: list[Plan]) -> str:
+    config = plans[0].config
     precision = "fp32 compute" if config.param_dtype is None else f"{args.mixed_precision} compute, fp32 reduce"
     offload = ", CPU offload" if config.cpu_offload else ""
-    if config.all_gather_dtype is not None:
+    if config.all_gather_dtype is not None and any(p.config.shard_size > 1 for p in plans):
         offload += f", weights gathered as {args.all_gather_dtype}"
     if config.flat_params:
         offload += ", flat parameters (use_orig_params=False)"
+    tokens = config.tokens_per_sequence
+    if args.batch is not None:
+        shares = ", ".join(f"{p.config.batch_size} at {p.config.world_size}" for p in _one_per_size(plans))
+        batch = f"{args.batch} x {tokens} tokens per step over all ranks (sequences per rank: {shares})"
+    else:
+        batch = f"{config.batch_size} x {tokens} tokens per rank"
     return (
         f"{args.model}: {describe_model(config.model)}\n"
-        f"{config.batch_size} x {config.tokens_per_sequence} tokens per rank; fp32 parameters and AdamW "
-        f"states, {precision}{offload}; step on {config.device}\n"
+        f"{batch}; fp32 parameters and AdamW states, {precision}{offload}; step on {config.device}\n"
     )
 
 
+def _one_per_size(plans: list[Plan]) -> list[Plan]:
+    return list({p.config.world_size: p for p in plans}.values())
+
+
 def format_table(plans: list[Plan], memory_limit: float | None) -> str:
-    header = ["strategy", "world", "params", "grads", "optim", "largest unit", "activations", "peak/rank", "comm/step"]
+    header = [
+        "strategy",
+        "world",
+        "params",
+        "grads",
+        "optim",
+        "largest unit",
+        "saved activations",
+        "peak/rank",
+        "comm/step",
+    ]
     rows = []
     for plan in plans:
         row = [plan.config.strategy, str(plan.config.world_size)] + [
@@ -210,12 +332,16 @@ def format_table(plans: list[Plan], memory_limit: float | None) -> str:
 def format_breakdown(plan: Plan) -> str:
     lines = [f"\npeak {human_bytes(plan.peak)} per rank, during {plan.peak_phase}:"]
     for category, nbytes in sorted(plan.peak_breakdown.items(), key=lambda item: -item[1]):
-        lines.append(f"  {category:<24}{human_bytes(nbytes):>12}")
+        lines.append(f"  {category:<28}{human_bytes(nbytes):>12}")
     if plan.host:
         lines.append(f"host memory (CPU offload): {human_bytes(plan.host)}")
     collectives = ", ".join(f"{op} {plan.comm_calls[op]} x = {human_bytes(nbytes)}" for op, nbytes in plan.comm.items())
     lines.append(f"collectives per step: {collectives or 'none'}")
     return "\n".join(lines)
+
+
+# What matplotlib's Agg canvas writes (FigureCanvasBase.filetypes), without importing it for the check.
+_PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "raw", "rgba", "pgf")
 
 
 def load_pyplot() -> ModuleType:

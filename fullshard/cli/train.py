@@ -20,13 +20,20 @@ continues it exactly, at any world size or strategy.
 
 Ctrl-C stops every rank after the same step and saves a checkpoint (with
 ``--checkpoint-dir``); a second Ctrl-C, or a rank that dies, stops the others
-at once, and the newest complete checkpoint stays loadable.
+at once (a rank that is saving finishes the save first), the launcher removes
+what a cut save left, and the newest complete checkpoint stays loadable.
+
+Every problem with the flags is reported before any rank starts, all at once,
+one ``fullshard train: <flag> <value>: ...`` line each (exit code 2); flags that
+do nothing in a combination are warned, and the summary labels what ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -40,11 +47,11 @@ from torch.distributed.run import run as torchrun
 
 from ..training.config import TrainConfig
 from ..training.config import add_arguments as add_training_arguments
-from ..training.resume import check_checkpoint_dir, saved_step
+from ..training.resume import checkpoint_problems, remove_unfinished_saves, saved_step
 
 HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
 
-__all__ = ["HELP", "add_arguments", "run", "torchrun_arguments"]
+__all__ = ["HELP", "add_arguments", "check", "problems", "run", "torchrun_arguments"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,34 +125,92 @@ def _ranks_see(device: str) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list[str]]:
+    """Every problem with the flags at once: (the config, errors, notices), one line each."""
+    names = {field.name for field in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{name: value for name, value in vars(args).items() if name in names})
+    errors = config.problems()
+    notices: list[str] = []
+    if args.nproc < 1:
+        errors.append(f"--nproc expects at least 1 rank but got {args.nproc}")
+    elif args.nnodes == "1":
+        errors += config.world_problems(args.nproc, args.nproc)
+        notices += _no_effect(config, args.nproc)
+    if errors:  # the checkpoint's checks need a valid model
+        return None, errors, notices
+    found, said = checkpoint_problems(config)
+    return (None if found else config), errors + found, notices + said
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Every invalid flag, one line each (``check``'s errors)."""
+    return check(args)[1]
+
+
+def _no_effect(config: TrainConfig, world_size: int) -> list[str]:
+    """Warnings for flags that do nothing in this combination on one machine."""
+    shard = config.shard_group_size(world_size, world_size)
+    said = []
+    if config.strategy == "hybrid" and world_size > 1 and shard in (1, world_size):
+        what = "full sharding (no replicas, no all-reduce)" if shard > 1 else "replication (no sharding)"
+        said.append(
+            f"warning: --strategy hybrid with shard groups of {shard} over --nproc {world_size} is {what}: "
+            f"it is labelled so; for replicas of shard groups pass a --shard-size that divides {world_size} "
+            f"and is neither 1 nor {world_size}"
+        )
+    if config.all_gather_dtype != "none" and shard == 1:
+        said.append(
+            f"warning: --all-gather-dtype {config.all_gather_dtype} has no effect here: with one rank per shard "
+            "group no all-gather runs (the weights stay exact)"
+        )
+    return said
+
+
+@contextlib.contextmanager
+def _quiet_launcher(quiet: bool) -> Iterator[None]:
+    """A failure is described once, below; torchrun's error log lines would repeat it (``--debug``
+    keeps them)."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.CRITICAL)
     try:
-        config = TrainConfig.from_args(args)
-        if args.nproc < 1:
-            raise ValueError(f"--nproc expects at least 1 rank but got {args.nproc}")
-        if args.nnodes == "1":
-            config.validate_world(args.nproc)
-        check_checkpoint_dir(config)
-        device, notice = choose_device(args.device, args.nproc, torch.cuda.device_count())
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def run(args: argparse.Namespace) -> int:
+    config, errors, notices = check(args)
+    device = "cpu"
+    try:
+        device, notice = choose_device(args.device, max(1, args.nproc), torch.cuda.device_count())
+        notices += [notice] if notice else []
     except ValueError as exc:
-        print(f"fullshard train: {exc}", file=sys.stderr)
+        config, errors = None, [*errors, str(exc)]
+    for line in notices:
+        print(f"fullshard train: {line}", file=sys.stderr)
+    if config is None:
+        for line in "\n".join(errors).splitlines():
+            print(f"fullshard train: {line}", file=sys.stderr)
         return 2
-    if notice:
-        print(notice, file=sys.stderr)
     # torchrun would set 1 thread per rank (and warn); the ranks set their own count.
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // args.nproc)))
     try:
-        with _ranks_see(device):
+        with _ranks_see(device), _quiet_launcher(not config.debug):
             torchrun(parse_torchrun_args(torchrun_arguments(args, config)))
     except ChildFailedError as exc:
         print(_describe_failure(exc, config), file=sys.stderr)
-        return 1
+        return 2 if _root_cause(exc)[1].exitcode == 2 else 1
     except SignalException as exc:
         print(
             f"\nfullshard train: stopped by {exc.sigval.name}; every rank has exited." + _checkpoint_hint(config),
             file=sys.stderr,
         )
         return 130
+    finally:
+        if args.nnodes == "1":  # every rank that could be saving has exited
+            remove_unfinished_saves(config)
     return 0
 
 
@@ -169,14 +234,14 @@ def _describe_failure(exc: ChildFailedError, config: TrainConfig) -> str:
     rank, failure = _root_cause(exc)
     if failure.exitcode < 0:
         why = f"was killed by {failure.signal_name()}"
+    elif failure.exitcode == 2:  # the rank printed the user's mistake
+        why = "stopped on the error above"
     else:
         message = failure.message
         text = (message.get("message", "") if isinstance(message, dict) else str(message)).strip()
         why = f"exited with code {failure.exitcode}" + (f": {text.splitlines()[-1]}" if text else "")
-    return (
-        f"\nfullshard train: rank {rank} (pid {failure.pid}) {why}\n"
-        "The other ranks were stopped." + _checkpoint_hint(config)
-    )
+    hint = "" if failure.exitcode == 2 else _checkpoint_hint(config)  # resuming would meet the mistake again
+    return f"\nfullshard train: rank {rank} (pid {failure.pid}) {why}\nThe other ranks were stopped." + hint
 
 
 def _checkpoint_hint(config: TrainConfig) -> str:

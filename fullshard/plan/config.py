@@ -19,12 +19,13 @@ class PlanConfig:
     Attributes:
         model: the Transformer's dimensions (see ``fullshard.models.get_preset``).
         world_size: number of ranks.
-        strategy: ``full`` (FULL_SHARD: every unit, the root too, resharded
-            after forward), ``grad-op`` (SHARD_GRAD_OP: kept after forward),
+        strategy: ``full`` (FULL_SHARD: every unit resharded after forward but
+            the root, which backward needs first), ``grad-op`` (SHARD_GRAD_OP: kept after forward),
             ``no-shard`` (NO_SHARD / ``replicate``: all-reduce), ``hybrid``
             (full within groups of ``ranks_per_node``, all-reduce across them).
         ranks_per_node: the shard group size of ``hybrid`` (capped at ``world_size``).
-        batch_size: sequences per rank and step.
+        batch_size: sequences per rank and step (``fullshard plan --batch`` is the global batch,
+            split over ``world_size``; ``--batch-per-rank`` is this).
         seq_len: tokens per sequence (default: ``model.max_seq_len``).
         dtype: the parameters' dtype, hence the optimizer states' and the sharded gradients'.
         param_dtype: mixed precision: the dtype of gathered parameters and compute (None: ``dtype``).
@@ -127,7 +128,8 @@ class Plan:
         grads: this rank's gradient shards.
         optimizer_states: this rank's optimizer states.
         largest_unit: the largest gathered unit (padded, in the compute dtype).
-        activations: what forward leaves for backward: saved tensors and the loss's log-softmax.
+        activations: what forward leaves for backward: saved tensors and the loss's log-softmax
+            (the breakdown's "activations and their grads" is what is alive at the peak).
         peak: the most memory the step holds at once (on the device; the
             shards count only without CPU offload).
         peak_phase: when: ``forward``, ``backward`` or ``optimizer step``.

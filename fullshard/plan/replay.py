@@ -66,7 +66,9 @@ from .units import Unit, gather_codes, units_per_bucket
 PARAMS, GRADS, OPTIM = "sharded params", "sharded grads", "optimizer states"
 UNSHARDED, GATHER = "unsharded params", "all-gather buffers"
 UNSHARDED_GRADS, REDUCE = "unsharded grads", "reduce buffers"
-ACTIVATIONS, OPTIM_TEMP = "activations", "optimizer temporaries"
+# Activations live at the peak: what forward saved and backward has not yet freed, plus the
+# gradients of activations backward is computing (Plan.activations counts the saved ones alone).
+ACTIVATIONS, OPTIM_TEMP = "activations and their grads", "optimizer temporaries"
 
 
 class Tape:
@@ -311,8 +313,8 @@ class StepReplay:
                 self.reshard(block)
         t.alloc(ACTIVATIONS, self.td + 2 * self.stat)  # final norm
         t.alloc(ACTIVATIONS, self.logits)
-        if self.config.reshard_after_forward:
-            self.reshard(root)
+        # The root keeps its parameters after forward under every strategy: backward needs them
+        # first (see UnitSettings.keep_unsharded_as_root), so it is gathered once a step.
         # Transformer.loss: fp32 logits, log_softmax (saved); the logits die with the call.
         if self.c != 4:
             t.alloc(ACTIVATIONS, self.logits32)

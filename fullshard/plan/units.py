@@ -148,16 +148,18 @@ def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int]
     calls: Counter[str] = Counter()
     compute = config.compute_dtype.itemsize
     reduce = config.gradient_reduce_dtype.itemsize
-    gathers = 2 if config.reshard_after_forward else 1  # again in backward when resharded after forward
+    # A block is gathered again in backward when resharded after forward; the root never is (it
+    # keeps its parameters for backward, which needs them first).
+    gathers = 2 if config.reshard_after_forward else 1
     codes = gather_codes(config)
     if config.shard_size > 1:  # the root alone, then the blocks prefetched in buckets
         blocks = len(units) - 1
         buckets = -(-blocks // units_per_bucket(config, units[1])) if blocks else 0
-        calls["all_gather"] += gathers * (1 + buckets)
-    for unit in units:
+        calls["all_gather"] += 1 + gathers * buckets
+    for index, unit in enumerate(units):
         if config.shard_size > 1:
             chunk = unit.shard_numel * compute if codes is None else unit.packed_chunk_bytes(codes, compute)
-            nbytes["all_gather"] += gathers * config.shard_size * chunk
+            nbytes["all_gather"] += (gathers if index else 1) * config.shard_size * chunk
             nbytes["reduce_scatter"] += unit.gathered_numel * reduce
             calls["reduce_scatter"] += 1
         if config.replicate_size > 1:

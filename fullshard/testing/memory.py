@@ -91,7 +91,8 @@ def measure_step(
             if strategy == "no-shard":
                 replicate(module, mesh=mesh, mp_policy=mp, offload_policy=policy)
             else:
-                reshard = strategy != "grad-op"
+                # None: resharded after forward except the root, as fullshard train shards (and plan models)
+                reshard = None if strategy != "grad-op" else False
                 fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
         model = base
     if all_gather_dtype is not None:

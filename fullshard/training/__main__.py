@@ -2,7 +2,9 @@
 
 The process group comes from torchrun's environment: NCCL where CUDA is, gloo
 otherwise. ``record`` hands an exception's traceback to the launcher, which
-names the failing rank.
+names the failing rank. A checkpoint that does not fit (another model, a
+damaged file) is the user's mistake: one line and exit code 2, the traceback
+only under ``--debug``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..checkpoint import CheckpointError
 from .config import TrainConfig
 from .loop import train
 
@@ -27,6 +30,12 @@ def main() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         result = train(config)
+    except CheckpointError as exc:
+        if config.debug:
+            raise
+        if dist.get_rank() == 0:
+            print(f"fullshard train: {first_line(str(exc))} (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(2)
     finally:
         # The model, its units and their meshes are garbage in reference cycles now: collect
         # them while the groups they hold are still valid, not in the interpreter's teardown.
@@ -34,6 +43,15 @@ def main() -> None:
         dist.destroy_process_group()
     if result.interrupted:
         sys.exit(130)  # the shell's code for "stopped by Ctrl-C"
+
+
+def first_line(text: str) -> str:
+    """A checkpoint error's cause in one line: DCP's message carries every rank's traceback; the line
+    that names the piece (``size mismatch for ...``) is kept."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = next((line for line in lines if "size mismatch" in line or "Missing key" in line), None)
+    head = lines[0] if lines else text
+    return head if cause is None else f"{head.split(':')[0]}: {cause}"
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class TrainConfig:
     metrics: str | None = None
     sample: int = 0
     threads: int | None = None
+    debug: bool = False  # user mistakes show their traceback
 
     def model_args(self) -> ModelArgs:
         """The preset with the overrides and the corpus's byte vocabulary."""
@@ -84,41 +85,83 @@ class TrainConfig:
             raise ValueError("saving or resuming needs --checkpoint-dir")
         return self.checkpoint_dir
 
-    def validate(self) -> None:
-        """Raises ValueError naming the flag for settings no rank could run."""
-        if self.model not in PRESETS:
-            raise ValueError(f"--model expects one of {', '.join(PRESETS)} but got {self.model!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy expects one of {', '.join(STRATEGIES)} but got {self.strategy!r}")
-        if self.front_end not in FRONT_ENDS:
-            raise ValueError(f"--front-end expects one of {', '.join(FRONT_ENDS)} but got {self.front_end!r}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"--mixed-precision expects one of {', '.join(MIXED_PRECISION)}")
-        if self.all_gather_dtype not in ALL_GATHER_DTYPES:
-            raise ValueError(f"--all-gather-dtype expects one of {', '.join(ALL_GATHER_DTYPES)}")
-        for flag, value in (
+    def problems(self) -> list[str]:
+        """Every setting no rank could run, one line each naming the flag and its value."""
+        found = []
+        for flag, value, choices in (
+            ("--model", self.model, PRESETS),
+            ("--strategy", self.strategy, STRATEGIES),
+            ("--front-end", self.front_end, FRONT_ENDS),
+            ("--mixed-precision", self.mixed_precision, MIXED_PRECISION),
+            ("--all-gather-dtype", self.all_gather_dtype, ALL_GATHER_DTYPES),
+        ):
+            if value not in choices:
+                found.append(f"{flag} expects one of {', '.join(choices)} but got {value!r}")
+        counts: tuple[tuple[str, int | None], ...] = (
             ("--steps", self.steps),
             ("--batch", self.batch),
             ("--checkpoint-every", self.checkpoint_every),
-        ):
-            if value < 1:
-                raise ValueError(f"{flag} expects a positive number but got {value}")
-        if self.lr <= 0 or self.warmup < 0 or self.clip < 0 or self.sample < 0:
-            raise ValueError("--lr must be positive; --warmup, --clip and --sample must not be negative")
+            ("--layers", self.layers),
+            ("--dim", self.dim),
+            ("--heads", self.heads),
+            ("--seq", self.seq),
+            ("--shard-size", self.shard_size),
+            ("--threads", self.threads),
+        )
+        for flag, count in counts:
+            if count is not None and count < 1:
+                found.append(f"{flag} expects a positive number but got {count}")
+        if not self.lr > 0:  # NaN too
+            found.append(f"--lr expects a positive number but got {self.lr:g}")
+        for flag, number in (("--warmup", self.warmup), ("--clip", self.clip), ("--sample", self.sample)):
+            if not number >= 0:
+                found.append(f"{flag} expects a number >= 0 but got {number:g}")
+        if self.shard_size is not None and self.strategy != "hybrid":
+            found.append(
+                f"--shard-size {self.shard_size} applies only to --strategy hybrid, but got --strategy "
+                f"{self.strategy}: add --strategy hybrid, or drop --shard-size"
+            )
         if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir (the folder to resume from)")
-        args = self.model_args()
-        if args.dim % args.n_heads:
-            raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.n_heads}")
+            found.append("--resume needs --checkpoint-dir (the folder to resume from)")
+        if self.model in PRESETS and not any(
+            value is not None and value < 1 for value in (self.layers, self.dim, self.heads, self.seq)
+        ):
+            args = self.model_args()
+            if args.dim % args.n_heads:
+                found.append(f"--dim {args.dim} must be divisible by --heads {args.n_heads}")
+        return found
 
-    def validate_world(self, world_size: int) -> None:
+    def validate(self) -> None:
+        """Raises ValueError naming every flag whose setting no rank could run (one line each)."""
+        found = self.problems()
+        if found:
+            raise ValueError("\n".join(found))
+
+    def world_problems(self, world_size: int, ranks_per_node: int) -> list[str]:
+        """The settings that do not fit ``world_size`` ranks, ``ranks_per_node`` on each machine."""
+        found = []
+        if self.batch >= 1 and self.batch % world_size:
+            found.append(
+                f"--batch {self.batch} must be divisible by the number of ranks {world_size} (it is the "
+                "global batch: sequences per step over all ranks)"
+            )
+        shard = self.shard_group_size(world_size, ranks_per_node)
+        if self.strategy == "hybrid" and shard >= 1 and world_size % shard:
+            found.append(f"--shard-size {shard} must divide the number of ranks {world_size}")
+        return found
+
+    def validate_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Raises ValueError for settings that do not fit ``world_size`` ranks."""
-        if self.batch % world_size:
-            raise ValueError(f"--batch {self.batch} must be divisible by the number of ranks {world_size}")
+        found = self.world_problems(world_size, ranks_per_node or world_size)
+        if found:
+            raise ValueError("\n".join(found))
+
+    def shard_group_size(self, world_size: int, ranks_per_node: int) -> int:
+        """Ranks a parameter is split across: hybrid's shard group (``--shard-size``, else the
+        ranks on one machine), every rank (full, grad-op) or none (no-shard)."""
         if self.strategy == "hybrid":
-            shard = self.shard_size or world_size
-            if world_size % shard:
-                raise ValueError(f"--shard-size {shard} must divide the number of ranks {world_size}")
+            return self.shard_size or ranks_per_node
+        return 1 if self.strategy == "no-shard" else world_size
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -160,7 +203,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fully_shard (FSDP2's API, a DTensor per parameter) or wrapper (FullyShardedDataParallel, FSDP1's "
         "API, one flat parameter per unit)",
     )
-    sharding.add_argument("--shard-size", type=int, help="hybrid: ranks per shard group (default: ranks per node)")
+    sharding.add_argument(
+        "--shard-size",
+        type=int,
+        help="with --strategy hybrid only: ranks per shard group (default: ranks per node, which on one machine "
+        "is every rank, i.e. full sharding)",
+    )
     sharding.add_argument(
         "--mixed-precision",
         choices=MIXED_PRECISION,
@@ -177,17 +225,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     training = parser.add_argument_group("training")
     training.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in total")
-    training.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step, over all ranks")
+    training.add_argument(
+        "--batch",
+        type=int,
+        default=defaults.batch,
+        help="sequences per step over all ranks (the global batch, split evenly; fullshard plan's --batch "
+        "means the same)",
+    )
     training.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
     training.add_argument("--warmup", type=int, default=defaults.warmup, help="linear warm-up steps, then cosine")
     training.add_argument("--clip", type=float, default=defaults.clip, help="gradient norm clip (0: off)")
     training.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order")
-    training.add_argument("--threads", type=int, help="CPU threads per rank (default: cores / local ranks)")
+    training.add_argument("--threads", type=int, help="CPU threads per rank, at least 1 (default: cores / local ranks)")
     state = parser.add_argument_group("checkpoints and output")
     state.add_argument("--checkpoint-dir", help="save sharded checkpoints here (and on Ctrl-C)")
     state.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every, help="steps between saves")
     state.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    state.add_argument("--metrics", help="append one JSON line per step (and a summary line) to this file")
+    state.add_argument(
+        "--metrics",
+        help="append one JSON line per step (and a summary line) to this file; lines already there stay, "
+        "except that --resume drops the interrupted run's lines past its checkpoint",
+    )
     state.add_argument(
         "--sample",
         type=int,
@@ -195,3 +253,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="at the end, print this many bytes the model writes after a prompt",
     )
+    state.add_argument("--debug", action="store_true", help="show the traceback of a user mistake (bad checkpoint)")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .._core import comm
+from .._core.mesh import devices_per_node
 from ..clip import clip_grad_norm_
 from ..fully_shard import FSDPModule
 from ..grad_scaler import ShardedGradScaler
@@ -154,7 +155,7 @@ def _sample(model: torch.nn.Module, corpus: Corpus, config: TrainConfig, device:
 def train(config: TrainConfig) -> RunResult:
     """Trains ``config`` on this rank; rank 0 shows progress and prints the summary."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    config.validate_world(world)
+    config.validate_world(world, devices_per_node())
     device = comm.bind_local_device(int(os.environ.get("LOCAL_RANK", 0)))
     memory = PeakMemory(device)
     corpus = Corpus()
@@ -166,7 +167,14 @@ def train(config: TrainConfig) -> RunResult:
     per_rank = config.batch // world
     seq_len = config.model_args().max_seq_len
     tally = CommTally()
-    result = RunResult(config=config, world_size=world, start_step=start, steps_done=start, device=device.type)
+    result = RunResult(
+        config=config,
+        world_size=world,
+        start_step=start,
+        steps_done=start,
+        device=device.type,
+        shard_size=config.shard_group_size(world, devices_per_node()),
+    )
     stop = StopRequest()
     # Redrawn in place on a terminal; in a log file, one line every half minute.
     progress = tqdm(
@@ -215,7 +223,8 @@ def train(config: TrainConfig) -> RunResult:
                 progress.update()
                 finished = step + 1 == config.steps
                 if config.checkpoint_dir and (stats.stop or finished or (step + 1) % config.checkpoint_every == 0):
-                    save(config, model, optimizer, scaler, step + 1)
+                    with stop.deferring_termination():  # a second signal waits for the save
+                        save(config, model, optimizer, scaler, step + 1)
                     result.checkpoint_step = step + 1
                 if stats.stop:
                     result.interrupted = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,20 +98,17 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 class MetricsFile:
-    """JSON lines on rank 0: one per step, then one summary. A resumed run first drops the
-    lines past its checkpoint, so the file holds one continuous curve."""
+    """JSON lines on rank 0, appended: one per step, then one summary. Lines already in the file
+    stay; a resumed run first drops the interrupted run's lines past its checkpoint (its steps
+    after that one and its summary), so that the file holds one continuous curve."""
 
     def __init__(self, path: str | None, resumed_at: int) -> None:
         self._file = None
         if path is None:
             return
-        kept: list[str] = []
         if resumed_at > 0:
-            with contextlib.suppress(FileNotFoundError), open(path) as f:
-                kept = [line for line in f if json.loads(line).get("step", resumed_at + 1) <= resumed_at]
-        self._file = open(path, "w")
-        self._file.writelines(kept)
-        self._file.flush()
+            _drop_tail_after_step(path, resumed_at)
+        self._file = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -120,3 +118,24 @@ class MetricsFile:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _drop_tail_after_step(path: str, step: int) -> None:
+    """Cuts ``path`` after its last line of ``step`` when everything after it is the tail of that
+    run (later steps, a summary); any other content is left as it is."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+        records = [json.loads(line) for line in lines]
+    except (FileNotFoundError, ValueError):  # nothing there, or not a metrics file: only append
+        return
+    ends = [i for i, record in enumerate(records) if isinstance(record, dict) and record.get("step") == step]
+    if not ends:
+        return
+    tail = records[ends[-1] + 1 :]
+    if not tail or not all(isinstance(r, dict) and ("summary" in r or r.get("step", 0) > step) for r in tail):
+        return
+    staging = f"{path}.{os.getpid()}.tmp"
+    with open(staging, "w") as f:
+        f.writelines(lines[: ends[-1] + 1])
+    os.replace(staging, path)

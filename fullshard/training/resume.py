@@ -15,33 +15,79 @@ from .. import checkpoint
 from ..grad_scaler import ShardedGradScaler
 from .config import TrainConfig
 
-__all__ = ["check_checkpoint_dir", "resume", "save", "saved_step"]
+__all__ = ["check_checkpoint_dir", "checkpoint_problems", "remove_unfinished_saves", "resume", "save", "saved_step"]
+
+
+def checkpoint_problems(config: TrainConfig) -> tuple[list[str], list[str]]:
+    """What ``--checkpoint-dir`` and ``--resume`` would do: (errors, notices), one line each.
+
+    Errors: overwriting a checkpoint by accident, resuming from nothing, into
+    another model, or to a ``--steps`` already passed. Notices: what is resumed,
+    and a learning-rate schedule that a changed ``--steps``/``--lr``/``--warmup``
+    plans anew.
+    """
+    if not config.checkpoint_dir:
+        return [], []
+    found = checkpoint.exists(config.checkpoint_dir)
+    if config.resume and not found:
+        return [f"--resume: no complete checkpoint in {config.checkpoint_dir}"], []
+    if not found:
+        return [], []
+    extra = checkpoint.read_extra(config.checkpoint_dir)
+    if not isinstance(extra, dict) or not {"step", "model"} <= extra.keys():
+        return [
+            f"--checkpoint-dir {config.checkpoint_dir} holds a checkpoint that fullshard train did not write "
+            "(its extra has no step and model): choose another --checkpoint-dir"
+        ], []
+    step = extra["step"]
+    if not config.resume:
+        return [
+            f"{config.checkpoint_dir} already holds a checkpoint (step {step}): add --resume to "
+            "continue it, or choose another --checkpoint-dir"
+        ], []
+    errors = []
+    if extra["model"] != dataclasses.asdict(config.model_args()):
+        saved = extra["model"]
+        flags = " ".join(
+            f"--{flag} {saved[field]}"
+            for flag, field in (("layers", "n_layers"), ("dim", "dim"), ("heads", "n_heads"), ("seq", "max_seq_len"))
+            if field in saved
+        )
+        errors.append(
+            f"the checkpoint in {config.checkpoint_dir} holds another model ({flags}, vocabulary "
+            f"{saved.get('vocab_size')}): resume with the flags that built it"
+        )
+    if config.steps < step:
+        errors.append(
+            f"--steps {config.steps} is below the checkpoint's step {step} in {config.checkpoint_dir}: "
+            f"nothing would train; pass --steps above {step}"
+        )
+    if errors:
+        return errors, []
+    notices = [f"resuming {config.checkpoint_dir} at step {step} of {config.steps}"]
+    if config.steps == step:
+        notices[0] += ": no step left to train (validation and --sample only)"
+    saved = extra.get("schedule")
+    schedule = _schedule(config)
+    if saved is not None and saved != schedule:
+        changed = ", ".join(f"--{k} {saved[k]:g} -> {schedule[k]:g}" for k in schedule if saved[k] != schedule[k])
+        notices.append(
+            f"warning: the learning-rate schedule changes ({changed}): from step {step} on, the rate follows "
+            "the new one, so the loss curve differs from an uninterrupted run"
+        )
+    return [], notices
 
 
 def check_checkpoint_dir(config: TrainConfig) -> None:
-    """Refuses to overwrite a checkpoint by accident, to resume from nothing, or into another model.
+    """Raises ValueError (naming the flags to change) for the errors of ``checkpoint_problems``."""
+    errors, _ = checkpoint_problems(config)
+    if errors:
+        raise ValueError("\n".join(errors))
 
-    Raises:
-        ValueError: naming the flag to change.
-    """
-    if not config.checkpoint_dir:
-        return
-    found = checkpoint.exists(config.checkpoint_dir)
-    if config.resume and not found:
-        raise ValueError(f"--resume: no complete checkpoint in {config.checkpoint_dir}")
-    if not found:
-        return
-    extra = checkpoint.read_extra(config.checkpoint_dir)
-    if not config.resume:
-        raise ValueError(
-            f"{config.checkpoint_dir} already holds a checkpoint (step {extra['step']}): add --resume to "
-            "continue it, or choose another --checkpoint-dir"
-        )
-    if extra["model"] != dataclasses.asdict(config.model_args()):
-        raise ValueError(
-            f"the checkpoint in {config.checkpoint_dir} holds another model ({extra['model']}): resume with "
-            "the same --model/--layers/--dim/--heads/--seq"
-        )
+
+def _schedule(config: TrainConfig) -> dict[str, float]:
+    """What ``learning_rate`` reads besides the step."""
+    return {"steps": config.steps, "lr": config.lr, "warmup": config.warmup}
 
 
 def resume(
@@ -68,6 +114,7 @@ def save(
         "step": step,
         "model": dataclasses.asdict(config.model_args()),
         "scaler": scaler.state_dict() if scaler is not None else None,
+        "schedule": _schedule(config),
     }
     checkpoint.save(config.checkpoint_folder, model, optimizer, extra=extra)
 
@@ -77,3 +124,11 @@ def saved_step(config: TrainConfig) -> int | None:
     if not config.checkpoint_dir or not checkpoint.exists(config.checkpoint_dir):
         return None
     return checkpoint.read_extra(config.checkpoint_dir)["step"]
+
+
+def remove_unfinished_saves(config: TrainConfig) -> list[str]:
+    """Removes what saves cut short left in ``--checkpoint-dir`` (version folders that LATEST does not
+    name); call it only when no rank runs. Returns the removed folders."""
+    if not config.checkpoint_dir:
+        return []
+    return checkpoint.remove_unfinished(config.checkpoint_dir)

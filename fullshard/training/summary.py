@@ -17,7 +17,7 @@ from .._text import align, describe_model, human_bytes
 from ..plan import PlanConfig, estimate
 from .config import TrainConfig
 
-__all__ = ["RunResult", "print_summary"]
+__all__ = ["RunResult", "print_summary", "strategy_label"]
 
 _LOSS_WINDOW = 10  # steps averaged into the reported final loss
 _DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,6 +32,7 @@ class RunResult:
     start_step: int
     steps_done: int
     device: str = "cpu"  # where the step ran: "cuda" peaks are the allocator's max_memory_allocated
+    shard_size: int = 1  # ranks a parameter is split across (TrainConfig.shard_group_size)
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
@@ -77,6 +78,7 @@ class RunResult:
         return {
             "config": dataclasses.asdict(self.config),
             "world_size": self.world_size,
+            "shard_size": self.shard_size,
             "device": self.device,
             "start_step": self.start_step,
             "steps_done": self.steps_done,
@@ -116,10 +118,20 @@ def _predicted_peaks(result: RunResult) -> tuple[int, int]:
             device="cuda" if result.device == "cuda" else "cpu",
         )
 
-    sharded = dataclasses.replace(
-        plan(result.world_size, config.strategy), ranks_per_node=config.shard_size or result.world_size
-    )
+    sharded = dataclasses.replace(plan(result.world_size, config.strategy), ranks_per_node=result.shard_size)
     return estimate(sharded).peak, estimate(plan(1, "no-shard")).peak
+
+
+def strategy_label(strategy: str, world_size: int, shard_size: int) -> str:
+    """What the strategy did at this size: hybrid with one shard group is full sharding, with
+    groups of one rank it is replication."""
+    if strategy != "hybrid" or world_size == 1:
+        return f"strategy {strategy}"
+    if shard_size == world_size:
+        return f"strategy hybrid as full (one shard group of all {world_size} ranks, no replicas)"
+    if shard_size == 1:
+        return f"strategy hybrid as no-shard (shard groups of 1 rank: {world_size} replicas)"
+    return f"strategy hybrid ({world_size // shard_size} replicas of {shard_size}-rank shard groups)"
 
 
 def print_summary(result: RunResult) -> None:
@@ -128,12 +140,13 @@ def print_summary(result: RunResult) -> None:
     offload = ", CPU offload" if config.cpu_offload else ""
     if config.front_end == "wrapper":
         offload += ", FSDP1 wrapper (flat parameters)"
-    if config.all_gather_dtype != "none":
+    if config.all_gather_dtype != "none" and result.shard_size > 1:  # else no all-gather ran
         offload += f", weights gathered as {config.all_gather_dtype}"
     lines = [
         "",
         f"{config.model}: {describe_model(config.model_args())}",
-        f"{result.world_size} ranks, strategy {config.strategy}, {precision}{offload}; "
+        f"{result.world_size} ranks, {strategy_label(config.strategy, result.world_size, result.shard_size)}, "
+        f"{precision}{offload}; "
         f"{config.batch} x {config.model_args().max_seq_len} tokens per step",
     ]
     if result.interrupted:
