@@ -598,3 +598,33 @@ def test_torchrun_options_pass_through_for_several_machines():
         "2", "8", "c10d", "host0:29400", "job7")
     assert parsed.module and parsed.training_script == "fullshard.training"
     assert TrainConfig.from_json(parsed.training_script_args[0]) == config
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve(tmp_path):
+    """``--max-restarts``: torchrun's agent starts every rank again after rank 1 is killed; they
+    resume from the newest complete checkpoint and the curve goes on as an uninterrupted run's."""
+    flags = [*SMALL_FLAGS, "--steps", "40", "--checkpoint-every", "4"]
+    code, _, err = _wait(_start([*flags, "--checkpoint-dir", "plain", "--metrics", "plain.jsonl"], tmp_path), tmp_path)
+    assert code == 0, err
+    process = _start([*flags, "--checkpoint-dir", "ckpt", "--metrics", "metrics.jsonl", "--max-restarts", "1"], tmp_path)
+    _wait_for_steps(tmp_path / "metrics.jsonl", 6, process)
+    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    rank1 = [pid for pid in workers if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
+    assert len(rank1) == 1, workers
+    os.kill(rank1[0], signal.SIGKILL)
+    code, out, err = _wait(process, tmp_path, timeout=120)
+    assert code == 0, err
+    resumed = re.search(r"restart 1 after a failed rank: resuming from the checkpoint of step (\d+)", err)
+    assert resumed and int(resumed.group(1)) >= 4, err
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in records] == [*range(1, 41), None]  # one curve, no step twice
+    assert [r["loss"] for r in records[:-1]] == [r["loss"] for r in plain[:-1]]  # bit for bit
+    assert not _session_alive(process)
+
+
+def test_max_restarts_needs_a_checkpoint_folder(tmp_path):
+    code, _, err = _wait(_start([*SMALL_FLAGS, "--max-restarts", "2"], tmp_path), tmp_path)
+    assert code == 2
+    assert "--max-restarts 2 needs --checkpoint-dir" in err

@@ -73,12 +73,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--rdzv-backend", help="rendezvous backend, e.g. c10d")
     launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous")
     launch.add_argument("--rdzv-id", help="a job id shared by all machines")
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when a rank fails, restart every rank up to N times (torchrun's elastic agent); each restart "
+        "resumes from the newest complete checkpoint in --checkpoint-dir, on as many machines as are left "
+        "within --nnodes MIN:MAX (default 0: a failure ends the run)",
+    )
     add_training_arguments(parser)
 
 
 def torchrun_arguments(args: argparse.Namespace, config: TrainConfig) -> list[str]:
     """torchrun's command line: the launch options, then this package's rank program and the config."""
     options = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank)]
+    options += ["--max-restarts", str(args.max_restarts)]
     for flag in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
         value = getattr(args, flag)
         if value is not None:
@@ -133,6 +142,13 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
     notices: list[str] = []
     if args.nproc < 1:
         errors.append(f"--nproc expects at least 1 rank but got {args.nproc}")
+    if args.max_restarts < 0:
+        errors.append(f"--max-restarts expects a number >= 0 but got {args.max_restarts}")
+    elif args.max_restarts > 0 and not config.checkpoint_dir:
+        errors.append(
+            f"--max-restarts {args.max_restarts} needs --checkpoint-dir (with --checkpoint-every): a restart "
+            "resumes from the newest checkpoint there"
+        )
     elif args.nnodes == "1":
         errors += config.world_problems(args.nproc, args.nproc)
         notices += _no_effect(config, args.nproc)

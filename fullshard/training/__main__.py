@@ -2,13 +2,15 @@
 
 The process group comes from torchrun's environment: NCCL where CUDA is, gloo
 otherwise. ``record`` hands an exception's traceback to the launcher, which
-names the failing rank. A checkpoint that does not fit (another model, a
+names the failing rank; under ``--max-restarts`` the agent starts every rank again, and
+they resume from the newest complete checkpoint. A checkpoint that does not fit (another model, a
 damaged file) is the user's mistake: one line and exit code 2, the traceback
 only under ``--debug``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -20,11 +22,25 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ..checkpoint import CheckpointError
 from .config import TrainConfig
 from .loop import train
+from .resume import saved_step
+
+
+def after_restart(config: TrainConfig) -> TrainConfig:
+    """``config`` for a restart by the elastic agent (``--max-restarts``): the ranks resume from
+    the newest complete checkpoint, whatever the first launch said."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        return config
+    step = saved_step(config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        where = f"resuming from the checkpoint of step {step}" if step is not None else "no checkpoint yet: from step 0"
+        print(f"fullshard train: restart {restart} after a failed rank: {where}", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, resume=step is not None)
 
 
 @record
 def main() -> None:
-    config = TrainConfig.from_json(sys.argv[1])
+    config = after_restart(TrainConfig.from_json(sys.argv[1]))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // local_ranks))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
