@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fullshard import FSDP
+from fullshard._core import comm
 from fullshard.models import MLP
 from fullshard.testing import distributed, full_value
 
@@ -67,3 +68,44 @@ def test_wrapper_flat_parameter_with_tensor_parallel_trains_like_torch(sync_modu
     with FSDP.summon_full_params(ours), TorchFSDP.summon_full_params(theirs):
         for (name, param), (_, other) in zip(ours.named_parameters(), theirs.named_parameters()):
             torch.testing.assert_close(full_value(param), full_value(other), msg=lambda m: f"{name}: {m}")
+
+
+class GroupDouble:
+    """What torch's own tests pass as a process group: ``rank()`` and ``size()``, no ``dist.ProcessGroup``."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@distributed(world_size=2)
+def test_wrapper_takes_a_process_group_double():
+    """A one-rank double shards nothing (each rank keeps and trains its own copy, as torch's FSDP1
+    does); a double of the world's size shards over the world; any other size is refused."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # a different model per rank: nothing is synced over one rank
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+    reference = copy.deepcopy(model)
+    alone = FSDP(model, process_group=GroupDouble(rank, 1))
+    with comm.record_comms() as records:
+        alone(torch.ones(2, 5)).sum().backward()
+        reference(torch.ones(2, 5)).sum().backward()
+    assert not records  # nothing to gather or reduce over one rank
+    (flat,) = alone.parameters()  # the whole model, unsharded
+    torch.testing.assert_close(flat.grad, torch.cat([p.grad.view(-1) for p in reference.parameters()]))
+    torch.manual_seed(0)
+    whole = nn.Linear(4, 4)
+    theirs = TorchFSDP(copy.deepcopy(whole), process_group=dist.group.WORLD, device_id=CPU)
+    ours = FSDP(whole, process_group=GroupDouble(rank, world))
+    assert [p.numel() for p in ours.parameters()] == [p.numel() for p in theirs.parameters()]  # sharded over both
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(ours(x), theirs(x))
+    with pytest.raises(ValueError, match=r"^FullyShardedDataParallel expects process_group .* of size 3 in a world of 2$"):
+        FSDP(nn.Linear(4, 4), process_group=GroupDouble(rank, 3))
