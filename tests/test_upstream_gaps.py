@@ -109,3 +109,49 @@ def test_wrapper_takes_a_process_group_double():
     torch.testing.assert_close(ours(x), theirs(x))
     with pytest.raises(ValueError, match=r"^FullyShardedDataParallel expects process_group .* of size 3 in a world of 2$"):
         FSDP(nn.Linear(4, 4), process_group=GroupDouble(rank, 3))
+
+
+@distributed(world_size=2)
+def test_auto_wrapping_a_model_that_holds_units_raises_like_torch():
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    from fullshard import fully_shard
+    from fullshard.wrap import ModuleWrapPolicy
+
+    for wrapper, policy, wrap_inner in (
+        (TorchFSDP, TorchModuleWrapPolicy, lambda m: TorchFSDP(m, device_id=CPU)),
+        (FSDP, ModuleWrapPolicy, FSDP),
+        (FSDP, ModuleWrapPolicy, fully_shard),
+    ):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+        model[1] = wrap_inner(model[1])
+        kwargs = {"device_id": CPU} if wrapper is TorchFSDP else {}
+        with pytest.raises(ValueError, match=r"^FSDP auto wrapping requires modules to not already have FSDP applied"):
+            wrapper(model, auto_wrap_policy=policy({nn.Linear}), **kwargs)
+    model = nn.Sequential(nn.Linear(4, 4), FSDP(nn.Sequential(nn.Linear(4, 4))))
+    FSDP(model)  # nesting by hand stays allowed
+
+
+class _CustomGather:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@pytest.mark.parametrize("custom", ["all_gather", "reduce_scatter"])
+@distributed(world_size=2)
+def test_process_group_allocation_refuses_a_custom_collective_like_torch(custom):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fullshard import fully_shard
+
+    for shard in (torch_fully_shard, fully_shard):
+        model = shard(nn.Linear(4, 4))
+        model.set_allocate_memory_from_process_group_for_comm(False)  # before a custom one: fine
+        getattr(model, f"set_custom_{custom}")(_CustomGather())
+        for enable in (True, False):
+            with pytest.raises(AssertionError, match=r"^cannot call set_allocate_memory_from_process_group"):
+                model.set_allocate_memory_from_process_group_for_comm(enable)
