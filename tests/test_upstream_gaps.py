@@ -155,3 +155,75 @@ def test_process_group_allocation_refuses_a_custom_collective_like_torch(custom)
         for enable in (True, False):
             with pytest.raises(AssertionError, match=r"^cannot call set_allocate_memory_from_process_group"):
                 model.set_allocate_memory_from_process_group_for_comm(enable)
+
+
+def _unshard_nested_first(shard) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Nested units gathered (async) before the root's first forward, then two training steps:
+    the losses and the full parameters after them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    for layer in model:
+        shard(layer)
+    shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        handles = [layer.unshard(async_op=True) for layer in model[:2]]
+        for handle in handles:
+            handle.wait()
+        assert all(not isinstance(p, torch.distributed.tensor.DTensor) for p in model[0].parameters())
+        torch.manual_seed(10 + dist.get_rank() + step)
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses, [full_value(p) for p in model.parameters()]
+
+
+@distributed(world_size=2)
+def test_unshard_of_nested_units_before_the_first_forward_keeps_the_real_root():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fullshard import fully_shard
+
+    ours, theirs = _unshard_nested_first(fully_shard), _unshard_nested_first(torch_fully_shard)
+    torch.testing.assert_close(ours, theirs)
+
+
+def _wrapped_names(model: nn.Module) -> list[str]:
+    """The wrapped units' paths, torch's and our wrapper's inner-module names taken out."""
+    return [
+        name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        for name, module in model.named_modules()
+        if type(module).__name__ == "FullyShardedDataParallel"
+    ]
+
+
+@pytest.mark.parametrize("extra_leaves", [set(), {nn.Linear}])
+@distributed(world_size=2)
+def test_size_policy_forced_leaves_extend_like_torchs(extra_leaves):
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
+
+    from fullshard.wrap import size_based_auto_wrap_policy
+
+    assert size_based_auto_wrap_policy.FORCE_LEAF_MODULES == torch_size_policy.FORCE_LEAF_MODULES
+    assert size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES == torch_size_policy.EXCLUDE_WRAP_MODULES
+    names = []
+    for wrapper, policy in ((TorchFSDP, torch_size_policy), (FSDP, size_based_auto_wrap_policy)):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+            nn.MultiheadAttention(8, 2),
+            nn.Sequential(nn.Sequential(nn.Linear(8, 8))),
+        )
+        chosen = functools.partial(
+            policy, min_num_params=40, force_leaf_modules=policy.FORCE_LEAF_MODULES | extra_leaves
+        )
+        kwargs = {"device_id": CPU} if wrapper is TorchFSDP else {}
+        names.append(_wrapped_names(wrapper(model, auto_wrap_policy=chosen, **kwargs)))
+    assert names[0] == names[1]
+    assert "1" not in names[1]  # attention is a leaf: never wrapped, its children never looked into
