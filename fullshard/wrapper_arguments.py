@@ -243,6 +243,7 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
     return UnitConfig(
         api_name="FullyShardedDataParallel",
         ignore_argument="ignored_states",
+        adopts_used_units=True,
         name_in_model=model_name,
         reshard_after_forward=reshard,
         mp_policy=MixedPrecisionPolicy(

@@ -227,3 +227,36 @@ def test_size_policy_forced_leaves_extend_like_torchs(extra_leaves):
         names.append(_wrapped_names(wrapper(model, auto_wrap_policy=chosen, **kwargs)))
     assert names[0] == names[1]
     assert "1" not in names[1]  # attention is a leaf: never wrapped, its children never looked into
+
+
+class _InnerWithUnit(nn.Module):
+    def __init__(self, wrapper, **kwargs) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(wrapper(nn.Linear(5, 5), **kwargs), nn.ReLU(), nn.Linear(5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+@distributed(world_size=2)
+def test_wrapping_a_trained_model_again_for_inference_like_torch():
+    """FSDP1 lets a new root adopt units another root used (FSDP2 refuses: fully_shard's own test)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    outputs = []
+    for wrapper, kwargs in ((TorchFSDP, {"device_id": CPU}), (FSDP, {})):
+        torch.manual_seed(0)
+        inner = _InnerWithUnit(wrapper, **kwargs)
+        model = wrapper(inner, **kwargs)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + dist.get_rank())
+        for _ in range(3):
+            model(torch.randn(4, 5)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        x = torch.randn(4, 5)
+        trained = model(x)
+        again = wrapper(inner, **kwargs)
+        torch.testing.assert_close(again(x), trained)
+        outputs.append(trained)
+    torch.testing.assert_close(outputs[0], outputs[1])
