@@ -260,3 +260,63 @@ def test_wrapping_a_trained_model_again_for_inference_like_torch():
         torch.testing.assert_close(again(x), trained)
         outputs.append(trained)
     torch.testing.assert_close(outputs[0], outputs[1])
+
+
+@distributed(world_size=2)
+def test_meta_model_loaded_by_set_model_state_dict_saves_and_runs_like_torch():
+    """torch's set_model_state_dict loads into a meta-device model by assigning new parameters:
+    state_dict() and forward see them at once, before any forward (torch's FSDP2 adopts them in a
+    load post-hook too)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fullshard import fully_shard
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    full = reference.state_dict()
+    x = torch.randn(2, 4)
+    for shard in (torch_fully_shard, fully_shard):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+        for index in (0, 2):
+            shard(model[index])
+        shard(model)
+        loaded = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else {}  # torch's call rewrites it
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, loaded, options=options)
+        saved = model.state_dict()
+        assert not any(v.is_meta for v in saved.values()), shard.__module__
+        for key, value in saved.items():
+            torch.testing.assert_close(full_value(value), full[key], msg=lambda m: f"{shard.__module__} {key}: {m}")
+        torch.testing.assert_close(model(x), reference(x))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=2)
+def test_sharded_optimizer_state_dict_on_a_mesh_saves_on_every_rank(use_orig_params):
+    """Each state's shard owns memory of its own size (no view of a gathered full value), so
+    torch.save writes it on every rank, and the dict loads back."""
+    import io
+
+    from fullshard import StateDictType
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)), device_mesh=mesh, use_orig_params=use_orig_params)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    saved = FSDP.optim_state_dict(model, optim)
+    for fqn, states in saved["state"].items():
+        for name, value in states.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), (fqn, name)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    before = {k: v.clone() for k, v in optim.state_dict()["state"][0].items()}
+    optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, torch.load(buffer, weights_only=False)))
+    for key, value in optim.state_dict()["state"][0].items():
+        torch.testing.assert_close(value, before[key])

@@ -71,6 +71,11 @@ class ParamGroup(ParamForms):
         self.root = root
         self.grads.queue = queue
         self.reduction_gate = gate
+        self.adopt_registered()
+
+    def adopt_registered(self) -> None:
+        """Parameters the user registered in place of the shards (``load_state_dict(...,
+        assign=True)`` into a meta-device model) become the shards."""
         self.buffers.adopt_registered(self.spec.name)
 
     def set_names(self, path: str, fqns: dict[nn.Parameter, str]) -> None:
