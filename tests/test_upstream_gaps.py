@@ -320,3 +320,53 @@ def test_sharded_optimizer_state_dict_on_a_mesh_saves_on_every_rank(use_orig_par
     optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, torch.load(buffer, weights_only=False)))
     for key, value in optim.state_dict()["state"][0].items():
         torch.testing.assert_close(value, before[key])
+
+
+@pytest.mark.parametrize("factor", [4.0, 8.0])
+@distributed(world_size=4)
+def test_root_gradient_divide_factor_on_a_2d_mesh_matches_torch_and_one_process(factor):
+    """The root's divide factor on a (replicate, shard) mesh, every unit kept unsharded after
+    forward, 10 AdamW steps: the root's gradients are the sum over ranks / factor, the blocks'
+    the average (torch's own test of set_gradient_divide_factor, issue 35 item 1). torch's FSDP2
+    reduces with PREMUL_SUM there, which gloo lacks: it sums and divides instead."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fullshard import fully_shard
+    from fullshard.models import ModelArgs, Transformer, TransformerBlock
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
+    torch.manual_seed(42)
+    reference = Transformer(ModelArgs(dropout_p=0.0, weight_tying=False))
+    for module in reference.modules():  # torch's default init: nonzero biases, as in torch's test
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            module.reset_parameters()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = copy.deepcopy(reference)
+        for block in model.layers:
+            shard(block, mesh=mesh, reshard_after_forward=False)
+        shard(model, mesh=mesh, reshard_after_forward=False)
+        model.set_gradient_divide_factor(factor)
+        if shard is torch_fully_shard:
+            for module in model.modules():
+                if hasattr(module, "set_force_sum_reduction_for_comms"):
+                    module.set_force_sum_reduction_for_comms(True)
+        models.append(model)
+    block_params = {p for m in reference.modules() if isinstance(m, TransformerBlock) for p in m.parameters()}
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in [*models, reference]]
+    torch.manual_seed(42 + dist.get_rank())
+    tokens = torch.randint(0, reference.args.vocab_size, (2, 16))
+    for step in range(10):
+        losses = [model(tokens).sum() for model in [*models, reference]]
+        for loss in losses:
+            loss.backward()
+        for param in reference.parameters():  # what the ranks' reductions compute, in one process
+            param.grad.mul_(1.0 / (world if param in block_params else factor))
+            dist.all_reduce(param.grad)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        for model in models:
+            for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(full_value(param), ref_param, msg=lambda m: f"step {step}, {name}: {m}")
