@@ -98,7 +98,7 @@ def _prepare_load(group: ParamGroup, record: UnitStateDict, *args: Any) -> None:
 
 
 def _adopt_loaded(group: ParamGroup, module: nn.Module, incompatible_keys: Any) -> None:
-    group.adopt_registered()
+    group.adopt_registered(whole_only=True)  # a load of some parameters waits for the rest
 
 
 def _warn_if_always_full(record: UnitStateDict) -> None:
