@@ -35,12 +35,13 @@ class NormedMLP(nn.Module):
 TP_PLAN = {"mlp.in_proj": ColwiseParallel(), "mlp.out_proj": RowwiseParallel()}
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("sync_module_states", [False, True])
 @distributed(world_size=4)
-def test_wrapper_flat_parameter_with_tensor_parallel_trains_like_torch(sync_module_states):
-    """use_orig_params=False (FSDP1's default) over tensor-parallel DTensors trains as torch's
-    FSDP1 does; sync_module_states takes data-parallel rank 0's values (torch cannot sync on
-    CPU, so its twin starts from them)."""
+def test_wrapper_flat_parameter_with_tensor_parallel_trains_like_torch(sync_module_states, use_orig_params):
+    """The wrapper over tensor-parallel DTensors (use_orig_params=False, FSDP1's default, and True)
+    trains as torch's FSDP1 does; sync_module_states takes data-parallel rank 0's values (torch
+    cannot sync on CPU, so its twin starts from them)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -51,8 +52,8 @@ def test_wrapper_flat_parameter_with_tensor_parallel_trains_like_torch(sync_modu
     theirs = NormedMLP()
     for model in (ours, theirs):
         parallelize_module(model, mesh["tp"], copy.deepcopy(TP_PLAN))
-    ours = FSDP(ours, device_mesh=mesh["dp"], sync_module_states=sync_module_states)
-    theirs = TorchFSDP(theirs, device_mesh=mesh["dp"], device_id=CPU)
+    ours = FSDP(ours, device_mesh=mesh["dp"], sync_module_states=sync_module_states, use_orig_params=use_orig_params)
+    theirs = TorchFSDP(theirs, device_mesh=mesh["dp"], device_id=CPU, use_orig_params=use_orig_params)
     optims = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ours, theirs)]
     torch.manual_seed(100 + dp_rank)
     for step in range(3):
@@ -68,6 +69,8 @@ def test_wrapper_flat_parameter_with_tensor_parallel_trains_like_torch(sync_modu
     with FSDP.summon_full_params(ours), TorchFSDP.summon_full_params(theirs):
         for (name, param), (_, other) in zip(ours.named_parameters(), theirs.named_parameters()):
             torch.testing.assert_close(full_value(param), full_value(other), msg=lambda m: f"{name}: {m}")
+    x = torch.randn(4, 8)  # and training goes on after summon_full_params
+    torch.testing.assert_close(ours(x).pow(2).sum(), theirs(x).pow(2).sum())
 
 
 class GroupDouble:
