@@ -101,7 +101,20 @@ class CommSettings:
             group.settings.reduce.scatter_group = created[ranks]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """No effect: communication buffers come from torch's caching allocator."""
+        """No effect: communication buffers come from torch's caching allocator.
+
+        Raises:
+            AssertionError: this unit has a custom all-gather or reduce-scatter, which
+                allocates its own buffers (torch raises the same type).
+        """
+        for group in self._groups(recurse=False):
+            custom = group.gather.custom or group.settings.reduce.custom_reduce_scatter
+            if custom is not None:
+                raise AssertionError(
+                    "cannot call set_allocate_memory_from_process_group_for_comm() on a unit with a custom "
+                    f"all-gather or reduce-scatter ({type(custom).__name__} on {group.spec.name}): it allocates "
+                    "its own buffers"
+                )
         if enable:
             _warn_no_effect(
                 "set_allocate_memory_from_process_group_for_comm",

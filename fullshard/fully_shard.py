@@ -90,7 +90,8 @@ class FSDPModule(CommSettings, nn.Module):
                 before using the parameters.
         """
         state = self._fsdp_state()
-        state.lazy_init()
+        # No lazy init: before the first forward this unit may be nested, and the root's
+        # lazy init is to find it not yet claimed (torch's unshard gathers without one too).
         if state.group is not None:
             state.group.unshard(async_op=async_op)
         return _UnitUnshardHandle(state) if async_op else None

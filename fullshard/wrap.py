@@ -100,16 +100,23 @@ def size_based_auto_wrap_policy(
 ) -> bool:
     """Wraps a module once it holds at least ``min_num_params`` not-yet-wrapped parameters.
 
-    ``force_leaf_modules`` (default: ``nn.MultiheadAttention``) are never looked
-    into; ``exclude_wrap_modules`` (default: ``nn.ModuleList``, ``nn.ModuleDict``)
-    are never wrapped themselves.
+    ``force_leaf_modules`` (default: ``size_based_auto_wrap_policy.FORCE_LEAF_MODULES``,
+    ``nn.MultiheadAttention``) are never looked into; ``exclude_wrap_modules`` (default:
+    ``.EXCLUDE_WRAP_MODULES``, ``nn.ModuleList`` and ``nn.ModuleDict``) are never wrapped themselves.
     """
-    force_leaf = tuple(force_leaf_modules if force_leaf_modules is not None else {nn.MultiheadAttention})
-    exclude = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict})
+    policy = size_based_auto_wrap_policy
+    force_leaf = tuple(force_leaf_modules if force_leaf_modules is not None else policy.FORCE_LEAF_MODULES)  # type: ignore[attr-defined]
+    exclude = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else policy.EXCLUDE_WRAP_MODULES)  # type: ignore[attr-defined]
     large_enough = nonwrapped_numel >= min_num_params
     if recurse:
         return large_enough and not isinstance(module, force_leaf)
     return large_enough and not isinstance(module, exclude)
+
+
+# The defaults, as attributes of the function as torch has them, so that a policy can extend them
+# (``size_based_auto_wrap_policy.FORCE_LEAF_MODULES | {MyBlock}``).
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
 
 
 def transformer_auto_wrap_policy(

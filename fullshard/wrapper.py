@@ -162,6 +162,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         if auto_wrap_policy is not None:
+            _check_nothing_wrapped(module)
             _wrap_selected(module, auto_wrap_policy, ignored_mods, ignored_params, strategy, mesh_info, settings)
         _check_one_use_orig_params(module, use_orig_params)
         self._fsdp_wrapped_module = module
@@ -438,6 +439,22 @@ def _check_one_use_orig_params(module: nn.Module, use_orig_params: bool) -> None
                 f"FullyShardedDataParallel expects one use_orig_params for all wrappers, but "
                 f"{module_class_name(module)} gets use_orig_params={use_orig_params} and its nested wrapper "
                 f"of {module_class_name(nested)} has use_orig_params={not use_orig_params}"
+            )
+
+
+def _check_nothing_wrapped(module: nn.Module) -> None:
+    """An auto-wrap policy decides every unit below the root, so no module there may be a
+    unit already (FSDP1's rule; ``wrap()`` and manual wrapping nest units freely).
+
+    Raises:
+        ValueError: naming the first module that already is a unit.
+    """
+    for name, submodule in module.named_modules():
+        if get_state(submodule) is not None:
+            raise ValueError(
+                "FSDP auto wrapping requires modules to not already have FSDP applied but found "
+                f"{name or type(module).__name__} ({type(submodule).__name__}); wrap it with the policy alone, "
+                "or without auto_wrap_policy"
             )
 
 

@@ -176,10 +176,32 @@ def resolve_mesh(
             raise ValueError(
                 f"{strategy.name} expects one process group; a (shard, replicate) pair is for the hybrid strategies"
             )
-        mesh = mesh_from_groups(process_group, None, device_type)
+        mesh = mesh_from_groups(_real_group(process_group), None, device_type)
     else:
         mesh = default_mesh(device_type, "FullyShardedDataParallel")
     return MeshInfo.for_replicate(mesh) if strategy is ShardingStrategy.NO_SHARD else MeshInfo.for_fully_shard(mesh)
+
+
+def _real_group(group: Any) -> dist.ProcessGroup:
+    """``group``, or for a stand-in that only answers ``rank()`` and ``size()`` (the
+    doubles torch's own tests pass, not a ``dist.ProcessGroup``) the real group it
+    stands for: this rank alone for size 1, the world for the world's size.
+
+    Raises:
+        ValueError: a stand-in of another size, or without ``rank()`` and ``size()``.
+    """
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    size = group.size() if callable(getattr(group, "size", None)) and callable(getattr(group, "rank", None)) else None
+    if size == 1:
+        return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    if size == dist.get_world_size():
+        return dist.group.WORLD  # type: ignore[return-value]
+    raise ValueError(
+        "FullyShardedDataParallel expects process_group to be a torch.distributed ProcessGroup (or an object "
+        f"with rank() and size() standing for this rank alone or the whole world) but got {type(group).__name__}"
+        + (f" of size {size} in a world of {dist.get_world_size()}" if size is not None else "")
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +243,7 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
     return UnitConfig(
         api_name="FullyShardedDataParallel",
         ignore_argument="ignored_states",
+        adopts_used_units=True,
         name_in_model=model_name,
         reshard_after_forward=reshard,
         mp_policy=MixedPrecisionPolicy(

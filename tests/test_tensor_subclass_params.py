@@ -181,6 +181,33 @@ def test_toy_subclass_both_hook_signatures_gather_bf16_and_train_as_torch_fsdp2(
             torch.testing.assert_close(param.to_local(), ref_param.to_local(), rtol=0, atol=0)
 
 
+class LateHooks(Bf16Gathered):
+    """Bf16Gathered without its hooks until a test patches them onto the class (torch's tests do so
+    after ``fully_shard``, to show the hooks are looked up at run time)."""
+
+    fsdp_pre_all_gather = None  # type: ignore[assignment]
+    fsdp_post_all_gather = None  # type: ignore[assignment]
+
+
+@distributed(world_size=2)
+def test_hooks_patched_onto_the_class_after_sharding_are_used_as_torch_fsdp2_uses_them():
+    log: list = []
+    late = shard_units(toy_model(LateHooks, log), fully_shard)
+    hooked = shard_units(toy_model(Bf16Gathered, []), fully_shard)
+    theirs = shard_units(toy_model(LateHooks, []), torch_fully_shard)
+    with pytest.raises(NotImplementedError, match=r"^fully_shard does not support the tensor subclass LateHooks"):
+        late(torch.ones(1, 8))  # no hooks yet: nothing says what its shard's bytes are
+    late.reshard()
+    for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+        setattr(LateHooks, name, getattr(Bf16Gathered, name))
+    try:
+        losses = train(late, steps=3)
+        assert ("pre", 2) in log
+        assert losses == train(hooked, steps=3) == train(theirs, steps=3)
+    finally:
+        LateHooks.fsdp_pre_all_gather = LateHooks.fsdp_post_all_gather = None  # type: ignore[assignment]
+
+
 def _with_weight(tensor_type: Any, rows: int = 16) -> nn.Sequential:
     model = nn.Sequential(nn.Linear(8, rows))
     model[0].weight = nn.Parameter(tensor_type(model[0].weight.detach()))

@@ -103,14 +103,17 @@ class UnitBuffers:
         else:
             self.build([p.local_shard for p in self.params])
 
-    def adopt_registered(self, owner: str) -> None:
+    def adopt_registered(self, owner: str, whole_only: bool = False) -> None:
         """Takes the parameters now registered on the modules as the shards, when
         the user replaced ours (``load_state_dict(..., assign=True)``, e.g. a meta
         model's parameters assigned piece by piece): their values move into the
-        unit's buffer, which they then view."""
+        unit's buffer, which they then view. ``whole_only``: not while some are still
+        on the meta device (a load of some of them; the rest come later)."""
+        registered = [p.module_registration() for p in self.params]
+        if whole_only and any(r is not None and r.is_meta for r in registered):
+            return
         if self.view is None and any(
-            isinstance(p.module_registration(), DTensor) and p.module_registration() is not p.sharded_param
-            for p in self.params
+            isinstance(r, DTensor) and r is not p.sharded_param for p, r in zip(self.params, registered)
         ):
             self.rebind(owner)
 

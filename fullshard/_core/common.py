@@ -49,6 +49,9 @@ class UnitConfig:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
     presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
     flat_layout: bool = False  # FSDP1's flat parameter layout (see [Note: Flat layout] in layout.py)
+    # As a root, adopt units another root adopted before (FSDP1: wrapping a trained model's inner
+    # module again, for inference); FSDP2 refuses any unit lazily initialized before.
+    adopts_used_units: bool = False
 
     def model_name(self, name: str) -> str:
         """``name`` (from a module-tree walk) as the user's model names it."""

@@ -22,7 +22,9 @@ split on dim 0 with the operations the subclass supports (``chunk``,
 ``new_zeros``, ``copy_``), never in the flat buffer: its elements may not
 be plain numbers at all (packed 4-bit data and scales). Its gradient, a plain
 tensor, is reduced like any other. A subclass without the hooks has no way to
-say what its shard's bytes are, so it is refused with the parameter's name.
+say what its shard's bytes are, so its first all-gather refuses it with the
+parameter's name; the hooks are looked up at each gather, so a class patched
+with them after sharding (torch's tests do this) gathers with them.
 """
 
 from __future__ import annotations
@@ -56,7 +58,17 @@ def is_tensor_subclass(tensor: torch.Tensor) -> bool:
 
 
 def has_gather_hooks(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "fsdp_pre_all_gather") and hasattr(tensor, "fsdp_post_all_gather")
+    return callable(getattr(tensor, "fsdp_pre_all_gather", None)) and callable(
+        getattr(tensor, "fsdp_post_all_gather", None)
+    )
+
+
+def _no_hooks_error(kind: str, fqn: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fully_shard does not support the tensor subclass {kind} of parameter {fqn} yet: it defines no "
+        "fsdp_pre_all_gather / fsdp_post_all_gather, so its shard has no defined wire format; define both "
+        "methods on the subclass (before the first forward) or pass a plain tensor"
+    )
 
 
 def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str) -> torch.Tensor:
@@ -64,12 +76,6 @@ def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str) -> torch
     own so that the full tensor can be freed. The copy has the first (padded)
     chunk's size; a shorter last chunk is returned as its leading rows."""
     kind = type(full).__name__
-    if not has_gather_hooks(full):
-        raise NotImplementedError(
-            f"fully_shard does not support the tensor subclass {kind} of parameter {fqn} yet: it defines no "
-            "fsdp_pre_all_gather / fsdp_post_all_gather, so its shard has no defined wire format; define both "
-            "methods on the subclass or pass a plain tensor"
-        )
     try:
         chunks = list(torch.chunk(full, world, dim=0))
         padded = chunks[0].new_zeros(chunks[0].size())
@@ -80,6 +86,8 @@ def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str) -> torch
             return padded if target is padded else target
         return padded.narrow(0, 0, 0)
     except (NotImplementedError, RuntimeError, AssertionError) as exc:
+        if not has_gather_hooks(full):  # what the user can fix first
+            raise _no_hooks_error(kind, fqn) from exc
         raise NotImplementedError(
             f"fully_shard cannot shard parameter {fqn}: its tensor subclass {kind} does not support splitting "
             f"dim 0 into {world} chunks of equal size ({type(exc).__name__}: {exc}); choose a dim-0 size that "
@@ -133,7 +141,10 @@ class TensorHooks:
         self._new_outputs = True  # outputs (re)allocated since the last rebuild: no tensor to refresh
 
     def inputs(self, shard: torch.Tensor, mp_policy: MixedPrecisionPolicy) -> list[torch.Tensor]:
-        """The pre-hook's tensors, flattened."""
+        """The pre-hook's tensors, flattened. The hooks are looked up now, at every gather, so a class
+        given them after ``fully_shard`` (patched on) gathers with them (as torch's FSDP2 does)."""
+        if not has_gather_hooks(shard):
+            raise _no_hooks_error(type(shard).__name__, self.fqn)
         pre_hook = shard.fsdp_pre_all_gather  # type: ignore[attr-defined]
         num_args = len(inspect.signature(pre_hook).parameters)
         if num_args == 1:

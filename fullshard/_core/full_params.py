@@ -112,9 +112,11 @@ def local_part(param: ShardParam, value: torch.Tensor) -> torch.Tensor:
 def row_shard(param: ShardParam, full: torch.Tensor) -> DTensor:
     """This rank's dim-0 rows of ``full`` (``param``'s full value or a state of its shape) as
     a DTensor like a row-sharded parameter's: the sharded form of state dicts, also for a
-    parameter held as a piece of the flat shard (FSDP1 cuts those from the full value too)."""
+    parameter held as a piece of the flat shard (FSDP1 cuts those from the full value too).
+    The rows are a copy: a view would keep (and ``torch.save`` write) the whole gathered value,
+    whose storage may be freed or reused once the state dict is built."""
     shard = param.mesh_info.shard
     num_rows = full.size(0)
     chunk = -(-num_rows // shard.size)
     start = min(shard.rank * chunk, num_rows)
-    return param.dtensor_from_rows(full.narrow(0, start, min(chunk, num_rows - start)))
+    return param.dtensor_from_rows(full.narrow(0, start, min(chunk, num_rows - start)).clone())

@@ -71,7 +71,13 @@ class ParamGroup(ParamForms):
         self.root = root
         self.grads.queue = queue
         self.reduction_gate = gate
-        self.buffers.adopt_registered(self.spec.name)
+        self.adopt_registered()
+
+    def adopt_registered(self, whole_only: bool = False) -> None:
+        """Parameters the user registered in place of the shards (``load_state_dict(...,
+        assign=True)`` into a meta-device model) become the shards; ``whole_only``: once
+        none is left on the meta device."""
+        self.buffers.adopt_registered(self.spec.name, whole_only)
 
     def set_names(self, path: str, fqns: dict[nn.Parameter, str]) -> None:
         """The root's lazy init knows the managed module's ``path`` in the model and

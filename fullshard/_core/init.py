@@ -231,7 +231,9 @@ def broadcast_from_first_rank(params: list[nn.Parameter], buffers: list[torch.Te
     Across the shard group, then across the replicate group: every replica ends
     up with the values of shard rank 0 of replica 0. One broadcast per dtype.
     """
-    tensors = [p._local_tensor if isinstance(p, DTensor) else p.detach() for p in params] + list(buffers)
+    # A DTensor (tensor parallel; its buffers too) is synced through its local tensor: one rank of
+    # each tensor-parallel group per broadcast, as the shard and replicate groups are data parallel.
+    tensors = [t._local_tensor if isinstance(t, DTensor) else t.detach() for t in [*params, *buffers]]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         if not tensor.is_meta:

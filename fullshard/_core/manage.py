@@ -113,7 +113,7 @@ def manage_module(
     claim_params(params, infos, owner, config.api_name)
     if not shard_params:
         return ModuleState(roots, None, config, device, buffer_dtypes)
-    flat_chunk = _use_flat_layout(shard_params, params, mesh_info, owner) if config.flat_layout else None
+    flat_chunk = _use_flat_layout(shard_params, params, mesh_info) if config.flat_layout else None
     spec = unit_spec(shard_params, mesh_info, config, owner, flat_chunk)
     extended = [p.fqn for p in shard_params if p.extension is not None]
     if extended and (post_forward is not None or spec.offload):
@@ -126,29 +126,23 @@ def manage_module(
     return ModuleState(roots, group, config, device, buffer_dtypes)
 
 
-def _use_flat_layout(
-    shard_params: list[ShardParam], params: list[nn.Parameter], mesh_info: MeshInfo, owner: str
-) -> int | None:
+def _use_flat_layout(shard_params: list[ShardParam], params: list[nn.Parameter], mesh_info: MeshInfo) -> int | None:
     """Shards ``shard_params`` as pieces of FSDP1's flat parameter (see [Note: Flat layout]);
     returns the chunk each rank holds. Parameters that one flat tensor cannot hold (several
     dtypes, frozen next to trainable, tensor subclasses) keep their rows: the front end's flat
-    parameter refuses them.
+    parameter refuses them. Tensor-parallel DTensors and other shard dims keep their rows too
+    (a piece of a DTensor's local tensor is no DTensor); the flat parameter is then the rows
+    buffer, and trains as before the flat layout (issue 35).
     On one shard rank the row layout is the flat one (each parameter whole, back to back): the
     parameters keep their rows there."""
     if (
         len({p.dtype for p in params}) > 1
         or len({p.requires_grad for p in params}) > 1
-        or any(p.extension is not None for p in shard_params)
+        or any(p.extension is not None or p.tp_mesh is not None or p.shard_dim != 0 for p in shard_params)
     ):
         return None
     if mesh_info.shard.size == 1:
         return sum(p.numel() for p in params)
-    odd = [p.fqn for p in shard_params if p.tp_mesh is not None or p.shard_dim != 0]
-    if odd:
-        raise NotImplementedError(
-            f"a flat parameter holds plain parameters sharded on dim 0, but {owner} has {odd[0]} (a DTensor "
-            "or another shard dim); use use_orig_params=True"
-        )
     chunk, pieces = flat_pieces([p.numel() for p in params], mesh_info.shard.size)
     for shard_param, param, ranges in zip(shard_params, params, pieces):
         shard_param.use_flat_pieces(ranges, param.detach())

@@ -114,10 +114,11 @@ class ShardParam:
             # its buffer (``bind_shard``); they keep the original storage alive until then.
             self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
         # The user's own object is rebound by bind_shard, so that a later parameter's
-        # error leaves the model untouched.
+        # error leaves the model untouched. A DTensor (tensor parallel) cannot hold a plain
+        # view: a new plain Parameter stands for it, as in FSDP1.
         self.sharded_param = (
             param
-            if presentation.keeps_user_param
+            if presentation.keeps_user_param and not isinstance(param, DTensor)
             else nn.Parameter(self.present(self.bound_rows), requires_grad=param.requires_grad)
         )
         # Each shard rank's (start, stop) of the flattened elements under FSDP1's flat layout
@@ -271,8 +272,9 @@ class ShardParam:
 
     def show_full(self, value: torch.Tensor, grad: torch.Tensor | None, with_grads: bool) -> None:
         """Registers the full ``value`` (``summon_full_params``): the sharded
-        parameter object itself when the presentation keeps it, else a new one."""
-        if not self.presentation.keeps_user_param:
+        parameter object itself when the presentation keeps it, else a new one (also for a
+        tensor-parallel parameter, whose full value is a DTensor: its plain shard cannot hold it)."""
+        if not self._keeps_object_when_full:
             full = nn.Parameter(self.full_from_tp_local(value), requires_grad=self.sharded_param.requires_grad)
             full.grad = self.full_from_tp_local(grad) if grad is not None else None
             self._register(full)
@@ -295,13 +297,17 @@ class ShardParam:
 
     def end_show_full(self) -> None:
         """Registers the sharded form again after ``show_full``."""
-        if self.presentation.keeps_user_param:
+        if self._keeps_object_when_full:
             param = self.sharded_param
             param.grad = None
             param.data = self.present(self.bound_rows)
             param.grad = self._grad_while_full
             self._grad_while_full = None
         self.to_sharded()
+
+    @property
+    def _keeps_object_when_full(self) -> bool:
+        return self.presentation.keeps_user_param and self.tp_mesh is None
 
     def shard_as_dtensor(self) -> DTensor:
         """The sharded parameter as a DTensor (for state dicts), sharing its storage."""

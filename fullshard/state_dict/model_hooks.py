@@ -56,6 +56,9 @@ def install_state_dict_hooks(
             unit_module.register_state_dict_pre_hook(functools.partial(_gather_unit, group, record))
             # Before the parameters' load hooks below: they see the sharded registration.
             unit_module.register_load_state_dict_pre_hook(functools.partial(_prepare_load, group, record))
+            # An assigning load (torch's set_model_state_dict into a meta model) registers new
+            # parameters: they become the shards now, not only at the root's lazy init.
+            unit_module.register_load_state_dict_post_hook(functools.partial(_adopt_loaded, group))
         by_module: dict[nn.Module, list[tuple[str, int]]] = {}
         for index, param in enumerate(group.spec.params):
             for module, name in param.module_info.owners():
@@ -92,6 +95,10 @@ def _reshard_unit(group: ParamGroup, *args: Any) -> None:
 def _prepare_load(group: ParamGroup, record: UnitStateDict, *args: Any) -> None:
     _warn_if_always_full(record)
     _reshard_unit(group)
+
+
+def _adopt_loaded(group: ParamGroup, module: nn.Module, incompatible_keys: Any) -> None:
+    group.adopt_registered(whole_only=True)  # a load of some parameters waits for the rest
 
 
 def _warn_if_always_full(record: UnitStateDict) -> None:
