@@ -25,6 +25,7 @@ TARGETS = {
     "bench-fake64": {},  # recorded, no target
 }
 RATIO = re.compile(r"fullshard / (\w+): step time ([\d.na]+)x, peak ([\d.na]+)x")
+QUANTIZED = re.compile(r"fullshard-(\w+) / fullshard: step time ([\d.na]+)x")
 
 
 def last_line(text: str) -> str:
@@ -51,6 +52,7 @@ def bench_figure(step: str, log: str) -> str | None:
     parts = [f"step {float(step_ratio):.3f}x {other}{judged(float(step_ratio), targets.get('step'))}"]
     if other != "local":
         parts.append(f"peak {float(peak_ratio):.3f}x{judged(float(peak_ratio), targets.get('peak'))}")
+    parts += [f"{dtype} step {float(ratio):.3f}x fullshard" for dtype, ratio in QUANTIZED.findall(log)]
     return ", ".join(parts)
 
 

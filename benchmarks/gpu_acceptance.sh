@@ -15,11 +15,12 @@
 #   tests    env 10, tests-gpu 60 (tests/gpu on NCCL), tests-smoke 50 (CUDA-visible subset, $SMOKE_TESTS)   120
 #   train    fullshard train on NCCL, gpt-125m x 4 layers, 20 steps: train-fp32, train-fp32-offload,
 #            train-bf16, train-bf16-offload, train-int8 (bf16, --all-gather-dtype int8), 25 each           125
+#            (world 1 gathers nothing, so train-int8 checks the flag and summary; the codec runs in fake64)
 #   compile  compile 45 (compile_parity.py: inductor, a compiled block as a unit vs eager)                  45
 #   offload  bench-offload 50 (bench_offload_gpu.py, gpt-350m: fullshard vs FSDP2, both offloaded)         50
 #   world1   bench-world1 40 (bench.py --device cuda, gpt-350m: fullshard vs the plain model)              40
 #   fake8    bench-fake8 45 (bench.py --fake-world 8, gpt-7b: fullshard vs FSDP2)                          45
-#   fake64   bench-fake64 25 (bench.py --fake-world 64, gpt-7b)                                            25
+#   fake64   bench-fake64 25 (bench.py --fake-world 64, gpt-7b; and fullshard-int8: the CUDA codec)         25
 #   total of the caps 450 s (7.5 min); $BUDGET_S (450) also clamps the whole run, so a step that starts
 #   late gets only what is left (and is skipped under 3 s); start-up is inside the steps' own time.
 # Outside `all` (each needs a call of its own): suite (`make test-system`, the whole suite, 400 s), demo
@@ -104,7 +105,7 @@ bench() {  # bench.py's device mode: world 1 over NCCL or rank 0 of a fake world
 export -f train bench
 
 if [[ $DRY == 1 ]]; then
-    smoke=${SMOKE_TESTS:-tests/test_param_shard_of.py tests/test_bench_device_mode.py}
+    smoke=${SMOKE_TESTS:-tests/test_param_shard_of.py}
     device=(--device cpu)
     compile_args="--device cpu --dim 64 --seq 32 --steps 2"
     offload_args="--device cpu --model gpt-tiny --seq 32 --batch 2 --warmup 1 --steps 1"
@@ -119,9 +120,9 @@ fi
 for stage in "${stages[@]}"; do
     case $stage in
     tests)
-        step env 10 '"$py" -c "import torch, pytest, tqdm, fullshard; c = torch.cuda.is_available(); \
-print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name() if c else \"no GPU\", \
-\"nccl\", \".\".join(map(str, torch.cuda.nccl.version())) if c else \"-\")"; nvidia-smi -L || true'
+        step env 10 '{ nvidia-smi -L || true; } 2>&1; "$py" -c "import torch, pytest, tqdm, fullshard; \
+c = torch.cuda.is_available(); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \
+torch.cuda.get_device_name() if c else \"no GPU\", \"nccl\", \".\".join(map(str, torch.cuda.nccl.version())) if c else \"-\")"'
         step tests-gpu 60 '"$py" -m pytest -q -rs tests/gpu'
         step tests-smoke 50 "\"\$py\" -m pytest -q -rf -m 'not slow and not libraries' $smoke"
         ;;
@@ -145,7 +146,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
         step bench-fake8 45 'bench --fake-world 8 --model gpt-7b --batch 1 --frameworks fullshard,fsdp2'
         ;;
     fake64)
-        step bench-fake64 25 'bench --fake-world 64 --model gpt-7b --batch 1 --frameworks fullshard,fsdp2'
+        step bench-fake64 25 'bench --fake-world 64 --model gpt-7b --batch 1 --frameworks fullshard,fsdp2,fullshard-int8'
         ;;
     suite)
         step suite 400 "make test-system SYSTEM_PYTHON=\"\$py\""

@@ -1,0 +1,56 @@
+"""``benchmarks/gpu_acceptance.sh``: its plan fits the 8-minute window, and its dry mode (CPU, tiny
+models, the fake group) writes a summary row with a figure for every step it runs, and a timed-out
+step for one that runs past its cap, so the first GPU run does not find a wrong flag or path."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
+ALL_STEPS = ["env", "tests-gpu", "tests-smoke", "train-fp32", "train-fp32-offload", "train-bf16",
+             "train-bf16-offload", "train-int8", "compile", "bench-offload", "bench-world1", "bench-fake8",
+             "bench-fake64"]
+
+
+def run(tmp_path: Path, *stages: str, **env: str) -> dict[str, tuple[str, str]]:
+    """Runs the script; returns its summary's rows, step -> (rc, figure)."""
+    environ = os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable} | env
+    subprocess.run(["bash", str(SCRIPT), *stages], cwd=ROOT, env=environ, check=True, timeout=240,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = {}
+    for line in (tmp_path / "summary.txt").read_text().splitlines()[2:]:
+        match = re.match(r"(\S+)\s+(\S+)\s+\d+\s+(.*)$", line)
+        if match and not line.startswith("total"):
+            rows[match.group(1)] = (match.group(2), match.group(3))
+    return rows
+
+
+def test_plan_lists_every_step_within_budget(tmp_path):
+    summary = subprocess.run(["bash", str(SCRIPT), "plan"], cwd=ROOT, env=os.environ | {"OUT": str(tmp_path)},
+                             check=True, capture_output=True, text=True).stdout
+    assert [line.split()[0] for line in summary.splitlines()[:-1] if not line.startswith(" ")] == ALL_STEPS
+    caps = int(re.search(r"^caps: (\d+)s in all", summary, re.MULTILINE).group(1))
+    assert caps <= 450  # 7.5 minutes: under 8 with the machine's start-up
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_row(tmp_path):
+    rows = run(tmp_path, "dry", "compile", "world1", "fake8", COMPILE_BACKEND="aot_eager")
+    assert list(rows) == ["compile", "bench-world1", "bench-fake8"]
+    assert all(rc == "0" for rc, _ in rows.values()), rows
+    assert rows["compile"][1].startswith("PASS")
+    assert re.fullmatch(r"step [\d.]+x local \(<= 1.03, dry\)", rows["bench-world1"][1])
+    assert re.fullmatch(r"step [\d.]+x fsdp2 \(<= 0.9, dry\), peak nanx \(<= 0.85, dry\)", rows["bench-fake8"][1])
+
+
+def test_dry_run_times_out_a_step_and_goes_on(tmp_path):
+    rows = run(tmp_path, "dry", "fake8", "fake64", SLACK="0.01")  # caps of 1 s
+    assert list(rows) == ["bench-fake8", "bench-fake64"]
+    assert all(rc == "124" and figure.startswith("TIMED OUT") for rc, figure in rows.values()), rows
