@@ -62,16 +62,16 @@ step() {  # step NAME CAP 'COMMAND' (a bash command line; train and bench below 
     limit=$(awk -v c="$cap" -v s="$SLACK" 'BEGIN { l = int(c * s + 0.5); print (l < 1 ? 1 : l) }')
     if [[ $PLAN == 1 ]]; then
         planned=$((planned + cap))
-        printf '%-20s %4s  %s\n' "$name" "$cap" "$command" | tee -a "$out/summary.txt"
+        printf '%-20s %4s  %s\n' "$name" "$cap" "${command//\\$'\n'/}" | tee -a "$out/summary.txt"
         return
     fi
     left=$((budget - ($(date +%s) - began)))
-    ((limit > left)) && limit=$left
-    if ((limit < 3)); then
+    if ((left < 3)); then
         printf '%-20s %4s %5s  %s\n' "$name" skip 0 "skipped: the run's budget (${budget}s) is spent" \
             | tee -a "$out/summary.txt"
         return
     fi
+    ((limit > left)) && limit=$left
     echo "== $name (cap ${limit}s): $command"
     echo "$name: $command" >>"$out/commands.txt"
     start=$(date +%s)

@@ -51,6 +51,11 @@ def test_dry_run_writes_every_row(tmp_path):
 
 
 def test_dry_run_times_out_a_step_and_goes_on(tmp_path):
-    rows = run(tmp_path, "dry", "fake8", "fake64", SLACK="0.01")  # caps of 1 s
+    rows = run(tmp_path, "dry", "fake8", "fake64", SLACK="0.01", BUDGET_S="100000")  # caps of 1 s
     assert list(rows) == ["bench-fake8", "bench-fake64"]
     assert all(rc == "124" and figure.startswith("TIMED OUT") for rc, figure in rows.values()), rows
+
+
+def test_steps_past_the_budget_are_skipped(tmp_path):
+    rows = run(tmp_path, "dry", "fake8", "fake64", BUDGET_S="1", SLACK="1")
+    assert rows == dict.fromkeys(["bench-fake8", "bench-fake64"], ("skip", "skipped: the run's budget (1s) is spent"))
