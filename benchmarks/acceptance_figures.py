@@ -43,6 +43,12 @@ def judged(value: float, target: float | None) -> str:
     return f" (<= {target} {'ok' if value <= target else 'MISS'})"
 
 
+def judged_equal(difference: float, tolerance: float = 1e-4) -> str:
+    if os.environ.get("DRY") == "1":
+        return " (dry)"
+    return f" ({'ok' if abs(difference) <= tolerance else 'MISS'}, |d| <= {tolerance})"
+
+
 def bench_figure(step: str, log: str) -> str | None:
     matches = RATIO.findall(log)
     if not matches:
@@ -78,6 +84,8 @@ def train_figure(step: str, log: str, out: str) -> str | None:
         without = final_loss(out, step[: -len("-offload")])
         if without is not None:
             figure += f", loss - no offload {loss - without:+.1e}"
+            if step == "train-fp32-offload":  # issue 33: offload equals no offload in fp32
+                figure += judged_equal(loss - without)
     return figure
 
 

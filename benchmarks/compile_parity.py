@@ -129,7 +129,7 @@ def verdict(args: argparse.Namespace, models: dict, losses: dict[str, list[float
     print(f"graphs compiled after each step: {graphs}")
     print(f"largest parameter difference: {worst_param:.2e} ({worst_name})")
     passed = loss_ok and params_ok and once
-    why = [label for label, ok in (("losses", loss_ok), ("params", params_ok), ("recompiled", once)) if not ok]
+    why = [label for label, ok in (("losses", loss_ok), ("params", params_ok), (f"graphs {graphs}", once)) if not ok]
     print(f"compile parity: {'PASS' if passed else 'FAIL (' + ', '.join(why) + ')'} "
           f"(max loss diff {(eager - compiled).abs().max().item():.2e}, rtol {args.rtol}, atol {args.atol}, "
           f"param atol {args.param_atol})")
