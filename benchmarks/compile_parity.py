@@ -18,7 +18,6 @@ guards). The exit status is 0 on PASS, 1 on FAIL.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 
 import torch
@@ -42,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rtol", type=float, default=None, help="default: 1e-4 in fp32, 2e-2 in bf16")
     parser.add_argument("--atol", type=float, default=None, help="losses; default: 1e-5 in fp32, 1e-2 in bf16")
-    parser.add_argument("--param-atol", type=float, default=None, help="parameters; default: 1e-4 in fp32, 1e-2 in bf16")
+    parser.add_argument("--param-atol", type=float, default=None,
+                        help="parameters; default: 1e-4 in fp32, 1e-2 in bf16")
     args = parser.parse_args(argv)
     low = args.mixed_precision is not None
     args.rtol = args.rtol if args.rtol is not None else (2e-2 if low else 1e-4)
@@ -90,7 +90,8 @@ def compare(args: argparse.Namespace, device: torch.device) -> int:
                            max_seq_len=args.seq)
     mixed = args.mixed_precision is not None
     torch._dynamo.reset()
-    models = {"eager": build(model_args, device, mixed, None), "compiled": build(model_args, device, mixed, args.backend)}
+    models = {name: build(model_args, device, mixed, backend)
+              for name, backend in (("eager", None), ("compiled", args.backend))}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     generator = torch.Generator().manual_seed(1)
     losses: dict[str, list[float]] = {name: [] for name in models}

@@ -21,6 +21,9 @@ framework gets the same initial values (a seeded normal per parameter at world
 - copy/cast device time: the device time of the copy and cast ops of one
   profiled step (``COPY_OPS``: aten copies, casts, split-copies, chunk-cats,
   cats and FSDP2's fused ops), and their number of calls;
+- ``--frameworks fullshard,fullshard-int8`` (or ``-float8``) adds fully_shard with its
+  weights gathered as block-wise codes, and its step time against ``fullshard``: at a
+  fake world the codec's kernels run on the device, so this is where one GPU runs them;
 - tokens/s and model FLOPs utilisation (6 x parameters + attention FLOPs per
   token, over ``--peak-tflops``, default by GPU: H100/H200 989 bf16, 494 tf32).
 """
