@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fullshard.models import Transformer, get_preset
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--model", default="gpt-1.3b")
@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="measured steps per framework")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def shard(name: str, model: torch.nn.Module, mesh, pin_memory: bool) -> torch.nn.Module:

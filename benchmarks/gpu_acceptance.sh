@@ -29,7 +29,9 @@
 # DRY=1 (or the stage `dry`) runs the same steps on the CPU: --device cpu, gpt-tiny, one or two steps, the
 # fake process group for the fake worlds, gloo at world 1 (bench.py: fake world 1), tests/gpu skipped, a
 # smaller smoke subset; caps are multiplied by $SLACK (2 when dry: a loaded CPU). It checks the plumbing
-# (flags, paths, parsing, timeouts), not the figures. Targets: issue 33, benchmarks/README.md.
+# (flags, paths, parsing, timeouts), not the figures. PYTHON=echo writes each step's arguments to its log
+# instead (tests/test_gpu_acceptance_dry.py parses the GPU run's with each script's own parser). Targets:
+# issue 33, benchmarks/README.md.
 set -uo pipefail
 
 out=${OUT:-gpu-out}
@@ -87,7 +89,8 @@ train() {  # the main job on one GPU: its summary shows max_memory_allocated nex
     shift
     rm -f "$out/$name.jsonl"  # --metrics appends
     if [[ $DRY == 1 ]]; then
-        "$py" -m fullshard train --nproc 1 --device cpu --model gpt-tiny --steps 3 --metrics "$out/$name.jsonl" "$@"
+        "$py" -m fullshard train --nproc 1 --device cpu --model gpt-tiny --layers 2 --seq 32 --steps 3 \
+            --metrics "$out/$name.jsonl" "$@"
     else
         "$py" -m fullshard train --nproc 1 --device cuda --model gpt-125m --layers 4 --seq 256 --steps 20 \
             --metrics "$out/$name.jsonl" "$@"
@@ -96,7 +99,7 @@ train() {  # the main job on one GPU: its summary shows max_memory_allocated nex
 
 bench() {  # bench.py's device mode: world 1 over NCCL or rank 0 of a fake world
     if [[ $DRY == 1 ]]; then  # the model, sizes and steps below are replaced; a real world 1 becomes fake world 1
-        local args=(--device cpu --model gpt-tiny --seq 16 --batch 1 --warmup 1 --steps 1)
+        local args=(--device cpu --mixed-precision bf16 --model gpt-tiny --seq 16 --batch 1 --warmup 1 --steps 1)
         [[ " $* " == *" --fake-world "* ]] || args+=(--fake-world 1)
         "$py" benchmarks/bench.py "$@" "${args[@]}"
     else

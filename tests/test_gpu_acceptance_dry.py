@@ -40,6 +40,38 @@ def test_plan_lists_every_step_within_budget(tmp_path):
     assert caps <= 450  # 7.5 minutes: under 8 with the machine's start-up
 
 
+def test_gpu_run_arguments_parse(tmp_path):
+    """PYTHON=echo: each step of the GPU run writes its arguments, which each script's parser accepts."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+    import bench_offload_gpu
+    import compile_parity
+
+    from fullshard.cli.__main__ import build_parser
+    from fullshard.models import get_preset
+    from fullshard.training import TrainConfig
+
+    rows = run(tmp_path, "all", PYTHON="echo")
+    assert list(rows) == ALL_STEPS
+    checked = []
+    for step in ALL_STEPS:
+        argv = (tmp_path / f"{step}.log").read_text().splitlines()[-1].split()
+        if argv[:3] == ["-m", "fullshard", "train"]:
+            args = build_parser().parse_args(argv[2:])
+            TrainConfig.from_args(args).validate_world(args.nproc)
+            assert args.device == "cuda" and args.metrics == str(tmp_path / f"{step}.jsonl")
+        elif argv[0] == "benchmarks/bench.py":
+            assert bench.parse_args(argv[1:]).device == "cuda"
+        elif argv[0] == "benchmarks/compile_parity.py":
+            assert compile_parity.parse_args(argv[1:]).device == "cuda"
+        elif argv[0] == "benchmarks/bench_offload_gpu.py":
+            get_preset(bench_offload_gpu.parse_args(argv[1:]).model)
+        else:
+            continue
+        checked.append(step)
+    assert checked == ALL_STEPS[3:]
+
+
 @pytest.mark.slow
 def test_dry_run_writes_every_row(tmp_path):
     rows = run(tmp_path, "dry", "compile", "world1", "fake8", COMPILE_BACKEND="aot_eager")
