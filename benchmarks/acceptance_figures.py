@@ -95,8 +95,6 @@ def figure(step: str, rc: str, out: str) -> str:
             log = f.read()
     except OSError:
         return "(no log)"
-    if rc in ("124", "137"):
-        return "TIMED OUT: " + last_line(log)
     found = None
     if step == "env":
         found = last_line(log)
@@ -111,6 +109,8 @@ def figure(step: str, rc: str, out: str) -> str:
                       if line.startswith("compile parity:")), None)
     elif step.startswith("bench"):
         found = bench_figure(step, log)
+    if rc in ("124", "137"):  # what it printed before the cap may still hold the figure
+        return "TIMED OUT: " + (found or last_line(log))
     if found is None or (rc != "0" and not step.startswith("tests")):
         return (found + "; " if found else "") + last_line(log)
     return found
