@@ -72,7 +72,7 @@ def test_gpu_run_arguments_parse(tmp_path):
     assert checked == ALL_STEPS[3:]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # real processes: three steps, 60 to 90 s on the loaded 2-core machine
 def test_dry_run_writes_every_row(tmp_path):
     rows = run(tmp_path, "dry", "compile", "world1", "fake8", COMPILE_BACKEND="aot_eager")
     assert list(rows) == ["compile", "bench-world1", "bench-fake8"]
