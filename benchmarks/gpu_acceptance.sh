@@ -3,7 +3,8 @@
 # finishes in under 8 minutes. It runs on the machine's own python3 and torch ($PYTHON; a GPU image: no
 # venv, no download). Each step's output goes to $OUT/<step>.log (./gpu-out without $OUT), its command to
 # $OUT/commands.txt, and a row (step, exit code, seconds, key figure) to $OUT/summary.txt as soon as it
-# ends, so a cut-off call still brings back what finished. The table is printed again at the end.
+# ends, so a cut-off call still brings back what finished (both files are this run's: rewritten at its
+# start). The table is printed again at the end. No stage named: all.
 #
 #   bash benchmarks/gpu_acceptance.sh all                   # every stage below, in this (priority) order
 #   bash benchmarks/gpu_acceptance.sh tests train           # some stages
@@ -57,6 +58,7 @@ began=$(date +%s)
 budget=$(awk -v b="$BUDGET_S" -v s="$SLACK" 'BEGIN { printf "%d", b * s + 0.5 }')
 printf '# %s  stages: %s  dry=%s  budget %ss\n%-20s %4s %5s  %s\n' "$(date -u '+%F %T UTC')" "${stages[*]}" \
     "$DRY" "$budget" step rc s figure >"$out/summary.txt"
+: >"$out/commands.txt"
 planned=0
 
 step() {  # step NAME CAP 'COMMAND' (a bash command line; train and bench below may be used in it)
