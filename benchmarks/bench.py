@@ -93,8 +93,9 @@ CODEC_LABELS = ("fullshard::all_gather_quantize", "fullshard::all_gather_dequant
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--frameworks", default="fullshard,fsdp2",
-                        help=f"comma-separated, or 'all': {', '.join(ALL_FRAMEWORKS)}")
+    parser.add_argument("--frameworks", default=None,
+                        help=f"comma-separated, or 'all': {', '.join(ALL_FRAMEWORKS)} (default: fullshard,fsdp2; "
+                        "device mode: every row it runs)")
     parser.add_argument("--strategy", choices=["full", "grad-op", "hybrid"], default="full")
     parser.add_argument("--mixed-precision", choices=["bf16"], default=None,
                         help="compute in bf16, reduce gradients in fp32 (DDP and local: CPU autocast)")
@@ -116,7 +117,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--phase", choices=["time", "memory"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.frameworks = ALL_FRAMEWORKS if args.frameworks == "all" else tuple(args.frameworks.split(","))
+    given = args.frameworks
+    args.frameworks = ALL_FRAMEWORKS if given == "all" else tuple((given or "fullshard,fsdp2").split(","))
     unknown = set(args.frameworks) - set(ALL_FRAMEWORKS) - set(QUANTIZED)
     if unknown:
         parser.error(f"unknown frameworks {sorted(unknown)}; choose from {', '.join((*ALL_FRAMEWORKS, *QUANTIZED))}")
@@ -124,15 +126,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--strategy hybrid needs an even --nproc (two 'nodes')")
     args.device_mode = args.device == "cuda" or args.fake_world is not None
     if args.device_mode:
-        from device_mode import DEVICE_FRAMEWORKS
+        from device_mode import DEVICE_FRAMEWORKS, DEVICE_QUANTIZED
 
         from fullshard.models import get_preset
 
-        if args.frameworks == ("fullshard", "fsdp2"):  # the CPU default: all rows in device mode
+        if given is None:  # all rows in device mode
             args.frameworks = DEVICE_FRAMEWORKS
-        unsupported = set(args.frameworks) - set(DEVICE_FRAMEWORKS)
+        unsupported = set(args.frameworks) - set(DEVICE_FRAMEWORKS) - set(DEVICE_QUANTIZED)
         if unsupported or args.strategy != "full":
-            parser.error(f"device mode runs {', '.join(DEVICE_FRAMEWORKS)} with --strategy full")
+            parser.error(f"device mode runs {', '.join((*DEVICE_FRAMEWORKS, *DEVICE_QUANTIZED))} with --strategy full")
         args.model_args = (
             get_preset(args.model, max_seq_len=args.seq)
             if args.model

@@ -21,6 +21,9 @@ framework gets the same initial values (a seeded normal per parameter at world
 - copy/cast device time: the device time of the copy and cast ops of one
   profiled step (``COPY_OPS``: aten copies, casts, split-copies, chunk-cats,
   cats and FSDP2's fused ops), and their number of calls;
+- ``--frameworks fullshard,fullshard-int8`` (or ``-float8``) adds fully_shard with its
+  weights gathered as block-wise codes, and its step time against ``fullshard``: at a
+  fake world the codec's kernels run on the device, so this is where one GPU runs them;
 - tokens/s and model FLOPs utilisation (6 x parameters + attention FLOPs per
   token, over ``--peak-tflops``, default by GPU: H100/H200 989 bf16, 494 tf32).
 """
@@ -42,6 +45,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from fullshard.models import ModelArgs, Transformer, TransformerBlock
 
 DEVICE_FRAMEWORKS = ("fullshard", "fsdp2", "fullshard-wrapper", "fsdp1", "local")
+# fully_shard with its weights gathered as block-wise codes (rows on request only): at a fake
+# world the codec's kernels run on the device even though the collective moves nothing
+DEVICE_QUANTIZED = {"fullshard-int8": torch.int8, "fullshard-float8": torch.float8_e4m3fn}
 COPY_OPS = (
     "aten::copy_",
     "aten::_to_copy",
@@ -84,8 +90,8 @@ def build(name: str, model_args: ModelArgs, device: torch.device, mixed: bool) -
     if real and name not in ("fullshard-wrapper", "fsdp1"):
         model = model.to(device)
     bf16 = torch.bfloat16
-    if name in ("fullshard", "fsdp2"):
-        if name == "fullshard":
+    if name in ("fullshard", "fsdp2", *DEVICE_QUANTIZED):
+        if name != "fsdp2":
             from fullshard import MixedPrecisionPolicy, fully_shard
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -94,6 +100,10 @@ def build(name: str, model_args: ModelArgs, device: torch.device, mixed: bool) -
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if name in DEVICE_QUANTIZED:
+            from fullshard import AllGatherQuantization, set_all_gather_quantization
+
+            set_all_gather_quantization(model, AllGatherQuantization(dtype=DEVICE_QUANTIZED[name]))
     elif name in ("fullshard-wrapper", "fsdp1"):
         if name == "fullshard-wrapper":
             from fullshard import FSDP, MixedPrecision
@@ -246,7 +256,8 @@ def report(results: dict, args: argparse.Namespace, world: int) -> None:
             f"{framework:<18} {row['step_s']:>9.4f} {row['peak_gib']:>11.2f} {row['copy_ms']:>15.2f} "
             f"{row['copy_calls']:>6} {row['tokens_per_s']:>10.0f} {row['mfu']:>6.3f}  {losses}"
         )
-    for ours, theirs in (("fullshard", "fsdp2"), ("fullshard-wrapper", "fsdp1"), ("fullshard", "local")):
+    pairs = [("fullshard", "fsdp2"), ("fullshard-wrapper", "fsdp1"), ("fullshard", "local")]
+    for ours, theirs in pairs + [(name, "fullshard") for name in DEVICE_QUANTIZED]:
         if ours in results and theirs in results:
             a, b = results[ours], results[theirs]
             peak = a["peak_gib"] / b["peak_gib"] if b["peak_gib"] else float("nan")
