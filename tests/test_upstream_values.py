@@ -225,3 +225,205 @@ def test_no_sync_gradient_dtype_under_mixed_precision_matches_torch():
                 assert runs["fullshard"][0] == {None}
                 assert runs["fullshard"][1] == runs["torch"][1] == {torch.float32}
                 assert_same_run({lib: run[2] for lib, run in runs.items()}, atol=1e-5, rtol=1e-4)  # fp16 sums, in another order
+
+
+# -- fully_shard helpers -----------------------------------------------------------------------------
+def shard_layers(lib, model: MLP, **kwargs: Any) -> MLP:
+    """Each layer and the head a unit, the root one too."""
+    for layer in [*model.layers, model.head]:
+        lib.fully_shard(layer, **kwargs)
+    lib.fully_shard(model, **kwargs)
+    return model
+
+
+def reduce_scatter_dtypes_and_bytes(lib) -> contextlib.AbstractContextManager:
+    """fullshard's reduce-scatters inside the block (nothing for torch)."""
+    if lib.lib == "torch":
+        return contextlib.nullcontext([])
+    from fullshard._core import comm
+
+    return comm.record_comms()
+
+
+class CheckpointedMLP(MLP):
+    """An MLP whose layers run under activation checkpointing when ``checkpointed``."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            if self.checkpointed:
+                x = checkpoint(lambda t, layer=layer: torch.relu(layer(t)), x, use_reentrant=False)
+            else:
+                x = torch.relu(layer(x))
+        return self.head(x)
+
+
+# -- test_fully_shard_frozen.py test_train_mixed_requires_grad_per_group -----------------------------
+@distributed(world_size=2)
+def test_only_biases_trainable_in_each_unit_matches_torch():
+    """Weights frozen and biases trainable in the same unit, frozen before or after
+    sharding, with and without activation checkpointing and resharding after
+    forward: torch's losses and parameters exactly, and fullshard reduce-scatters
+    only the biases."""
+    for freeze_after in (False, True):
+        for checkpointed in (False, True):
+            for reshard in (True, False):
+
+                def body(lib, freeze_after=freeze_after, checkpointed=checkpointed, reshard=reshard):
+                    model = CheckpointedMLP(checkpointed)
+                    freeze = [p for n, p in model.named_parameters() if n.endswith("weight")]
+                    if not freeze_after:
+                        for p in freeze:
+                            p.requires_grad_(False)
+                    shard_layers(lib, model, reshard_after_forward=reshard)
+                    if freeze_after:
+                        for name, p in model.named_parameters():
+                            if name.endswith("weight"):
+                                p.requires_grad_(False)
+                    with reduce_scatter_dtypes_and_bytes(lib) as records:
+                        losses = sgd_train(model, rank_batches(3, 4, 8))
+                    scattered = sum(r.nbytes for r in records if r.op == "reduce_scatter")
+                    return losses, full_params(model), scattered
+
+                with case(f"freeze_after={freeze_after} checkpointed={checkpointed} reshard={reshard}"):
+                    runs = {}
+                    for lib in LIBS:
+                        torch.manual_seed(0)
+                        runs[lib] = body(api(lib))
+                    assert_same_run({lib: run[:2] for lib, run in runs.items()})
+                    bias_numel = 3 * 8 + 2  # the head's 1-element bias padded to the 2 ranks
+                    assert runs["fullshard"][2] == 3 * 4 * bias_numel, runs["fullshard"][2]
+
+
+# -- test_fully_shard_frozen.py test_train_mixed_requires_grad_across_groups --------------------------
+@distributed(world_size=2)
+def test_units_frozen_then_unfrozen_between_steps_match_torch():
+    """Alternate units frozen for two steps, a forward under ``no_grad``, then every
+    unit unfrozen for the last steps: torch's losses and parameters exactly."""
+    for reshard in (True, False):
+
+        def body(lib, reshard=reshard):
+            model = shard_layers(lib, MLP(num_layers=4), reshard_after_forward=reshard)
+            optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            batches = rank_batches(5, 4, 8)
+            for layer in model.layers[::2]:
+                layer.requires_grad_(False)
+            losses = sgd_train(model, batches[:2], optim=optim)
+            with torch.no_grad():
+                losses.append(model(batches[2]).sum())
+            model.requires_grad_(True)
+            losses += sgd_train(model, batches[3:], optim=optim)
+            return losses, full_params(model)
+
+        with case(f"reshard={reshard}"):
+            both(body)
+
+
+# -- test_fully_shard_autograd.py test_unused_forward_output -----------------------------------------
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.left = nn.Linear(8, 8)
+        self.right = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.relu(self.trunk(x))
+        return self.left(hidden), self.right(hidden)
+
+
+@distributed(world_size=2)
+def test_output_dropping_out_of_the_loss_matches_torch():
+    """Both outputs in the loss for three steps, then only one (the other unit's
+    gradients stop): torch's losses and parameters exactly, resharding after
+    forward or not."""
+    for reshard in (True, False):
+
+        def body(lib, reshard=reshard):
+            model = TwoOutputs()
+            for module in (model.trunk, model.left, model.right, model):
+                lib.fully_shard(module, reshard_after_forward=reshard)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step, x in enumerate(rank_batches(6, 4, 8)):
+                left, right = model(x)
+                loss = left.sum() + right.sum() if step < 3 else left.sum()
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.detach())
+            return losses, full_params(model)
+
+        with case(f"reshard={reshard}"):
+            both(body)
+
+
+# -- test_fully_shard_training.py test_non_root_forward_backward -------------------------------------
+@distributed(world_size=2)
+def test_child_unit_run_alone_after_root_steps_matches_torch():
+    """Two root steps, then forward and backward through one child unit alone and a
+    step, then the root again: torch's losses and parameters exactly."""
+    for reshard in (True, False):
+
+        def body(lib, reshard=reshard):
+            model = shard_layers(lib, MLP(), reshard_after_forward=reshard)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            batches = rank_batches(5, 4, 8)
+            losses = sgd_train(model, batches[:2], optim=optim)
+            loss = model.layers[1](batches[2]).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+            losses += sgd_train(model, batches[3:], optim=optim)
+            return losses, full_params(model)
+
+        with case(f"reshard={reshard}"):
+            both(body)
+
+
+# -- test_fully_shard_training.py test_to_float64_after_init -----------------------------------------
+@distributed(world_size=2)
+def test_cast_to_float64_after_sharding_matches_torch():
+    """``model.to(float64)`` after ``fully_shard``: parameters and gradients are fp64
+    and training matches torch's exactly (with fp64 reduction)."""
+
+    def body(lib):
+        model = shard_layers(lib, MLP())
+        model.to(torch.float64)
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with reduce_scatter_dtypes_and_bytes(lib) as records:
+            losses = sgd_train(model, rank_batches(3, 4, 8, dtype=torch.float64), optim=optim)
+        assert {r.dtype for r in records if r.op == "reduce_scatter"} <= {torch.float64}
+        return losses, full_params(model)
+
+    runs = both(body)
+    assert {p.dtype for p in runs["fullshard"][1].values()} == {torch.float64}
+
+
+# -- test_fully_shard_mixed_precision.py test_clamp_reduce_dtype -------------------------------------
+@distributed(world_size=2)
+def test_bf16_reduce_dtype_kept_after_casting_a_bf16_model_to_fp32_matches_torch():
+    """A model built in bf16, sharded with bf16 param and reduce dtypes, then cast to
+    fp32: the reduce-scatter still runs in bf16 (not clamped away), and training
+    matches torch's exactly."""
+
+    def body(lib):
+        model = MLP().to(torch.bfloat16)
+        policy = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        shard_layers(lib, model, mp_policy=policy)
+        model.to(torch.float32)
+        with reduce_scatter_dtypes_and_bytes(lib) as records:
+            losses = sgd_train(model, rank_batches(3, 4, 8))
+        if lib.lib == "fullshard":
+            assert {r.dtype for r in records if r.op == "reduce_scatter"} == {torch.bfloat16}
+        return losses, full_params(model)
+
+    runs = both(body)
+    assert {p.dtype for p in runs["fullshard"][1].values()} == {torch.float32}
