@@ -73,8 +73,24 @@ def clean(name: str) -> str:
 
 
 def assert_same_run(runs: dict[str, Any], atol: float = 0.0, rtol: float = 0.0) -> None:
-    """torch's and fullshard's results (nested lists/dicts of tensors and floats) equal."""
-    torch.testing.assert_close(runs["fullshard"], runs["torch"], atol=atol, rtol=rtol)
+    """torch's and fullshard's results equal: nested lists/tuples/dicts of tensors
+    and floats compared by ``assert_close``, anything else (dtype names) by ``==``."""
+    assert_same(runs["fullshard"], runs["torch"], atol, rtol, "result")
+
+
+def assert_same(ours: Any, theirs: Any, atol: float, rtol: float, where: str) -> None:
+    if isinstance(ours, (list, tuple)) and not isinstance(ours, str):
+        assert isinstance(theirs, (list, tuple)) and len(ours) == len(theirs), f"{where}: {ours} vs {theirs}"
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, atol, rtol, f"{where}[{index}]")
+    elif isinstance(ours, dict):
+        assert isinstance(theirs, dict) and ours.keys() == theirs.keys(), f"{where}: keys differ"
+        for key in ours:
+            assert_same(ours[key], theirs[key], atol, rtol, f"{where}[{key!r}]")
+    elif isinstance(ours, (torch.Tensor, float)):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
+    else:
+        assert ours == theirs, f"{where}: fullshard {ours} vs torch {theirs}"
 
 
 def both(body: Callable[[types.SimpleNamespace], Any], atol: float = 0.0, rtol: float = 0.0) -> dict[str, Any]:
@@ -237,12 +253,43 @@ def shard_layers(lib, model: MLP, **kwargs: Any) -> MLP:
 
 
 def reduce_scatter_dtypes_and_bytes(lib) -> contextlib.AbstractContextManager:
-    """fullshard's reduce-scatters inside the block (nothing for torch)."""
+    """fullshard's collectives inside the block (nothing for torch)."""
     if lib.lib == "torch":
         return contextlib.nullcontext([])
     from fullshard._core import comm
 
     return comm.record_comms()
+
+
+@contextlib.contextmanager
+def reduction_dtypes(lib) -> Any:
+    """The dtypes of the gradient reductions (reduce-scatters and all-reduces) issued
+    inside the block: fullshard's through its spy, torch's by wrapping the two
+    ``torch.distributed`` functions its FSDP calls (restored on exit)."""
+    dtypes: set[torch.dtype] = set()
+    if lib.lib == "fullshard":
+        from fullshard._core import comm
+
+        with comm.record_comms() as records:
+            yield dtypes
+        dtypes.update(r.dtype for r in records if r.op in ("reduce_scatter", "all_reduce"))
+        return
+    originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_reduce")}
+
+    def spy(name: str) -> Callable:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            dtypes.add(tensor.dtype)
+            return originals[name](tensor, *args, **kwargs)
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist, name, spy(name))
+        yield dtypes
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 class CheckpointedMLP(MLP):
@@ -427,3 +474,200 @@ def test_bf16_reduce_dtype_kept_after_casting_a_bf16_model_to_fp32_matches_torch
 
     runs = both(body)
     assert {p.dtype for p in runs["fullshard"][1].values()} == {torch.float32}
+
+
+# -- test_fsdp_fine_tune.py test_parity_with_non_frozen_fsdp -----------------------------------------
+class FrozenUnusedInput(nn.Module):
+    """A middle unit that ignores its input (so nothing flows back through it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.ignores_input = nn.Linear(8, 8)
+        self.last = nn.Linear(8, 1)
+        self.ignores_input.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        context = self.ignores_input(torch.ones_like(x))
+        return self.last(hidden + context)
+
+
+@distributed(world_size=2)
+def test_frozen_unit_with_an_unused_input_matches_torch():
+    """A frozen unit whose output does not depend on its input (resharded without a
+    backward through it), flat or original parameters, fp16 mixed precision or
+    none, either backward prefetch: torch's wrapper's losses and parameters."""
+    for orig in (False, True):
+        for half in (False, True):
+            for prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
+
+                def body(lib, orig=orig, half=half, prefetch=prefetch):
+                    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+
+                    prefetch_enum = TorchPrefetch if lib.lib == "torch" else fullshard.BackwardPrefetch
+                    mp = lib.MixedPrecision(param_dtype=torch.float16) if half else None
+                    model = wrap_fsdp1(
+                        lib,
+                        FrozenUnusedInput(),
+                        use_orig_params=orig,
+                        mixed_precision=mp,
+                        backward_prefetch=getattr(prefetch_enum, prefetch),
+                    )
+                    optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+                    return sgd_train(model, rank_batches(3, 4, 8), optim=optim), full_state(model)
+
+                with case(f"orig={orig} fp16={half} {prefetch}"):
+                    both(body)
+
+
+# -- test_fsdp_freezing_weights.py test_freezing_weights ---------------------------------------------
+class TrunkAndHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+@distributed(world_size=2)
+def test_trunk_skipped_by_setting_its_grads_to_none_matches_torch():
+    """The trunk's gradients set to ``None`` before each SGD-momentum step (the
+    optimizer skips it), the trunk its own unit or inside the root's: torch's
+    wrapper's losses and parameters exactly; the trunk does not move."""
+    for nested, orig in ((True, False), (True, True), (False, True)):
+
+        def body(lib, nested=nested, orig=orig):
+            model = TrunkAndHead()
+            initial = {k: v.clone() for k, v in model.trunk.state_dict().items()}
+            classes = (nn.Sequential,) if nested else ()
+            model = wrap_fsdp1(lib, model, classes=classes, use_orig_params=orig)
+            optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            trunk = model.module.trunk
+            losses = []
+            for x in rank_batches(3, 4, 8):
+                loss = model(x).sum()
+                loss.backward()
+                for p in trunk.parameters():
+                    p.grad = None
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.detach())
+            state = full_state(model)
+            for key, value in initial.items():
+                torch.testing.assert_close(state[f"trunk.{key}"], value, atol=0, rtol=0)
+            return losses, state
+
+        with case(f"nested={nested} orig={orig}"):
+            both(body)
+
+
+# -- test_fsdp_mixed_precision.py test_mixed_precision_e2e_full_shard --------------------------------
+class ScaledMLP(MLP):
+    """An MLP with a buffer used in forward (cast by ``buffer_dtype``) and a parameter
+    of the root's own (FSDP1 restores the original buffer dtype in a state dict only
+    for a unit with parameters: docs/api.md, "Buffers of a wrapper unit with no
+    parameter of its own")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.shift = nn.Parameter(torch.full((8,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.scale.to(x.dtype) + self.shift)
+
+
+MP_CONFIGS = {
+    "all": {"param_dtype": torch.float16, "reduce_dtype": torch.float16, "buffer_dtype": torch.float16},
+    "param": {"param_dtype": torch.float16},
+    "reduce": {"reduce_dtype": torch.float16},
+    "buffer": {"buffer_dtype": torch.float16},
+}
+
+
+@distributed(world_size=2)
+def test_wrapper_mixed_precision_configs_match_torch():
+    """Each ``MixedPrecision`` field alone and all together, over fp32 and fp64
+    parameters, flat or original parameters: the same reduction dtypes as torch's
+    wrapper, full-precision gradients after backward, and torch's losses and
+    parameters."""
+    for label, config in MP_CONFIGS.items():
+        for dtype in (torch.float32, torch.float64):
+            for orig in (False, True):
+
+                def body(lib, config=config, dtype=dtype, orig=orig):
+                    model = wrap_fsdp1(
+                        lib, ScaledMLP().to(dtype), mixed_precision=lib.MixedPrecision(**config), use_orig_params=orig
+                    )
+                    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+                    losses, grads = [], set()
+                    with reduction_dtypes(lib) as reduced:
+                        for x in rank_batches(2, 4, 8, dtype=dtype):
+                            loss = model(x).sum()
+                            loss.backward()
+                            grads.update(d for d in grad_dtypes(model) if d is not None)
+                            optim.step()
+                            optim.zero_grad()
+                            losses.append(loss.detach().to(dtype))
+                    return losses, full_state(model), sorted(map(str, reduced)), sorted(map(str, grads))
+
+                with case(f"{label} {dtype} orig={orig}"):
+                    runs = both(body)
+                    assert runs["fullshard"][3] == [str(dtype)]
+                    assert runs["fullshard"][1]["scale"].dtype == dtype
+    with case("a root with no parameter of its own"):  # the documented difference
+        for lib in LIBS:
+            model = ScaledMLP()
+            del model.shift
+            model.shift = torch.zeros(8)
+            model = wrap_fsdp1(api(lib), model, mixed_precision=api(lib).MixedPrecision(buffer_dtype=torch.float16))
+            expected = torch.float16 if lib == "torch" else torch.float32
+            assert model.state_dict()["scale"].dtype == expected, lib
+
+
+# -- test_fsdp_pure_fp16.py test_fp16_dtypes ---------------------------------------------------------
+@distributed(world_size=2)
+def test_half_model_reduce_dtype_inferred_from_param_dtype_matches_torch():
+    """``.half()`` before or after wrapping, with no ``MixedPrecision`` or one with
+    only ``param_dtype`` (fp16 or fp32): the parameter, gradient and reduction
+    dtypes (the reduce dtype follows ``param_dtype``) and values are torch's:
+    exactly with flat parameters; with ``use_orig_params=True`` the fp16 SGD
+    update may round one element one ulp apart, as the shards' layouts differ
+    (docs/api.md, "Layout under ``use_orig_params=True``") and CPU kernels round
+    a tensor's vectorized body and its tail differently."""
+    for orig in (False, True):
+        for half_after in (False, True):
+            for param_dtype in (None, torch.float16, torch.float32):
+
+                def body(lib, orig=orig, half_after=half_after, param_dtype=param_dtype):
+                    model = MLP() if half_after else MLP().half()
+                    mp = None if param_dtype is None else lib.MixedPrecision(param_dtype=param_dtype)
+                    model = wrap_fsdp1(lib, model, mixed_precision=mp, use_orig_params=orig)
+                    if half_after:
+                        model.half()
+                    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+                    with reduction_dtypes(lib) as reduced:
+                        x = rank_batches(1, 4, 8, dtype=torch.float16)[0]
+                        loss = model(x).sum()
+                        loss.backward()
+                    params = sorted({str(p.dtype) for p in model.parameters()})
+                    grads = sorted({str(d) for d in grad_dtypes(model) if d is not None})
+                    if orig:
+                        with lib.FSDP.summon_full_params(model, with_grads=True):
+                            full_grads = [p.grad.clone() for p in model.parameters()]
+                    else:  # the flat shards: one layout in both
+                        full_grads = [p.grad.clone() for p in model.parameters()]
+                    optim.step()
+                    return [loss.detach()], full_grads, params, grads, sorted(map(str, reduced)), full_state(model)
+
+                with case(f"orig={orig} half_after={half_after} param_dtype={param_dtype}"):
+                    runs = {}
+                    for lib in LIBS:
+                        torch.manual_seed(0)
+                        runs[lib] = body(api(lib))
+                    assert_same_run({lib: run[:5] for lib, run in runs.items()})
+                    assert_same_run({lib: run[5] for lib, run in runs.items()}, atol=0 if not orig else 1e-3)
+                    assert runs["fullshard"][2] == runs["fullshard"][3] == ["torch.float16"]
