@@ -240,7 +240,8 @@ def test_no_sync_gradient_dtype_under_mixed_precision_matches_torch():
                 assert runs["torch"][0] == {torch.float16}
                 assert runs["fullshard"][0] == {None}
                 assert runs["fullshard"][1] == runs["torch"][1] == {torch.float32}
-                assert_same_run({lib: run[2] for lib, run in runs.items()}, atol=1e-5, rtol=1e-4)  # fp16 sums, in another order
+                # fp16 sums, in another order
+                assert_same_run({lib: run[2] for lib, run in runs.items()}, atol=1e-5, rtol=1e-4)
 
 
 # -- fully_shard helpers -----------------------------------------------------------------------------
