@@ -263,34 +263,44 @@ def reduce_scatter_dtypes_and_bytes(lib) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def reduction_dtypes(lib) -> Any:
-    """The dtypes of the gradient reductions (reduce-scatters and all-reduces) issued
-    inside the block: fullshard's through its spy, torch's by wrapping the two
+def reductions(lib) -> Any:
+    """The gradient reductions issued inside the block, as ``(op, dtype, input
+    numel)``: fullshard's through its spy, torch's by wrapping the two
     ``torch.distributed`` functions its FSDP calls (restored on exit)."""
-    dtypes: set[torch.dtype] = set()
+    found: list[tuple[str, torch.dtype, int]] = []
     if lib.lib == "fullshard":
         from fullshard._core import comm
 
         with comm.record_comms() as records:
-            yield dtypes
-        dtypes.update(r.dtype for r in records if r.op in ("reduce_scatter", "all_reduce"))
+            yield found
+        found += [
+            (r.op, r.dtype, r.nbytes // r.dtype.itemsize) for r in records if r.op in ("reduce_scatter", "all_reduce")
+        ]
         return
-    originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_reduce")}
+    originals = {"reduce_scatter": dist.reduce_scatter_single, "all_reduce": dist.all_reduce}
 
-    def spy(name: str) -> Callable:
-        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            dtypes.add(tensor.dtype)
-            return originals[name](tensor, *args, **kwargs)
+    def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        found.append(("reduce_scatter", input.dtype, input.numel()))
+        return originals["reduce_scatter"](output, input, *args, **kwargs)
 
-        return call
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        found.append(("all_reduce", tensor.dtype, tensor.numel()))
+        return originals["all_reduce"](tensor, *args, **kwargs)
 
     try:
-        for name in originals:
-            setattr(dist, name, spy(name))
-        yield dtypes
+        dist.reduce_scatter_single, dist.all_reduce = reduce_scatter, all_reduce
+        yield found
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        dist.reduce_scatter_single, dist.all_reduce = originals["reduce_scatter"], originals["all_reduce"]
+
+
+@contextlib.contextmanager
+def reduction_dtypes(lib) -> Any:
+    """The dtypes of the gradient reductions issued inside the block."""
+    dtypes: set[torch.dtype] = set()
+    with reductions(lib) as found:
+        yield dtypes
+    dtypes.update(dtype for _, dtype, _ in found)
 
 
 class CheckpointedMLP(MLP):
@@ -672,3 +682,243 @@ def test_half_model_reduce_dtype_inferred_from_param_dtype_matches_torch():
                     assert_same_run({lib: run[:5] for lib, run in runs.items()})
                     assert_same_run({lib: run[5] for lib, run in runs.items()}, atol=0 if not orig else 1e-3)
                     assert runs["fullshard"][2] == runs["fullshard"][3] == ["torch.float16"]
+
+
+# -- test_fully_shard_training.py / test_fully_shard_grad_acc.py: sync off on some units -------------
+def sync_off_targets(model: MLP, mode: str) -> list[tuple[Any, bool]]:
+    """(module, recurse) pairs whose gradient sync a mode turns off between syncs."""
+    if mode == "all":
+        return [(model, True)]
+    if mode == "root_only":
+        return [(model, False)]
+    return [(model.layers[0], False), (model.head, False)]  # "some": two leaf units
+
+
+@distributed(world_size=2)
+def test_gradient_sync_off_on_some_units_matches_torch():
+    """Three micro-batches per step with gradient sync off on every unit, on the root
+    only (``recurse=False``) or on two units, the others reducing each
+    micro-batch, resharding after backward or not until the last: torch's
+    losses, parameters and reduce-scatter count and sizes."""
+    for mode in ("all", "root_only", "some"):
+        for reshard_between in (True, False):
+
+            def body(lib, mode=mode, reshard_between=reshard_between):
+                model = shard_layers(lib, MLP())
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                batches = rank_batches(6, 2, 8)
+                losses = []
+                with reductions(lib) as reduced:
+                    for step in range(2):
+                        for micro in range(3):
+                            last = micro == 2
+                            for module, recurse in sync_off_targets(model, mode):
+                                module.set_requires_gradient_sync(last, recurse=recurse)
+                            if not reshard_between:
+                                model.set_reshard_after_backward(last)
+                            loss = model(batches[3 * step + micro]).sum()
+                            loss.backward()
+                            losses.append(loss.detach())
+                        optim.step()
+                        optim.zero_grad()
+                return losses, full_params(model), sorted(numel for op, _, numel in reduced if op == "reduce_scatter")
+
+            with case(f"{mode} reshard_between={reshard_between}"):
+                both(body, atol=1e-6, rtol=1e-5)  # sums of micro-batches, maybe in another order
+
+
+# -- test_fully_shard_training.py test_partial_group_forward_then_standalone / _grad_accum_chunked ---
+class LossHead(nn.Module):
+    """A trunk, a norm and an output layer; ``forward(tokens, project=False)`` stops
+    before the output layer, which the loss then runs alone per chunk."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 8)
+        self.block = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.output = nn.Linear(8, 7, bias=False)
+        if tied:
+            self.output.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, project: bool = True) -> torch.Tensor:
+        hidden = self.norm(torch.relu(self.block(self.embed(tokens))))
+        return self.output(hidden) if project else hidden
+
+    def chunked_loss(self, tokens: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """The output layer called alone on each chunk of the hidden states; one backward per chunk."""
+        hidden = self(tokens, project=False)
+        detached = hidden.detach().requires_grad_(True)
+        total = torch.zeros(())
+        for chunk in detached.chunk(num_chunks):
+            loss = self.output(chunk).logsumexp(-1).sum()
+            loss.backward()
+            total += loss.detach()
+        hidden.backward(detached.grad)
+        return total
+
+
+def shard_grouped(lib, model: LossHead, tied: bool) -> None:
+    """The norm and the output layer one grouped unit (``fully_shard([...])``; the
+    embedding too when tied to the output), the block its own."""
+    lib.fully_shard(model.block)
+    lib.fully_shard([model.embed, model.norm, model.output] if tied else [model.norm, model.output])
+    lib.fully_shard(model)
+
+
+@distributed(world_size=2)
+def test_grouped_unit_module_run_alone_per_chunk_matches_torch():
+    """The output layer of a grouped unit is skipped by the trunk's forward and then
+    called alone on each loss chunk (one backward each), untied or tied to the
+    embedding, with and without micro-batch accumulation (sync off until the
+    last, ``set_is_last_backward``): torch's losses and parameters exactly."""
+    for tied in (False, True):
+        for accumulate in (False, True):
+
+            def body(lib, tied=tied, accumulate=accumulate):
+                model = LossHead(tied)
+                shard_grouped(lib, model, tied)
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                gen = torch.Generator().manual_seed(dist.get_rank() + 1)
+                losses = []
+                for _ in range(2):
+                    num_micro = 2 if accumulate else 1
+                    for micro in range(num_micro):
+                        last = micro == num_micro - 1
+                        model.set_requires_gradient_sync(last)
+                        model.set_is_last_backward(last)
+                        tokens = torch.randint(0, 7, (6,), generator=gen)
+                        losses.append(model.chunked_loss(tokens, 3))
+                    optim.step()
+                    optim.zero_grad()
+                return losses, full_params(model)
+
+            with case(f"tied={tied} accumulate={accumulate}"):
+                both(body, atol=1e-6 if accumulate else 0.0)  # micro-batch sums in another order
+
+
+# -- test_fully_shard_training.py test_train_shared_params_uneven_shard ------------------------------
+@distributed(world_size=2)
+def test_tied_weight_with_an_uneven_shard_in_one_grouped_unit_matches_torch():
+    """An embedding tied to the output layer, 7 rows on 2 ranks (the last shard
+    padded), both in one grouped unit: torch's losses and parameters exactly, and
+    every row (the padded shard's included) trains."""
+
+    def body(lib):
+        model = LossHead(tied=True)
+        lib.fully_shard([model.embed, model.output])
+        lib.fully_shard(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = full_params(model)["embed.weight"]
+        gen = torch.Generator().manual_seed(dist.get_rank() + 1)
+        losses = []
+        for _ in range(3):
+            tokens = torch.arange(7)[torch.randperm(7, generator=gen)]
+            loss = model(tokens).logsumexp(-1).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        after = full_params(model)
+        assert (after["embed.weight"] != before).any(dim=1).all(), "a row did not train"
+        return losses, after
+
+    both(body)
+
+
+# -- test_fully_shard_compose.py test_replicate_and_fully_shard --------------------------------------
+@distributed(world_size=2)
+def test_replicate_root_over_fully_shard_children_matches_torch():
+    """``replicate`` as the root over ``fully_shard`` children, and ``fully_shard`` as
+    the root over ``replicate`` children, 5 Adam steps: torch's losses and
+    parameters exactly."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+    for root in ("replicate", "fully_shard"):
+
+        def body(lib, root=root):
+            replicate = torch_replicate if lib.lib == "torch" else fullshard.replicate
+            model = MLP()
+            inner, outer = (lib.fully_shard, replicate) if root == "replicate" else (replicate, lib.fully_shard)
+            for layer in model.layers:
+                inner(layer)
+            outer(model)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+            return sgd_train(model, rank_batches(5, 4, 8), optim=optim), full_params(model)
+
+        with case(f"{root} root"):
+            both(body)
+
+
+# -- test_fully_shard_compose.py test_checkpoint_and_fully_shard -------------------------------------
+@distributed(world_size=2)
+def test_checkpointed_unit_sees_low_precision_inputs_on_recomputation_like_torch():
+    """A child unit under activation checkpointing with an fp16 ``param_dtype``: the
+    dtypes its modules see in forward and again in the recomputation are torch's
+    (fp16 everywhere), and so are the losses and parameters."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    def body(lib):
+        model = nn.Sequential(nn.Linear(8, 8), Checkpointed(), nn.Linear(8, 1))
+        seen: list[str] = []
+        hooks = [
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.append(f"{name}:{args[0].dtype}"))
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear)
+        ]
+        policy = lib.MixedPrecisionPolicy(param_dtype=torch.float16)
+        lib.fully_shard(model[1], mp_policy=policy)
+        lib.fully_shard(model, mp_policy=policy)
+        try:
+            losses = sgd_train(model, rank_batches(2, 4, 8))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return losses, full_params(model), seen
+
+    runs = both(body)
+    assert len(runs["fullshard"][2]) == 2 * 6  # 4 modules forward + 2 recomputed, per step
+    assert all(entry.endswith("float16") for entry in runs["fullshard"][2])
+
+
+# -- test_fully_shard_grad_scaler.py test_gradient_scaler (1-D) ---------------------------------------
+@distributed(world_size=2)
+def test_amp_grad_scaler_over_fully_shard_gradients_matches_torch():
+    """``torch.amp.GradScaler`` (not ours) over ``fully_shard`` DTensor gradients: with
+    an inf in one rank's input the inf is found on every rank, the step is
+    skipped and the scale backs off; otherwise unscaling is exact and the step
+    runs: torch's scales, gradients and parameters."""
+
+    def body(lib):
+        model = shard_layers(lib, MLP())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        scales, grads, found_inf = [], [], []
+        for step, x in enumerate(rank_batches(3, 4, 8)):
+            if step == 1 and dist.get_rank() == 1:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            scaler.scale(model(x).sum()).backward()
+            scaler.unscale_(optim)
+            step_grads = [full_value(p.grad).clone() for p in model.parameters()]
+            found_inf.append(not all(g.isfinite().all() for g in step_grads))
+            if not found_inf[-1]:  # an inf's neighbours are nan or inf, in any order
+                grads.append(step_grads)
+            scaler.step(optim)
+            scaler.update()
+            optim.zero_grad()
+            scales.append(scaler.get_scale())
+        return scales, found_inf, grads, full_params(model)
+
+    runs = both(body, atol=0, rtol=0)
+    assert runs["fullshard"][1] == [False, True, False]
+    scales = runs["fullshard"][0]
+    assert scales[1] == scales[0] / 2 and scales[2] == scales[1], scales
