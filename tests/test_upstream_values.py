@@ -922,3 +922,178 @@ def test_amp_grad_scaler_over_fully_shard_gradients_matches_torch():
     assert runs["fullshard"][1] == [False, True, False]
     scales = runs["fullshard"][0]
     assert scales[1] == scales[0] / 2 and scales[2] == scales[1], scales
+
+
+# -- test_fsdp_mixed_precision.py TestFSDPDifferentSubmodulePrecision.test_float16_on_one_submodule -
+class TwoChildren(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Linear(8, 8)
+        self.c2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(torch.relu(self.c1(x)))
+
+
+@distributed(world_size=2)
+def test_fp16_child_wrapper_under_fp32_root_matches_torch():
+    """A child wrapper with an fp16 ``param_dtype`` (casting its inputs) under an
+    fp32 root: only the child's inputs are fp16, as in torch's wrapper, and the
+    losses and parameters are torch's."""
+
+    def body(lib):
+        model = TwoChildren()
+        seen: list[str] = []
+        for name, module in (("root", model), ("c1", model.c1), ("c2", model.c2)):
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.append(f"{name}:{args[0].dtype}"))
+        fp16 = lib.MixedPrecision(param_dtype=torch.float16, cast_forward_inputs=True)
+        model.c2 = lib.FSDP(model.c2, mixed_precision=fp16, device_id=torch.device("cpu"))
+        model = lib.FSDP(model, device_id=torch.device("cpu"))
+        losses = sgd_train(model, rank_batches(2, 4, 8))
+        return losses, full_state(model), seen
+
+    runs = both(body)
+    assert runs["fullshard"][2][:3] == ["root:torch.float32", "c1:torch.float32", "c2:torch.float16"]
+
+
+# -- test_fsdp_mixed_precision.py TestFSDPTrainEval.test_train_ema_eval_flow -------------------------
+@distributed(world_size=2)
+def test_ema_copy_updated_in_summon_full_params_then_evaluated_matches_torch():
+    """Train a wrapper under fp16 mixed precision, fold its full parameters into an
+    EMA wrapper inside ``summon_full_params`` (writeback), evaluate the EMA
+    wrapper: under FULL_SHARD and SHARD_GRAD_OP the eval outputs change every
+    iteration (no stale gathered parameters) and equal torch's."""
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+
+        def body(lib, strategy=strategy):
+            kwargs = {
+                "sharding_strategy": getattr(lib.ShardingStrategy, strategy),
+                "mixed_precision": lib.MixedPrecision(param_dtype=torch.float16),
+                "use_orig_params": True,
+            }
+            model = wrap_fsdp1(lib, MLP(), **kwargs)
+            ema = wrap_fsdp1(lib, MLP(), **kwargs)
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            outputs = []
+            probe = torch.ones(2, 8)
+            for x in rank_batches(3, 4, 8):
+                ema.train()
+                sgd_train(model, [x], optim=optim)
+                with lib.FSDP.summon_full_params(model), lib.FSDP.summon_full_params(ema, writeback=True):
+                    with torch.no_grad():
+                        for param, ema_param in zip(model.parameters(), ema.parameters()):
+                            ema_param.mul_(0.5).add_(param, alpha=0.5)
+                ema.eval()
+                with torch.no_grad():
+                    outputs.append(ema(probe).float())
+            return outputs, full_state(ema)
+
+        with case(strategy):
+            runs = both(body)
+            outputs = runs["fullshard"][0]
+            assert all(not torch.equal(a, b) for a, b in zip(outputs, outputs[1:])), "a stale EMA output"
+
+
+# -- test_fsdp_optim_state.py scatter_full_optim_state_dict, shard_full_optim_state_dict at half ------
+def trained_wrapper(lib, group=None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    kwargs = {} if group is None else {"process_group": group}
+    model = wrap_fsdp1(lib, MLP(), use_orig_params=False, **kwargs)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+@distributed(world_size=2)
+def test_full_optim_state_dict_scattered_and_sharded_at_half_the_world_matches_torch():
+    """A full optimizer state dict of a trained wrapper: ``scatter_full_optim_state_dict``
+    from rank 0 gives each rank exactly its own optimizer state, and
+    ``shard_full_optim_state_dict`` into a wrapper on a one-rank group (half the
+    world) loads torch's states, which then train on as torch's. Our
+    ``scatter_full_optim_state_dict`` into that group loads the same states
+    (torch's fails there: it broadcasts from global rank 0, not in the group)."""
+    halves = [dist.new_group([0]), dist.new_group([1])]
+    half = halves[dist.get_rank()]
+
+    def body(lib, load="shard"):
+        model, optim = trained_wrapper(lib)
+        sgd_train(model, rank_batches(2, 4, 8), optim=optim)
+        full = lib.FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+        rank0_full = lib.FSDP.full_optim_state_dict(model, optim)
+        torch.manual_seed(1)
+        fresh, _ = trained_wrapper(lib)
+        scattered = lib.FSDP.scatter_full_optim_state_dict(rank0_full if dist.get_rank() == 0 else None, fresh)
+        assert_same(scattered["state"], optim.state_dict()["state"], 0.0, 0.0, "scattered")
+        torch.manual_seed(1)
+        small, small_optim = trained_wrapper(lib, half)
+        if load == "shard":
+            sharded = lib.FSDP.shard_full_optim_state_dict(full, small)
+        else:
+            sharded = lib.FSDP.scatter_full_optim_state_dict(full, small, group=half)
+        small_optim.load_state_dict(sharded)
+        with lib.FSDP.summon_full_params(model), lib.FSDP.summon_full_params(small, writeback=True):
+            with torch.no_grad():
+                for param, small_param in zip(model.parameters(), small.parameters()):
+                    small_param.copy_(param)
+        loaded = small_optim.state_dict()["state"]
+        return (
+            scattered["state"],
+            loaded,
+            sgd_train(small, rank_batches(2, 4, 8, seed=5), optim=small_optim),
+            full_state(small),
+        )
+
+    runs = both(body)
+    torch.manual_seed(0)
+    assert_same(body(api("fullshard"), load="scatter"), runs["torch"], 0.0, 0.0, "scattered at half")
+
+
+# -- test_fsdp_state_dict.py test_local_state_dict_with_empty_ranks ---------------------------------
+def local_shards(value: Any) -> list[torch.Tensor]:
+    """A local state dict value's local shards (a ShardedTensor holds none on a rank with only padding)."""
+    if hasattr(value, "local_shards"):
+        return [shard.tensor.clone() for shard in value.local_shards()]
+    return [value.clone()]
+
+
+class OneElement(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@distributed(world_size=2)
+def test_one_element_parameter_local_state_dict_and_writeback_match_torch():
+    """A one-element parameter on 2 ranks (rank 1's shard is padding only): its local
+    state dict loads into another wrapper (of other values), and
+    ``summon_full_params(writeback=True)`` keeps only the owning rank's write
+    (each rank writes its own value); torch's values throughout."""
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    def body(lib):
+        state_dict_type = TorchStateDictType if lib.lib == "torch" else fullshard.StateDictType
+        model = lib.FSDP(OneElement(), use_orig_params=False, device_id=torch.device("cpu"))
+        other = OneElement()
+        with torch.no_grad():
+            other.scale.fill_(7.0)
+        other = lib.FSDP(other, use_orig_params=False, device_id=torch.device("cpu"))
+        results = []
+        with lib.FSDP.state_dict_type(model, state_dict_type.LOCAL_STATE_DICT):
+            local = model.state_dict()
+            saved = {k: local_shards(v) for k, v in local.items()}
+            with lib.FSDP.state_dict_type(other, state_dict_type.LOCAL_STATE_DICT):
+                other.load_state_dict(local)
+        model = other
+        results += [saved, full_state(model)]
+        with lib.FSDP.summon_full_params(model, writeback=True):
+            with torch.no_grad():
+                model.scale.fill_(10.0 + dist.get_rank())
+        results.append(full_state(model))
+        results.append(sgd_train(model, rank_batches(2, 4, 1)))
+        results.append(full_state(model))
+        return results
+
+    runs = both(body)
+    assert runs["fullshard"][1]["scale"].item() == 2.0
+    assert runs["fullshard"][2]["scale"].item() == 10.0
