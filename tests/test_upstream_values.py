@@ -1097,3 +1097,105 @@ def test_one_element_parameter_local_state_dict_and_writeback_match_torch():
     runs = both(body)
     assert runs["fullshard"][1]["scale"].item() == 2.0
     assert runs["fullshard"][2]["scale"].item() == 10.0
+
+
+# -- 2-D meshes (4 ranks) ----------------------------------------------------------------------------
+def tp_mlp(mesh) -> nn.Module:
+    """The column-then-row-parallel two-layer MLP of ``mesh["tp"]`` (seeded the same everywhere)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    return parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+# -- test_fully_shard_state_dict.py test_2d_state_dict_correctness -----------------------------------
+@distributed(world_size=4)
+def test_2d_state_dict_full_values_match_the_local_model_and_torch():
+    """Tensor parallel over "tp", ``fully_shard`` over "dp" of a (2, 2) mesh: every
+    state-dict entry's full value is the local model's, before and after 3 Adam
+    steps (the local model trained on every dp rank's batch), and equals torch's;
+    loading it into a fresh 2-D model gives the same full values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref_optim = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    dp_rank = mesh["dp"].get_local_rank()
+    batches = [torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(r + 1)) for r in range(2)]
+    for step in range(3):
+        ref(torch.cat([batches[r][step] for r in range(2)])).sum().mul(0.5).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+
+    def body(lib):
+        model = tp_mlp(mesh)
+        lib.fully_shard(model[0], mesh=mesh["dp"])
+        lib.fully_shard(model, mesh=mesh["dp"])
+        initial = {k: full_value(v) for k, v in model.state_dict().items()}
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = sgd_train(model, list(batches[dp_rank]), optim=optim)
+        trained = {k: full_value(v) for k, v in model.state_dict().items()}
+        fresh = tp_mlp(mesh)
+        lib.fully_shard(fresh[0], mesh=mesh["dp"])
+        lib.fully_shard(fresh, mesh=mesh["dp"])
+        fresh.load_state_dict(model.state_dict())
+        loaded = {k: full_value(v) for k, v in fresh.state_dict().items()}
+        return initial, losses, trained, loaded
+
+    runs = both(body)
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).state_dict()
+    initial, _, trained, loaded = runs["fullshard"]
+    assert_same(initial, dict(local), 0.0, 0.0, "initial")
+    assert_same(trained, dict(ref.state_dict()), 1e-6, 1e-5, "trained")  # the local model sums in another order
+    assert_same(loaded, trained, 0.0, 0.0, "loaded")
+
+
+# -- test_fully_shard_dtensor.py test_reduce_scatter_unused_dtensor_param ----------------------------
+class ExpertParallel(nn.Module):
+    """Each "ep" rank's local expert (a DTensor parameter sharded over "ep") used in
+    forward, an idle DTensor parameter not used at all."""
+
+    def __init__(self, ep_mesh) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.experts = nn.Parameter(distribute_tensor(torch.randn(2, 8, 8) * 0.1, ep_mesh, [Shard(0)]))
+        self.idle = nn.Parameter(distribute_tensor(torch.randn(2, 8, 8) * 0.1, ep_mesh, [Shard(0)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(x)) @ self.experts.to_local()[0]
+
+
+@distributed(world_size=4)
+def test_unused_expert_parallel_dtensor_parameter_gets_a_zero_gradient_like_torch():
+    """Experts sharded over "ep" of a (2, 2) mesh, ``fully_shard`` over "dp", one
+    DTensor parameter unused in forward: with ``set_reduce_scatter_unused_params(True)``
+    its gradient is a zero DTensor of its placements, the used ones equal torch's,
+    and so are the parameters after 2 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    dp_rank = mesh["dp"].get_local_rank()
+
+    def body(lib):
+        model = ExpertParallel(mesh["ep"])
+        lib.fully_shard(model, mesh=mesh["dp"])
+        model.set_reduce_scatter_unused_params(True)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(dp_rank + 1)
+        grads = []
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=gen)).sum().backward()
+            grads.append({n: (p.grad.placements, full_value(p.grad)) for n, p in model.named_parameters()})
+            optim.step()
+            optim.zero_grad()
+        return grads, full_params(model)
+
+    runs = both(body)
+    for placements, idle in (step["idle"] for step in runs["fullshard"][0]):
+        assert not idle.any()
+        assert placements == runs["fullshard"][0][0]["experts"][0]
