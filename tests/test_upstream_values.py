@@ -1199,3 +1199,96 @@ def test_unused_expert_parallel_dtensor_parameter_gets_a_zero_gradient_like_torc
     for placements, idle in (step["idle"] for step in runs["fullshard"][0]):
         assert not idle.any()
         assert placements == runs["fullshard"][0][0]["experts"][0]
+
+
+# -- test_fsdp_tp_checkpoint_conversion.py test_fsdp_to_tp -------------------------------------------
+@distributed(world_size=2)
+def test_wrapper_sharded_checkpoint_loads_into_a_tensor_parallel_model_like_torch():
+    """A wrapper's ``SHARDED_STATE_DICT`` (after a training step) saved with DCP and
+    loaded into a tensor-parallel model of the same architecture: the TP model's
+    full values are the wrapper's full parameters, and equal torch's; the TP
+    model then computes the wrapper's outputs."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    paths = [tempfile.mkdtemp(prefix="fullshard-fsdp-to-tp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(paths)
+
+    def body(lib):
+        state_dict_type = TorchStateDictType if lib.lib == "torch" else fullshard.StateDictType
+        torch.manual_seed(0)
+        model = wrap_fsdp1(lib, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), use_orig_params=True)
+        sgd_train(model, rank_batches(1, 4, 8))
+        full = full_state(model)
+        path = f"{paths[0]}/{lib.lib}"
+        with lib.FSDP.state_dict_type(model, state_dict_type.SHARDED_STATE_DICT):
+            dcp.save(model.state_dict(), checkpoint_id=path)
+        tp = tp_mlp(mesh)
+        state = tp.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        tp.load_state_dict(state)
+        loaded = {k: full_value(v) for k, v in tp.state_dict().items()}
+        assert_same(loaded, full, 0.0, 0.0, "loaded into TP")
+        probe = torch.ones(2, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(tp(probe), model(probe), atol=1e-6, rtol=1e-5)
+        return loaded
+
+    try:
+        both(body)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            import shutil
+
+            shutil.rmtree(paths[0], ignore_errors=True)
+
+
+# -- test_hsdp_sync_module_states.py test_hsdp_buffer_sync_from_meta_device --------------------------
+class WithBuffer(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.offset)
+
+
+@distributed(world_size=4)
+def test_hybrid_sync_module_states_from_a_meta_model_matches_torch():
+    """``HYBRID_SHARD`` on a (2, 2) mesh with ``sync_module_states``: rank 0 builds the
+    real model (its buffer set by hand), every other rank a meta one materialized
+    empty by ``param_init_fn``; parameters and buffers become rank 0's on every
+    rank, and training on equals torch's wrapper built from the real model on
+    every rank (torch refuses ``sync_module_states`` with CPU tensors, so it
+    cannot sync here itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def body(lib):
+        torch.manual_seed(0)
+        real = WithBuffer()
+        real.offset.fill_(0.5)
+        expected = {k: v.clone() for k, v in real.state_dict().items()}
+        sync = lib.lib == "fullshard"
+        model = real
+        if sync and dist.get_rank() != 0:
+            with torch.device("meta"):
+                model = WithBuffer()
+        kwargs = {"device_mesh": mesh, "sharding_strategy": lib.ShardingStrategy.HYBRID_SHARD}
+        if sync:
+            kwargs.update(
+                sync_module_states=True,
+                param_init_fn=lambda module: module.to_empty(device=torch.device("cpu"), recurse=False),
+            )
+        model = wrap_fsdp1(lib, model, **kwargs)
+        synced = full_state(model)
+        assert_same(synced, expected, 0.0, 0.0, "synced")
+        return synced, sgd_train(model, rank_batches(2, 4, 8)), full_state(model)
+
+    both(body)
