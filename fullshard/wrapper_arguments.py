@@ -236,6 +236,7 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
         # Read when wrapping, as PyTorch's FSDP1 does.
         full_precision_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
         buffer_dtype=precision.buffer_dtype,
+        readopt_units=True,  # as FSDP1: a model holding trained wrappers can be wrapped again
         presentation=LocalViews(
             flatten=strategy is not ShardingStrategy.NO_SHARD,
             # FSDP1's types: its own check under the strategies that keep parameters gathered after

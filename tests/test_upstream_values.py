@@ -1292,3 +1292,29 @@ def test_hybrid_sync_module_states_from_a_meta_model_matches_torch():
         return synced, sgd_train(model, rank_batches(2, 4, 8)), full_state(model)
 
     both(body)
+
+
+# -- test_fsdp_multiple_wrapping.py test_multiple_wrapping -------------------------------------------
+@distributed(world_size=2)
+def test_wrapping_a_trained_model_again_matches_torch():
+    """A model holding a nested wrapper, wrapped, trained 3 steps, then wrapped a
+    second time (for inference): the new wrapper's output is the old one's, and
+    both are torch's."""
+
+    def body(lib):
+        cpu = torch.device("cpu")
+        inner = nn.Module()
+        inner.layers = nn.Sequential(lib.FSDP(nn.Linear(5, 5), device_id=cpu))
+        inner.forward = lambda x: inner.layers(x)
+        model = lib.FSDP(inner, device_id=cpu)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = rank_batches(4, 1, 5)
+        sgd_train(model, batches[:3], optim=optim)
+        with torch.no_grad():
+            output = model(batches[3])
+            rewrapped = lib.FSDP(inner, device_id=cpu)
+            again = rewrapped(batches[3])
+        torch.testing.assert_close(again, output, atol=0, rtol=0)
+        return output, again
+
+    both(body)

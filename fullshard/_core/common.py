@@ -49,6 +49,9 @@ class UnitConfig:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
     presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
     flat_layout: bool = False  # FSDP1's flat parameter layout (see [Note: Flat layout] in layout.py)
+    # A new root's lazy init takes over units below it that another root already
+    # initialized (FSDP1: wrapping a trained model again); False: that raises (FSDP2).
+    readopt_units: bool = False
 
     def model_name(self, name: str) -> str:
         """``name`` (from a module-tree walk) as the user's model names it."""

@@ -136,7 +136,7 @@ class ModuleState:
             if state is None or state in states:
                 continue
             if state is not self:
-                if state.is_root is not None:
+                if state.is_root or (state.is_root is not None and not self.config.readopt_units):
                     raise RuntimeError(
                         f"FSDP state has already been lazily initialized for {name}\n"
                         "FSDP requires running forward through the root module first"
