@@ -596,39 +596,71 @@ MP_CONFIGS = {
     "param": {"param_dtype": torch.float16},
     "reduce": {"reduce_dtype": torch.float16},
     "buffer": {"buffer_dtype": torch.float16},
+    "keep_low": {"param_dtype": torch.float16, "keep_low_precision_grads": True},
 }
+
+
+def record_forward_dtypes(model: nn.Module) -> list[str]:
+    """Each ``Linear``'s input and weight dtypes, and the root's buffer's, in every forward."""
+    seen: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: seen.append(f"{name}:{args[0].dtype},{m.weight.dtype}")
+            )
+    model.register_forward_pre_hook(lambda m, args: seen.append(f"scale:{m.scale.dtype}"))
+    return seen
 
 
 @distributed(world_size=2)
 def test_wrapper_mixed_precision_configs_match_torch():
-    """Each ``MixedPrecision`` field alone and all together, over fp32 and fp64
-    parameters, flat or original parameters: the same reduction dtypes as torch's
-    wrapper, full-precision gradients after backward, and torch's losses and
-    parameters."""
+    """Each ``MixedPrecision`` field alone, all together, and ``keep_low_precision_grads``,
+    over fp32 and fp64 parameters, flat or original parameters, FULL_SHARD or
+    SHARD_GRAD_OP, on 2 ranks or on a one-rank group: the dtypes of inputs,
+    parameters and buffers in forward, the reduction dtypes and the gradient
+    dtypes are torch's wrapper's, and so are the losses and parameters."""
+    one_rank = [dist.new_group([0]), dist.new_group([1])][dist.get_rank()]
+    combos = [  # (parameter dtype, strategy, group, use_orig_params)
+        (torch.float32, "FULL_SHARD", None, False),
+        (torch.float32, "FULL_SHARD", None, True),
+        (torch.float32, "SHARD_GRAD_OP", None, True),
+        (torch.float32, "FULL_SHARD", one_rank, False),
+        (torch.float64, "SHARD_GRAD_OP", None, False),
+    ]
     for label, config in MP_CONFIGS.items():
-        for dtype in (torch.float32, torch.float64):
-            for orig in (False, True):
+        for dtype, strategy, group, orig in combos:
 
-                def body(lib, config=config, dtype=dtype, orig=orig):
-                    model = wrap_fsdp1(
-                        lib, ScaledMLP().to(dtype), mixed_precision=lib.MixedPrecision(**config), use_orig_params=orig
-                    )
-                    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-                    losses, grads = [], set()
-                    with reduction_dtypes(lib) as reduced:
-                        for x in rank_batches(2, 4, 8, dtype=dtype):
-                            loss = model(x).sum()
-                            loss.backward()
-                            grads.update(d for d in grad_dtypes(model) if d is not None)
-                            optim.step()
-                            optim.zero_grad()
-                            losses.append(loss.detach().to(dtype))
-                    return losses, full_state(model), sorted(map(str, reduced)), sorted(map(str, grads))
+            def body(lib, config=config, dtype=dtype, orig=orig, strategy=strategy, group=group):
+                model = ScaledMLP().to(dtype)
+                seen = record_forward_dtypes(model)
+                model = wrap_fsdp1(
+                    lib,
+                    model,
+                    mixed_precision=lib.MixedPrecision(**config),
+                    use_orig_params=orig,
+                    sharding_strategy=getattr(lib.ShardingStrategy, strategy),
+                    process_group=group,
+                )
+                optim = torch.optim.SGD(model.parameters(), lr=0.1)
+                losses, grads = [], set()
+                with reduction_dtypes(lib) as reduced:
+                    for x in rank_batches(2, 4, 8, dtype=dtype):
+                        loss = model(x).sum()
+                        loss.backward()
+                        grads.update(d for d in grad_dtypes(model) if d is not None)
+                        optim.step()
+                        optim.zero_grad()
+                        losses.append(loss.detach().to(dtype))
+                # one rank: torch still calls a collective, we skip it
+                reduced = sorted(map(str, reduced)) if group is None else []
+                return losses, full_state(model), reduced, sorted(map(str, grads)), seen
 
-                with case(f"{label} {dtype} orig={orig}"):
-                    runs = both(body)
-                    assert runs["fullshard"][3] == [str(dtype)]
-                    assert runs["fullshard"][1]["scale"].dtype == dtype
+            where = "one rank" if group is not None else "2 ranks"
+            with case(f"{label} {dtype} orig={orig} {strategy} {where}"):
+                runs = both(body)
+                low = label == "keep_low"
+                assert runs["fullshard"][3] == [str(torch.float16 if low else dtype)]
+                assert runs["fullshard"][1]["scale"].dtype == dtype
     with case("a root with no parameter of its own"):  # the documented difference
         for lib in LIBS:
             model = ScaledMLP()
