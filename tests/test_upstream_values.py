@@ -1350,3 +1350,178 @@ def test_wrapping_a_trained_model_again_matches_torch():
         return output, again
 
     both(body)
+
+
+# -- test_fsdp_mixed_precision.py: casts, integer inputs, input gradients, full precision in eval ---
+def outcome(body: Callable[[types.SimpleNamespace], Any], lib: types.SimpleNamespace) -> Any:
+    """``body(lib)``'s result, or the name of the exception type it raised (forward
+    failing with a dtype mismatch is the behaviour some rows assert)."""
+    try:
+        return "returns", body(lib)
+    except RuntimeError as error:
+        return "raises", type(error).__name__, "same dtype" in str(error) or "dtype" in str(error)
+
+
+def both_outcomes(body: Callable[[types.SimpleNamespace], Any]) -> dict[str, Any]:
+    runs = {}
+    for lib in LIBS:
+        with case(lib):
+            torch.manual_seed(0)
+            runs[lib] = outcome(body, api(lib))
+    assert_same_run(runs)
+    return runs
+
+
+class Children(nn.Module):
+    """c1 then c2 (c2 takes an extra input made inside forward); optionally casting
+    c1's output back to fp32 before c2; every module's input dtypes recorded."""
+
+    def __init__(self, cast_back: bool = False) -> None:
+        super().__init__()
+        self.c1 = nn.Linear(8, 8)
+        self.c2 = nn.Linear(8, 8)
+        self.cast_back = cast_back
+        self.seen: list[str] = []
+        for name, module in (("root", self), ("c1", self.c1), ("c2", self.c2)):
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: self.seen.append(f"{name}:" + ",".join(str(a.dtype) for a in args))
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.c1(x)
+        return self.c2(hidden.float() if self.cast_back else hidden)
+
+
+def children_case(child: str, child_cast: bool, root_mp: bool, cast_back: bool) -> Callable:
+    def body(lib):
+        cpu = torch.device("cpu")
+        model = Children(cast_back)
+        fp16 = lib.MixedPrecision(param_dtype=torch.float16, cast_forward_inputs=child_cast)
+        setattr(model, child, lib.FSDP(getattr(model, child), mixed_precision=fp16, device_id=cpu))
+        root_policy = lib.MixedPrecision(param_dtype=torch.float32, cast_forward_inputs=True) if root_mp else None
+        seen = model.seen
+        model = lib.FSDP(model, mixed_precision=root_policy, device_id=cpu)
+        losses = sgd_train(model, rank_batches(2, 4, 8))
+        return losses, full_state(model), seen
+
+    return body
+
+
+class Embedded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 1)
+        self.register_buffer("shift", torch.full((8,), 0.1))
+        self.seen: list[str] = []
+        self.embed.register_forward_pre_hook(lambda m, args: self.seen.append(str(args[0].dtype)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens) + self.shift.to(self.head.weight.dtype))
+
+
+@distributed(world_size=2)
+def test_wrapper_mixed_precision_casts_match_torch():
+    """The wrapper's mixed-precision casts, case by case against torch's wrapper
+    (the same input dtypes seen by each module, losses and parameters, or the
+    same dtype-mismatch failure): an fp16 child casting its inputs or not, its
+    parent casting back or not, under a root casting to fp32 or not, the child
+    first or second; integer (embedding) inputs under reduce-only and
+    param/buffer-only fp16; an fp32 input's gradient through an fp16 cast; an
+    ignored fp32 module inside an fp16 wrapper (forward fails in both)."""
+    cases = {
+        "child casts": children_case("c2", True, False, False),
+        "child skips, parent casts back": children_case("c2", False, False, True),
+        "child skips, no cast back": children_case("c2", False, False, False),
+        "fp16 child first under an fp32 root": children_case("c1", True, True, False),
+        "fp16 child second under an fp32 root": children_case("c2", True, True, False),
+    }
+    for config in ({"reduce_dtype": torch.float16}, {"param_dtype": torch.float16, "buffer_dtype": torch.float16}):
+
+        def embedding(lib, config=config):
+            model = Embedded()
+            seen = model.seen
+            model = wrap_fsdp1(lib, model, classes=(nn.Embedding,), mixed_precision=lib.MixedPrecision(**config))
+            gen = torch.Generator().manual_seed(dist.get_rank() + 1)
+            batches = [torch.randint(0, 10, (4,), generator=gen) for _ in range(2)]
+            return sgd_train(model, batches), full_state(model), seen
+
+        cases[f"embedding {config}"] = embedding
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        for orig in (False, True):
+
+            def input_grad(lib, strategy=strategy, orig=orig):
+                mp = lib.MixedPrecision(param_dtype=torch.float16)
+                strategy_enum = getattr(lib.ShardingStrategy, strategy)
+                model = wrap_fsdp1(
+                    lib, MLP(), mixed_precision=mp, sharding_strategy=strategy_enum, use_orig_params=orig
+                )
+                x = rank_batches(1, 4, 8)[0].requires_grad_(True)
+                model(x).sum().backward()
+                return x.grad.dtype == torch.float32, x.grad
+
+            cases[f"input grad {strategy} orig={orig}"] = input_grad
+
+    def ignored_module(lib):
+        model = MLP()
+        mp = lib.MixedPrecision(param_dtype=torch.float16)
+        model = lib.FSDP(model, ignored_modules=[model.layers[1]], mixed_precision=mp, device_id=torch.device("cpu"))
+        return sgd_train(model, rank_batches(1, 4, 8))
+
+    cases["an fp32 ignored module inside an fp16 wrapper"] = ignored_module
+    for label, body in cases.items():
+        with case(label):
+            runs = both_outcomes(body)
+            if label == "child casts":
+                assert runs["fullshard"][1][2][:3] == ["root:torch.float32", "c1:torch.float32", "c2:torch.float16"]
+            if label.startswith("embedding"):
+                assert set(runs["fullshard"][1][2]) == {"torch.int64"}
+            if label.startswith("input grad"):
+                assert runs["fullshard"][1][0]
+            if label in ("child skips, no cast back", "fp16 child first under an fp32 root"):
+                assert runs["fullshard"] == ("raises", "RuntimeError", True), runs["fullshard"]
+            if label == "fp16 child second under an fp32 root":
+                assert runs["fullshard"][1][2][:3] == ["root:torch.float32", "c1:torch.float32", "c2:torch.float16"]
+            if label.startswith("an fp32 ignored"):
+                assert runs["fullshard"] == ("raises", "RuntimeError", True)
+
+
+@distributed(world_size=2)
+def test_full_precision_in_eval_matches_torch():
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1`` (read when wrapping) or not, with fp16
+    param, reduce and buffer dtypes: the input dtypes a parameterless root's
+    children see in eval and in train, the buffer's dtype during and after an
+    eval forward and after a train one, and the reduction dtype of a backward
+    run in eval mode are torch's wrapper's, as are the outputs."""
+    import os
+
+    for full_precision in ("1", "0"):
+
+        def body(lib):
+            model = Children()
+            model.register_buffer("scale", torch.full((8,), 0.5))
+            model.register_forward_pre_hook(lambda m, args: m.seen.append(f"scale:{m.scale.dtype}"))
+            seen = model.seen
+            mp = lib.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
+            model = wrap_fsdp1(lib, model, mixed_precision=mp)  # the root keeps only the buffer
+            x = rank_batches(1, 4, 8)[0]
+            model.eval()
+            with reduction_dtypes(lib) as reduced:
+                eval_out = model(x)
+                eval_out.sum().backward()
+            after_eval = model.module.scale.dtype
+            model.train()
+            train_out = model(x)
+            train_out.sum().backward()
+            return eval_out, train_out, seen, str(after_eval), str(model.module.scale.dtype), sorted(map(str, reduced))
+
+        previous = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL")
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = full_precision
+        try:
+            with case(f"FSDP_USE_FULL_PREC_IN_EVAL={full_precision}"):
+                both(body)
+        finally:
+            if previous is None:
+                del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+            else:
+                os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = previous
