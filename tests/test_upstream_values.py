@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -1525,3 +1525,141 @@ def test_full_precision_in_eval_matches_torch():
                 del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
             else:
                 os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = previous
+
+
+# -- the wrapper's inputs, outputs and parameter views (test_fsdp_input.py, test_fsdp_misc.py, ...) -
+class Pair(NamedTuple):
+    left: torch.Tensor
+    right: torch.Tensor
+
+
+class Structured(nn.Module):
+    """Takes a list, a dict or a namedtuple of two tensors; returns a namedtuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, inputs: Any) -> Pair:
+        if isinstance(inputs, dict):
+            left, right = inputs["left"], inputs["right"]
+        else:
+            left, right = inputs
+        return Pair(self.lin(left), self.lin(right).relu())
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def structured_case(kind: str) -> Callable:
+    def body(lib):
+        model = wrap_fsdp1(lib, Structured())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for left, right in zip(rank_batches(2, 4, 8), rank_batches(2, 4, 8, seed=9)):
+            inputs = {"list": [left, right], "dict": {"left": left, "right": right}, "namedtuple": Pair(left, right)}
+            out = model(inputs[kind])
+            assert isinstance(out, Pair)
+            loss = out.left.sum() + out.right.sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        return losses, full_state(model)
+
+    return body
+
+
+def no_params(lib):
+    """(Without ``device_id`` torch's wrapper needs an accelerator.)"""
+    model = lib.FSDP(nn.Sequential(nn.ReLU(), nn.Tanh()), device_id=torch.device("cpu"))
+    assert list(model.parameters()) == []
+    return model(rank_batches(1, 4, 8)[0])
+
+
+def tied_weights(lib):
+    model = wrap_fsdp1(lib, Tied(), classes=())
+    return sgd_train(model, rank_batches(3, 4, 8)), full_state(model)
+
+
+def partly_wrapped_then_half(lib):
+    model = MLP(num_layers=4)
+    model.layers[1] = lib.FSDP(model.layers[1], device_id=torch.device("cpu"))
+    model.layers[2] = lib.FSDP(model.layers[2], device_id=torch.device("cpu"))
+    model = lib.FSDP(model, device_id=torch.device("cpu"))
+    numels = [p.numel() for p in model.parameters()]
+    model.to(torch.float16)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return numels, dtypes, sgd_train(model, rank_batches(2, 4, 8, dtype=torch.float16)), full_state(model)
+
+
+def changed_after_wrapping(lib):
+    model = wrap_fsdp1(lib, MLP())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5)
+    return model(rank_batches(1, 4, 8)[0]), full_state(model)
+
+
+def apply_on_tied(lib):
+    model = wrap_fsdp1(lib, Tied(), classes=())
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.fill_(0.25)
+                module.bias.fill_(-0.5)
+
+    model.apply(init)
+    return full_state(model), model(rank_batches(1, 4, 8)[0])
+
+
+def outputs_leaving_the_loss(strategy: str) -> Callable:
+    def body(lib):
+        model = wrap_fsdp1(lib, TwoOutputs(), sharding_strategy=getattr(lib.ShardingStrategy, strategy))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step, x in enumerate(rank_batches(6, 4, 8)):
+            left, right = model(x)
+            loss = left.sum() + right.sum() if step < 2 else left.sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        return losses, full_state(model)
+
+    return body
+
+
+@distributed(world_size=2)
+def test_wrapper_inputs_outputs_and_parameter_views_match_torch():
+    """The wrapper against torch's, case by case (losses, full parameters, outputs):
+    list, dict and namedtuple inputs and a namedtuple output; a parameterless
+    module; tied weights in one unit; a partly
+    wrapped model's flat parameter sizes and ``.to(float16)``; an in-place change
+    through ``parameters()`` right after wrapping; ``apply()`` on tied weights; an
+    output leaving the loss after two steps under the three strategies."""
+    cases: dict[str, Callable] = {kind: structured_case(kind) for kind in ("list", "dict", "namedtuple")}
+    cases.update(
+        {
+            "no parameters": no_params,
+            "tied weights": tied_weights,
+            "partly wrapped, then half": partly_wrapped_then_half,
+            "changed after wrapping": changed_after_wrapping,
+            "apply on tied weights": apply_on_tied,
+        }
+    )
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        cases[f"output leaves the loss {strategy}"] = outputs_leaving_the_loss(strategy)
+    for label, body in cases.items():
+        with case(label):
+            runs = both_outcomes(body)
+            assert runs["fullshard"][0] == "returns", runs["fullshard"]
