@@ -1663,3 +1663,113 @@ def test_wrapper_inputs_outputs_and_parameter_views_match_torch():
         with case(label):
             runs = both_outcomes(body)
             assert runs["fullshard"][0] == "returns", runs["fullshard"]
+
+
+# -- fully_shard: container activations, post-accumulate-grad hooks, manual reshard ---------------
+class ContainerBlock(nn.Module):
+    """Takes and returns its activations in a ``kind`` container (list, tuple, namedtuple, dict)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(8, 8)
+
+    def unpack(self, acts: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return (acts["a"], acts["b"]) if self.kind == "dict" else (acts[0], acts[1])
+
+    def pack(self, a: torch.Tensor, b: torch.Tensor) -> Any:
+        return {"list": [a, b], "tuple": (a, b), "namedtuple": Pair(a, b), "dict": {"a": a, "b": b}}[self.kind]
+
+    def forward(self, acts: Any) -> Any:
+        a, b = self.unpack(acts)
+        return self.pack(torch.tanh(self.lin(a) + b), b * 0.5)
+
+
+class ContainerModel(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ContainerBlock(kind) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acts = self.blocks[0].pack(x, x.flip(0))
+        for block in self.blocks:
+            acts = block(acts)
+        a, b = self.blocks[0].unpack(acts)
+        return a + b
+
+
+@distributed(world_size=2)
+def test_fully_shard_container_activations_hooks_and_manual_reshard_match_torch():
+    """``fully_shard`` against torch's, case by case: activations passed between
+    units in a list, tuple, namedtuple or dict; a post-accumulate-grad hook on
+    every sharded parameter (runs once per parameter per backward) that steps a
+    per-parameter optimizer (bit-identical to one optimizer step); a manual
+    ``reshard()`` between forward and backward with ``reshard_after_forward=False``."""
+    cases: dict[str, Callable] = {}
+    for kind in ("list", "tuple", "namedtuple", "dict"):
+
+        def containers(lib, kind=kind):
+            model = ContainerModel(kind)
+            for block in model.blocks:
+                lib.fully_shard(block)
+            lib.fully_shard(model)
+            return sgd_train(model, rank_batches(3, 4, 8)), full_params(model)
+
+        cases[f"{kind} activations"] = containers
+
+    def optimizer_in_hook(lib):
+        model = shard_layers(lib, MLP())
+        calls: list[str] = []
+        optims = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+        names = {p: n for n, p in model.named_parameters()}
+
+        def step(param: torch.Tensor) -> None:
+            calls.append(names[param])
+            optims[param].step()
+            optims[param].zero_grad()
+
+        handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+        losses = []
+        for x in rank_batches(3, 4, 8):
+            loss = model(x).sum()
+            loss.backward()
+            losses.append(loss.detach())
+        for handle in handles:
+            handle.remove()
+        assert sorted(calls) == sorted(3 * list(names.values())), calls
+        return losses, full_params(model)
+
+    def one_optimizer(lib):
+        model = shard_layers(lib, MLP())
+        return sgd_train(
+            model, rank_batches(3, 4, 8), optim=torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ), full_params(model)
+
+    def manual_reshard(lib):
+        model = shard_layers(lib, MLP(), reshard_after_forward=False)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x in rank_batches(3, 4, 8):
+            loss = model(x).sum()
+            for layer in model.layers:
+                layer.reshard()
+            with reduce_scatter_dtypes_and_bytes(lib) as records:
+                loss.backward()
+            if lib.lib == "fullshard":  # the resharded layers are gathered again (maybe bucketed) for backward
+                gathered = sum(r.nbytes for r in records if r.op == "all_gather")
+                assert gathered == len(model.layers) * (64 + 8) * 4, records
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        return losses, full_params(model)
+
+    cases.update({"optimizer in hook": optimizer_in_hook, "manual reshard": manual_reshard})
+    for label, body in cases.items():
+        with case(label):
+            runs = both_outcomes(body)
+            assert runs["fullshard"][0] == "returns", runs["fullshard"]
+    with case("optimizer in hook equals one optimizer"):
+        torch.manual_seed(0)
+        in_hook = optimizer_in_hook(api("fullshard"))
+        torch.manual_seed(0)
+        assert_same(in_hook, one_optimizer(api("fullshard")), 0.0, 0.0, "in hook")
