@@ -11,6 +11,7 @@ are named by ``case``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -1027,9 +1028,11 @@ def test_ema_copy_updated_in_summon_full_params_then_evaluated_matches_torch():
 
 
 # -- test_fsdp_optim_state.py scatter_full_optim_state_dict, shard_full_optim_state_dict at half ------
-def trained_wrapper(lib, group=None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def trained_wrapper(lib, group=None, tied: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     kwargs = {} if group is None else {"process_group": group}
-    model = wrap_fsdp1(lib, MLP(), use_orig_params=False, **kwargs)
+    model = wrap_fsdp1(
+        lib, Tied() if tied else MLP(), classes=() if tied else (nn.Linear,), use_orig_params=False, **kwargs
+    )
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     return model, optim
 
@@ -1041,21 +1044,22 @@ def test_full_optim_state_dict_scattered_and_sharded_at_half_the_world_matches_t
     ``shard_full_optim_state_dict`` into a wrapper on a one-rank group (half the
     world) loads torch's states, which then train on as torch's. Our
     ``scatter_full_optim_state_dict`` into that group loads the same states
-    (torch's fails there: it broadcasts from global rank 0, not in the group)."""
+    (torch's fails there: it broadcasts from global rank 0, not in the group). An MLP
+    and a model with tied weights."""
     halves = [dist.new_group([0]), dist.new_group([1])]
     half = halves[dist.get_rank()]
 
-    def body(lib, load="shard"):
-        model, optim = trained_wrapper(lib)
+    def body(lib, load="shard", tied=False):
+        model, optim = trained_wrapper(lib, tied=tied)
         sgd_train(model, rank_batches(2, 4, 8), optim=optim)
         full = lib.FSDP.full_optim_state_dict(model, optim, rank0_only=False)
         rank0_full = lib.FSDP.full_optim_state_dict(model, optim)
         torch.manual_seed(1)
-        fresh, _ = trained_wrapper(lib)
+        fresh, _ = trained_wrapper(lib, tied=tied)
         scattered = lib.FSDP.scatter_full_optim_state_dict(rank0_full if dist.get_rank() == 0 else None, fresh)
         assert_same(scattered["state"], optim.state_dict()["state"], 0.0, 0.0, "scattered")
         torch.manual_seed(1)
-        small, small_optim = trained_wrapper(lib, half)
+        small, small_optim = trained_wrapper(lib, half, tied)
         if load == "shard":
             sharded = lib.FSDP.shard_full_optim_state_dict(full, small)
         else:
@@ -1073,9 +1077,12 @@ def test_full_optim_state_dict_scattered_and_sharded_at_half_the_world_matches_t
             full_state(small),
         )
 
-    runs = both(body)
-    torch.manual_seed(0)
-    assert_same(body(api("fullshard"), load="scatter"), runs["torch"], 0.0, 0.0, "scattered at half")
+    for tied in (False, True):
+        with case(f"tied={tied}"):
+            runs = both(functools.partial(body, tied=tied))
+            torch.manual_seed(0)
+            scattered = body(api("fullshard"), load="scatter", tied=tied)
+            assert_same(scattered, runs["torch"], 0.0, 0.0, "scattered at half")
 
 
 # -- test_fsdp_state_dict.py test_local_state_dict_with_empty_ranks ---------------------------------
@@ -1428,7 +1435,8 @@ def test_wrapper_mixed_precision_casts_match_torch():
     parent casting back or not, under a root casting to fp32 or not, the child
     first or second; integer (embedding) inputs under reduce-only and
     param/buffer-only fp16; an fp32 input's gradient through an fp16 cast; an
-    ignored fp32 module inside an fp16 wrapper (forward fails in both)."""
+    ignored fp32 module inside an fp16 wrapper (forward fails in both); a child's
+    extra input made inside its parent's forward (not cast)."""
     cases = {
         "child casts": children_case("c2", True, False, False),
         "child skips, parent casts back": children_case("c2", False, False, True),
@@ -1469,6 +1477,35 @@ def test_wrapper_mixed_precision_casts_match_torch():
         return sgd_train(model, rank_batches(1, 4, 8))
 
     cases["an fp32 ignored module inside an fp16 wrapper"] = ignored_module
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + extra
+
+    class External(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1 = nn.Linear(8, 8)
+            self.c2 = TwoInputs()
+            self.seen: list[str] = []
+            self.c2.register_forward_pre_hook(lambda m, args: self.seen.append(",".join(str(a.dtype) for a in args)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c2(self.c1(x), torch.ones(x.shape[0], 8))  # the extra input: made here, fp32
+
+    def external_input(lib):
+        model = External()
+        seen = model.seen
+        model = wrap_fsdp1(
+            lib, model, classes=(TwoInputs,), mixed_precision=lib.MixedPrecision(param_dtype=torch.float16)
+        )
+        return sgd_train(model, rank_batches(2, 4, 8)), full_state(model), seen
+
+    cases["a child's input made inside the parent's forward"] = external_input
     for label, body in cases.items():
         with case(label):
             runs = both_outcomes(body)
@@ -1482,6 +1519,8 @@ def test_wrapper_mixed_precision_casts_match_torch():
                 assert runs["fullshard"] == ("raises", "RuntimeError", True), runs["fullshard"]
             if label == "fp16 child second under an fp32 root":
                 assert runs["fullshard"][1][2][:3] == ["root:torch.float32", "c1:torch.float32", "c2:torch.float16"]
+            if label.startswith("a child's input"):
+                assert set(runs["fullshard"][1][2]) == {"torch.float16,torch.float32"}, runs["fullshard"][1][2]
             if label.startswith("an fp32 ignored"):
                 assert runs["fullshard"] == ("raises", "RuntimeError", True)
 
