@@ -2047,3 +2047,48 @@ def test_wrapper_summons_on_one_rank_names_and_between_forwards_match_torch():
                 continue
             runs = both_outcomes(body)
             assert runs["fullshard"][0] == "returns", runs["fullshard"]
+
+
+# -- test_fully_shard_mixed_precision.py test_submodules_with_external_inputs -----------------------
+class ExtraInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + extra.to(x.dtype)
+
+
+class MadeInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Linear(8, 8)
+        self.c2 = ExtraInput()
+        self.seen: list[str] = []
+        self.c2.register_forward_pre_hook(lambda m, args: self.seen.append(",".join(str(a.dtype) for a in args)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.c1(x), torch.ones(x.shape[0], 8))  # made here, fp32
+
+
+@distributed(world_size=2)
+def test_fully_shard_child_input_made_inside_the_parent_matches_torch():
+    """Under ``fully_shard`` with an fp16 ``param_dtype``, a child's extra input made
+    inside its parent's forward is cast when the child casts its inputs and not
+    when it does not (``cast_forward_inputs=False``): the dtypes the child sees,
+    the losses and the parameters are torch's."""
+    for child_casts in (True, False):
+
+        def body(lib, child_casts=child_casts):
+            model = MadeInside()
+            seen = model.seen
+            policy = lib.MixedPrecisionPolicy(param_dtype=torch.float16)
+            child = lib.MixedPrecisionPolicy(param_dtype=torch.float16, cast_forward_inputs=child_casts)
+            lib.fully_shard(model.c2, mp_policy=child)
+            lib.fully_shard(model, mp_policy=policy)
+            return sgd_train(model, rank_batches(2, 4, 8)), full_params(model), seen
+
+        with case(f"child casts={child_casts}"):
+            runs = both(body)
+            expected = "torch.float16,torch.float16" if child_casts else "torch.float16,torch.float32"
+            assert set(runs["fullshard"][2]) == {expected}, runs["fullshard"][2]
