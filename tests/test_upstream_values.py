@@ -2092,3 +2092,37 @@ def test_fully_shard_child_input_made_inside_the_parent_matches_torch():
             runs = both(body)
             expected = "torch.float16,torch.float16" if child_casts else "torch.float16,torch.float32"
             assert set(runs["fullshard"][2]) == {expected}, runs["fullshard"][2]
+
+
+# -- test_fully_shard_comm.py test_backward_misprefetch; test_fully_shard_init.py container subclass --
+class Layers(nn.ModuleDict):
+    """A ``ModuleDict`` subclass with a forward of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.values():
+            x = torch.relu(layer(x))
+        return x
+
+
+@distributed(world_size=2)
+def test_fully_shard_misprefetch_and_container_subclass_match_torch():
+    """``fully_shard`` against torch's: an explicit backward prefetch list that names
+    the wrong units (the last layer prefetching the first) trains like torch's;
+    a ``ModuleDict`` subclass with its own forward is sharded and trains as
+    torch's."""
+
+    def misprefetch(lib):
+        model = shard_layers(lib, MLP(num_layers=4))
+        model.layers[3].set_modules_to_backward_prefetch([model.layers[0]])
+        model.head.set_modules_to_backward_prefetch([model.layers[1]])
+        return sgd_train(model, rank_batches(3, 4, 8)), full_params(model)
+
+    def container_subclass(lib):
+        model = nn.Sequential(Layers({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)}), nn.Linear(8, 1))
+        lib.fully_shard(model[0])
+        lib.fully_shard(model)
+        return sgd_train(model, rank_batches(3, 4, 8)), full_params(model)
+
+    for label, body in (("misprefetch", misprefetch), ("ModuleDict subclass", container_subclass)):
+        with case(label):
+            both(body)
