@@ -2126,3 +2126,38 @@ def test_fully_shard_misprefetch_and_container_subclass_match_torch():
     for label, body in (("misprefetch", misprefetch), ("ModuleDict subclass", container_subclass)):
         with case(label):
             both(body)
+
+
+# -- test_fsdp_state_dict.py test_state_dict_type, test_state_dict_with_ignored_modules --------------
+@distributed(world_size=2)
+def test_state_dict_type_context_and_ignored_modules_match_torch():
+    """The wrapper against torch's: ``state_dict_type`` sets the type inside the
+    block and restores FULL_STATE_DICT on exit; a full state dict with an
+    ignored module (``prefix=`` given) holds the ignored parameters uncloned (the
+    same storage as the module's) and the buffers in their original dtype under
+    buffer mixed precision (the same dtypes and values as torch's), and loads
+    into a plain model."""
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    def body(lib):
+        types_ = TorchStateDictType if lib.lib == "torch" else fullshard.StateDictType
+        plain = WithNamedBuffer()
+        ignored = plain.layers[1]
+        mp = lib.MixedPrecision(buffer_dtype=torch.float16)
+        model = lib.FSDP(plain, ignored_modules=[ignored], mixed_precision=mp, device_id=torch.device("cpu"))
+        names = [lib.FSDP.get_state_dict_type(model).state_dict_type.name]
+        with lib.FSDP.state_dict_type(model, types_.SHARDED_STATE_DICT):
+            names.append(lib.FSDP.get_state_dict_type(model).state_dict_type.name)
+        names.append(lib.FSDP.get_state_dict_type(model).state_dict_type.name)
+        state = model.state_dict(prefix="top.")
+        same_storage = [
+            state["top.layers.1.weight"].data_ptr() == ignored.weight.data_ptr(),
+            state["top.layers.1.bias"].data_ptr() == ignored.bias.data_ptr(),
+        ]
+        fresh = WithNamedBuffer()
+        fresh.load_state_dict({k[len("top.") :]: v for k, v in state.items()})
+        return names, same_storage, {k: (str(v.dtype), v.clone()) for k, v in state.items()}, full_params(fresh)
+
+    runs = both(body)
+    assert runs["fullshard"][0] == ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+    assert runs["fullshard"][1] == [True, True]
