@@ -2161,3 +2161,60 @@ def test_state_dict_type_context_and_ignored_modules_match_torch():
     runs = both(body)
     assert runs["fullshard"][0] == ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT"]
     assert runs["fullshard"][1] == [True, True]
+
+
+# -- test_fsdp_ignored_modules.py: nested and auto-wrapped ignored states; test_fsdp_misc.py: meta --
+@distributed(world_size=2)
+def test_wrapper_ignored_states_match_torch():
+    """The wrapper against torch's, case by case: ignoring a subtree that holds an
+    already wrapped unit (its parameters stay out of the root's flat parameter,
+    training matches); an ignored weight and bias inside an auto-wrapped unit
+    (the flat parameters' sizes, training); a meta-device model with an ignored
+    module, with and without ``param_init_fn`` (the ignored parameters stay on
+    meta)."""
+    cpu = torch.device("cpu")
+
+    def nested(lib):
+        model = MLP()
+        model.layers[1] = nn.Sequential(lib.FSDP(model.layers[1], device_id=cpu, use_orig_params=False))
+        model = lib.FSDP(model, ignored_modules=[model.layers[1]], device_id=cpu, use_orig_params=False)
+        numels = [p.numel() for p in model.parameters()]
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        return numels, sgd_train(model, rank_batches(2, 4, 8), optim=optim)
+
+    def auto_wrapped(lib):
+        model = MLP()
+        block = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        model.layers[1] = block
+        ignored = [block[0].weight, block[1].bias]
+        model = lib.FSDP(
+            model,
+            auto_wrap_policy=lib.ModuleWrapPolicy({nn.Sequential}),
+            ignored_states=ignored,
+            device_id=cpu,
+            use_orig_params=False,
+        )
+        numels = [p.numel() for p in model.parameters()]
+        return numels, sgd_train(model, rank_batches(2, 4, 8))
+
+    def meta_ignored(lib, init_fn: bool = False):
+        with torch.device("meta"):
+            model = MLP()
+        kwargs = {"param_init_fn": materialize} if init_fn else {}
+        model = lib.FSDP(model, ignored_modules=[model.layers[1]], device_id=cpu, **kwargs)
+        return [p.is_meta for p in model.module.layers[1].parameters()], [
+            p.is_meta for n, p in model.named_parameters() if "layers.1." not in n
+        ]
+
+    cases = {
+        "nested": nested,
+        "auto-wrapped": auto_wrapped,
+        "meta": meta_ignored,
+        "meta with init fn": functools.partial(meta_ignored, init_fn=True),
+    }
+    for label, body in cases.items():
+        with case(label):
+            runs = both_outcomes(body)
+            assert runs["fullshard"][0] == "returns", runs["fullshard"]
+            if label.startswith("meta"):
+                assert runs["fullshard"][1][0] == [True, True]
