@@ -2218,3 +2218,27 @@ def test_wrapper_ignored_states_match_torch():
             assert runs["fullshard"][0] == "returns", runs["fullshard"]
             if label.startswith("meta"):
                 assert runs["fullshard"][1][0] == [True, True]
+
+
+# -- test_wrap.py test_auto_wrap_with_ignored_modules ------------------------------------------------
+@distributed(world_size=2)
+def test_size_policy_leaves_ignored_parameters_out_of_its_count_like_torch():
+    """``size_based_auto_wrap_policy`` with an ignored module: the ignored parameters
+    do not count toward the threshold, so the same modules are wrapped as in
+    torch's wrapper (a block reaching it only with the ignored layer is not)."""
+    from torch.distributed.fsdp import wrap as torch_wrap
+
+    from fullshard import wrap as our_wrap
+
+    def body(lib):
+        wrapping = torch_wrap if lib.lib == "torch" else our_wrap
+        model = nn.Sequential(
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),  # 144 parameters
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16)),  # 72 + 144: over 150 only with the ignored layer
+        )
+        policy = functools.partial(wrapping.size_based_auto_wrap_policy, min_num_params=150)
+        model = lib.FSDP(model, auto_wrap_policy=policy, ignored_modules=[model[1][1]], device_id=torch.device("cpu"))
+        return sorted(clean(n) or "root" for n, m in model.named_modules() if isinstance(m, lib.FSDP))
+
+    runs = both(body)
+    assert runs["fullshard"] == ["root"], runs["fullshard"]
