@@ -125,6 +125,10 @@ class UnitBuffers:
             if param.extension is None:  # an extension's shard is a tensor of its own
                 param.bind_shard(self.storage_layout.region(buffer, index, dtype))
         self.shard_buffer = buffer  # 1D
+        self.set_dtypes()
+
+    def set_dtypes(self) -> None:
+        """The all-gather layout and the reduce dtype, after the parameters' dtypes changed."""
         self.set_gather_layout()
         self.reduce_dtype = self._pick_reduce_dtype()
 
@@ -144,9 +148,11 @@ class UnitBuffers:
 
     def _pick_reduce_dtype(self) -> torch.dtype:
         policy = self.mp_policy
-        if policy.reduce_dtype is not None:
+        # An eval-mode step in full precision (FSDP_USE_FULL_PREC_IN_EVAL) reduces in it too, as FSDP1.
+        full_precision = bool(self.params) and all(p.full_precision for p in self.params)
+        if policy.reduce_dtype is not None and not full_precision:
             return policy.reduce_dtype
-        if policy.param_dtype is not None:
+        if policy.param_dtype is not None and not full_precision:
             return policy.param_dtype
         dtypes = {p.orig_dtype for p in self.params} or {torch.float32}
         result = dtypes.pop()

@@ -215,7 +215,7 @@ class ParamForms:
         self.reshard()
         for param in params:
             param.full_precision = full_precision
-        self.buffers.set_gather_layout()
+        self.buffers.set_dtypes()
 
     def repack_after_apply(self) -> None:
         """``nn.Module._apply`` (``to_empty``, ``to``, ``half``) gave the shards new

@@ -162,6 +162,8 @@ class GradIntake:
                 offload.wait_for_host_copies()  # the CPU adds now
                 local = param.rows_from_presented(sharded.grad)
                 local.add_(padded[: local.numel()].view_as(local))
+            if not param.presentation.keeps_user_param:
+                _run_post_accumulate_grad_hooks(sharded)
         _step_in_backward_optimizers([p.sharded_param for p in params])
 
     def _accept_in_buffer_layout(self, target: torch.Tensor, params: list[ShardParam], output: torch.Tensor) -> None:
@@ -191,6 +193,16 @@ class GradIntake:
         if reduced.dtype == dtype and spec.storage_device == spec.device:
             return reduced  # where and as the shards are: no ``to()`` to parse, once per unit and step
         return reduced.to(spec.storage_device, dtype)
+
+
+def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Hooks registered with ``register_post_accumulate_grad_hook`` on a sharded parameter
+    never fire by themselves (its gradient is written, not accumulated): they run here, once
+    its reduced gradient landed, as torch's ``fully_shard`` runs them (the FSDP1 wrapper's
+    parameters are views autograd does not see, in torch as here)."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in (hooks or {}).values():
+        hook(param)
 
 
 def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
