@@ -221,6 +221,8 @@ class ModuleState:
         self.training_state = TrainingState.FORWARD
         if self._cast_inputs_to is not None:
             args, kwargs = self._cast_inputs(args, kwargs)
+        if self.config.full_precision_in_eval and self.buffer_dtypes:
+            self._cast_buffers(full_precision=not self.module.training)
         group = self.group
         if group is None:
             return args, kwargs
@@ -271,6 +273,18 @@ class ModuleState:
         if self._cast_inputs_to is None or (self.config.full_precision_in_eval and not self.module.training):
             return args, kwargs
         return cast_floating(self._cast_inputs_to, args), cast_floating(self._cast_inputs_to, kwargs)
+
+    def _cast_buffers(self, full_precision: bool) -> None:
+        """Eval-mode forwards in full precision (``FSDP_USE_FULL_PREC_IN_EVAL``) compute with
+        the buffers cast for compute back in their original dtype, as FSDP1 does; a train-mode
+        forward casts them to ``buffer_dtype`` again. In place (``.data``): state dicts find
+        them by identity."""
+        for module in self.modules:
+            for buffer in module.buffers():
+                original = self.buffer_dtypes.get(id(buffer))
+                target = original if full_precision else self.config.buffer_dtype
+                if original is not None and target is not None and buffer.dtype != target:
+                    buffer.data = buffer.data.to(target)
 
     def _cast_output(self, output: Any) -> Any:
         return output if self._output_dtype is None else cast_floating(self._output_dtype, output)
