@@ -142,6 +142,9 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
     notices: list[str] = []
     if args.nproc < 1:
         errors.append(f"--nproc expects at least 1 rank but got {args.nproc}")
+    elif args.nnodes == "1":
+        errors += config.world_problems(args.nproc, args.nproc)
+        notices += _no_effect(config, args.nproc)
     if args.max_restarts < 0:
         errors.append(f"--max-restarts expects a number >= 0 but got {args.max_restarts}")
     elif args.max_restarts > 0 and not config.checkpoint_dir:
@@ -149,9 +152,6 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
             f"--max-restarts {args.max_restarts} needs --checkpoint-dir (with --checkpoint-every): a restart "
             "resumes from the newest checkpoint there"
         )
-    elif args.nnodes == "1":
-        errors += config.world_problems(args.nproc, args.nproc)
-        notices += _no_effect(config, args.nproc)
     if errors:  # the checkpoint's checks need a valid model
         return None, errors, notices
     found, said = checkpoint_problems(config)
