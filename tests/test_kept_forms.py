@@ -43,6 +43,8 @@ def _train_with_evaluation_before_step(front_end: str, setting: object, world_si
     losses: list[list[float]] = [[], []]
     for index, (net, optim) in enumerate(pairs):
         for x in batches:
+            if load:  # a checkpoint taken now (``state_dict()`` reshards: never between a step and a forward)
+                halved = {key: value.detach().clone() * 0.5 for key, value in net.state_dict().items()}
             loss = net(x).square().sum()
             loss.backward()
             losses[index].append(loss.item())
@@ -50,12 +52,9 @@ def _train_with_evaluation_before_step(front_end: str, setting: object, world_si
                 net(x)  # evaluation forward: keeps whatever the setting keeps
             optim.step()  # after the evaluation: the kept forms are now stale
             optim.zero_grad()
-            if load:  # a checkpoint loaded after an evaluation forward
-                # Taken before that forward (``state_dict()`` reshards: taken after, it would drop the
-                # kept forms itself) and halved, so the load changes every value the forms hold.
-                halved = {key: value.detach().clone() * 0.5 for key, value in net.state_dict().items()}
+            if load:  # an evaluation forward on the stepped values, then the (halved) checkpoint loaded
                 with torch.no_grad():
-                    net(x)
+                    losses[index].append(net(x).square().sum().item())
                 net.load_state_dict(halved)
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     if front_end == "fully_shard":  # the shards (a kept form stays registered until the next use)

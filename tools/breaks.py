@@ -106,7 +106,8 @@ BREAKS: tuple[Break, ...] = (
     Break(
         "stale_forms_not_detected",
         "fullshard/_core/forms.py",
-        "        return version is not None and version != self._shards_version() and not torch.compiler.is_compiling()\n",
+        "        return version is not None and version != self._shards_version()"
+        " and not torch.compiler.is_compiling()\n",
         "        return False\n",
         ("tests/test_kept_forms.py", "-k", "step_and_load"),
         "a kept unsharded form is never seen as stale (a state-dict load after an evaluation forward)",
@@ -115,8 +116,7 @@ BREAKS: tuple[Break, ...] = (
         "reduce_scatter_keeps_local_chunk",
         "fullshard/_core/reduction.py",
         "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
-        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n"
-        "            self._work = None\n",
+        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
         ("tests/test_torch_parity_autograd.py",),
         "the reduce-scatter replaced by keeping this rank's chunk of its own gradient (no communication)",
     ),
