@@ -147,8 +147,8 @@ def assert_computes_with_decoded_weights(
     """Every Linear weight a forward of ``model`` computes with is its exact initial value (``Transformer(ARGS)``
     seeded 0; ``built_second``: the second one built after the seed, as the wrapper tests build theirs after
     the one their wrap policy reads its block type from) to within the code's rounding: the least-squares factor from the exact weight to the one used is 1
-    within 1%. Rounding to the nearest code is unbiased, so this factor stays near 1 (measured within 0.2%
-    for int8 and float8); a decode off by a constant factor (every weight 10% smaller, or zero) is not.
+    within 1%. Rounding to the nearest code is unbiased, so this factor stays near 1; a decode off by a
+    constant factor (every weight 10% smaller, or zero) is not.
     Losses over a few steps cannot see that: the next-token loss at initialisation hardly depends on scale."""
     torch.manual_seed(0)
     reference = Transformer(ARGS)
