@@ -9,6 +9,7 @@ A break is ``caught`` when its tests fail, ``survived`` when they all pass. A to
     python tools/breaks.py --list       # names, files and tests
     python tools/breaks.py --only NAME  # one break (repeatable)
     python tools/breaks.py --baseline   # the same tests on the unbroken copy: all must pass
+    python tools/breaks.py --fast       # only the tests of ``make test-fast`` (not marked slow)
 
 Exit status 1 when a break survived (or, with ``--baseline``, a selection failed).
 """
@@ -193,9 +194,10 @@ def apply(brk: Break, dest: Path) -> None:
     path.write_text(text.replace(brk.old, brk.new))
 
 
-def run_tests(brk: Break, dest: Path, timeout: int) -> tuple[int, str, float]:
+def run_tests(brk: Break, dest: Path, timeout: int, fast: bool) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": str(dest)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *brk.tests]
+    tier = ["-m", "not slow and not libraries"] if fast else []  # the last -m wins
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *brk.tests, *tier]
     start = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the breaks and exit")
     parser.add_argument("--only", action="append", metavar="NAME", help="run this break only (repeatable)")
     parser.add_argument("--baseline", action="store_true", help="run each selection on the unbroken copy")
+    parser.add_argument("--fast", action="store_true", help="only the tests make test-fast runs")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per break's tests")
     args = parser.parse_args(argv)
     chosen = [b for b in BREAKS if not args.only or b.name in args.only]
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_repo(dest)
             if not args.baseline:
                 apply(brk, dest)
-            rc, last, seconds = run_tests(brk, dest, args.timeout)
+            rc, last, seconds = run_tests(brk, dest, args.timeout, args.fast)
         if args.baseline:
             verdict = "passes" if rc == 0 else "FAILS"
             bad = rc != 0
