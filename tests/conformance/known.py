@@ -75,9 +75,9 @@ TORCH_FAILURES: tuple[TorchFailure, ...] = (
     TorchFailure(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe == "osd_optim_input",
         "FSDP1's full_optim_state_dict(optim_input=...) with use_orig_params=True fails its own padding check "
-        "(AssertionError: Manually calculated _sharded_numel_padded is incorrect); compared with torch at "
-        "use_orig_params=False (the same full, unflattened state)",
-        stand_in=lambda s: replace(s, use_orig_params=False),
+        "(AssertionError: Manually calculated _sharded_numel_padded is incorrect); compared with torch's "
+        "full_optim_state_dict without optim_input (the same parameters, so the same state keys)",
+        stand_in=lambda s: replace(s, probe="osd_optim_input_default"),
     ),
 )
 
@@ -132,6 +132,15 @@ TORCH_WRONG: tuple[Row, ...] = (
         "FSDP1 with NO_SHARD hands out the parameters themselves in "
         "summon_full_params(writeback=False), so changes persist; its documentation says they are discarded, "
         "and fullshard discards them under every strategy",
+    ),
+    Row(
+        lambda s: _wrapper(s) and (s.strategy == "NO_SHARD" or "HYBRID" in s.strategy) and s.probe == "sd_full_rank0_cpu",
+        ("keys",),
+        r"^(keys$|sd:)",
+        "FullStateDictConfig(rank0_only=True): torch's stand-in (rank0_only without offload_to_cpu, see "
+        "TORCH_FAILURES) hands the full state dict to every rank under NO_SHARD, and to the first rank of each "
+        "shard group under the hybrid strategies (global rank 2 of 4); its documentation says only rank 0 gets "
+        "it, as fullshard does under every strategy (rank 0's keys and values are still compared)",
     ),
     Row(
         lambda s: _wrapper(s) and s.model == "frozen",

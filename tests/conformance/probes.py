@@ -233,10 +233,12 @@ def full_optim_state_dict(r: Run) -> None:
             r.rec.put(f"osd:{key}:{name}", value)
 
 
-@probe("osd_optim_input")
+@probe("osd_optim_input", "osd_optim_input_default")
 def osd_optim_input(r: Run) -> None:
+    """``osd_optim_input_default``: without ``optim_input`` (the stand-in torch runs where it fails)."""
     r.step("loss0")
-    osd = r.a.FSDP.full_optim_state_dict(r.model, r.optim, optim_input=list(r.model.parameters()))
+    optim_input = list(r.model.parameters()) if r.s.probe == "osd_optim_input" else None
+    osd = r.a.FSDP.full_optim_state_dict(r.model, r.optim, optim_input=optim_input)
     r.rec.put("state_keys", tuple(sorted(osd.get("state", {}))))
 
 
