@@ -48,10 +48,12 @@ class Net(nn.Module):
         h = self.block2(self.block1(self.inp(x)))
         if self.kind == "buffers":
             h = h * self.scale
-        h = self.mid(h)
+        # Each input in its layer's dtype: under mixed precision an ignored layer (ignored_modules, ignored
+        # states) keeps fp32 parameters between bf16 ones (a no-op cast everywhere else).
+        h = self.mid(h.to(self.mid.weight.dtype))
         if self.kind == "tied":
-            h = self.out2(torch.relu(h))
-        return self.out(h)
+            h = self.out2(torch.relu(h).to(self.out2.weight.dtype))
+        return self.out(h.to(self.out.weight.dtype))
 
 
 MODEL_KINDS = ("nested", "tied", "frozen", "buffers", "norm")
