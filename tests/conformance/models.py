@@ -43,17 +43,26 @@ class Net(nn.Module):
         if kind == "buffers":
             self.register_buffer("scale", torch.full((5,), 0.5))
         self.kind = kind
+        # Each input in its layer's dtype, read inside the layer's forward (a unit's weight is gathered by
+        # then): under mixed precision an ignored layer (ignored_modules, ignored_states) keeps fp32 weights
+        # between bf16 ones, so both sides would raise a dtype mismatch instead of training. A no-op cast
+        # everywhere else.
+        for layer in (self.mid, self.out, getattr(self, "out2", None)):
+            if layer is not None:
+                layer.register_forward_pre_hook(_input_in_weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.block2(self.block1(self.inp(x)))
         if self.kind == "buffers":
             h = h * self.scale
-        # Each input in its layer's dtype: under mixed precision an ignored layer (ignored_modules, ignored
-        # states) keeps fp32 parameters between bf16 ones (a no-op cast everywhere else).
-        h = self.mid(h.to(self.mid.weight.dtype))
+        h = self.mid(h)
         if self.kind == "tied":
-            h = self.out2(torch.relu(h).to(self.out2.weight.dtype))
-        return self.out(h.to(self.out.weight.dtype))
+            h = self.out2(torch.relu(h))
+        return self.out(h)
+
+
+def _input_in_weight_dtype(layer: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(layer.weight.dtype),)
 
 
 MODEL_KINDS = ("nested", "tied", "frozen", "buffers", "norm")
