@@ -158,6 +158,14 @@ def _load_step(path: str) -> tuple[object, float]:
     return extra, train(model, optim, range(2, 3))[0]
 
 
+def _step_two_after_one() -> float:
+    model = make_model()
+    fully_shard(model)
+    optim = adamw(model)
+    train(model, optim, range(1))
+    return train(model, optim, range(2, 3))[0]
+
+
 @pytest.mark.slow
 def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
@@ -168,7 +176,9 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     assert ckpt.exists(path) and ckpt.read_extra(path) == {"step": 1}  # without loading a tensor
     extra, loss = run_distributed(_load_step, 2, path)[0]
     assert extra == {"step": 1}  # LATEST still names the complete one
-    # Reference: the same model resumed from step 1 without any crash.
+    # Reference: the same training without a checkpoint (step 1's state, then step 2's batch), exactly.
+    assert loss == pytest.approx(run_distributed(_step_two_after_one, 2)[0], rel=1e-6)
+    # A save that finishes removes the older version.
     clean = str(tmp_path / "clean")
     run_distributed(_save_twice_dying, 2, clean, False)
     os.remove(os.path.join(clean, "LATEST"))

@@ -4,7 +4,8 @@ kernel] in fullshard/_core/codec_kernel.py.
 """
 
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -30,14 +31,41 @@ CODES = [torch.int8, torch.float8_e4m3fn]
 CODE_IDS = ["int8", "float8"]
 
 
+def count_kernel_calls(calls: Counter) -> Callable[[], None]:
+    """Counts the C kernel's ``encode`` and ``decode`` calls in ``calls`` (the entry points the codec
+    calls); returns the undo."""
+    real = codec_kernel.encode, codec_kernel.decode
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    codec_kernel.encode, codec_kernel.decode = counted("encode", real[0]), counted("decode", real[1])
+
+    def undo() -> None:
+        codec_kernel.encode, codec_kernel.decode = real
+
+    return undo
+
+
 @pytest.fixture
-def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
     """Every CPU unit takes the C kernel (it is built here if it is not cached); the compiled codec
-    is marked broken, so that a unit the kernel refused would show as the eager codec's path."""
+    is marked broken, so that a unit the kernel refused would show as the eager codec's path. The
+    test fails unless the kernel ran (a cache filled is not proof: see ``count_kernel_calls``)."""
     monkeypatch.setattr(codec_kernel._State, "disabled", False)
     monkeypatch.setattr(fused_codec._Status, "broken", True)
     assert codec_kernel.library() is not None, "this machine has gcc: the kernel must build"
-    yield
+    calls: Counter = Counter()
+    undo = count_kernel_calls(calls)
+    try:
+        yield calls
+    finally:
+        undo()
+    assert calls["encode"] + calls["decode"] > 0, "the C kernel never ran"
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch, run, *args):
@@ -218,10 +246,16 @@ def test_training_with_the_kernel_equals_the_eager_codec():
         fused_codec.MIN_FUSED_VALUES = 1 << 40
         eager = _train(compiled=False)
         fused_codec.MIN_FUSED_VALUES, fused_codec._Status.broken, codec_kernel._State.disabled = 0, True, False
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", "quantized all-gather")
-            losses, params = _train(compiled=False)
+        calls: Counter = Counter()
+        undo = count_kernel_calls(calls)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", "quantized all-gather")
+                losses, params = _train(compiled=False)
+        finally:
+            undo()
         assert codec_kernel.library() is not None
+        assert calls["encode"] > 0 and calls["decode"] > 0, calls
         assert losses == eager[0]
         assert all(torch.equal(a, b) for a, b in zip(eager[1], params))
     finally:

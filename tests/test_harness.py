@@ -110,3 +110,20 @@ def test_case_names_the_failing_row():
         with case("'bad_row'"):
             raise ValueError("boom")
     assert raised.value.__notes__ == ["in case 'bad_row'"]
+
+
+def _set_local_world_size() -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ.pop("FULLSHARD_TEST_HARNESS_KEPT", None)
+
+
+def _read_environment() -> tuple[str | None, str | None]:
+    return os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("FULLSHARD_TEST_HARNESS_KEPT")
+
+
+def test_a_tasks_environment_changes_do_not_reach_the_next_task():
+    """Pooled rank processes outlive a test: a variable a task sets (the hybrid tests' LOCAL_WORLD_SIZE)
+    or removes is as it was before that task when the next one starts."""
+    before = run_distributed(_read_environment, 2)
+    run_distributed(_set_local_world_size, 2)
+    assert run_distributed(_read_environment, 2) == before

@@ -43,6 +43,8 @@ def _train_with_evaluation_before_step(front_end: str, setting: object, world_si
     losses: list[list[float]] = [[], []]
     for index, (net, optim) in enumerate(pairs):
         for x in batches:
+            if load:  # a checkpoint taken now (``state_dict()`` reshards: never between a step and a forward)
+                halved = {key: value.detach().clone() * 0.5 for key, value in net.state_dict().items()}
             loss = net(x).square().sum()
             loss.backward()
             losses[index].append(loss.item())
@@ -50,10 +52,10 @@ def _train_with_evaluation_before_step(front_end: str, setting: object, world_si
                 net(x)  # evaluation forward: keeps whatever the setting keeps
             optim.step()  # after the evaluation: the kept forms are now stale
             optim.zero_grad()
-            if load:  # a checkpoint loaded after an evaluation forward
+            if load:  # an evaluation forward on the stepped values, then the (halved) checkpoint loaded
                 with torch.no_grad():
-                    net(x)
-                net.load_state_dict(copy.deepcopy(net.state_dict()))
+                    losses[index].append(net(x).square().sum().item())
+                net.load_state_dict(halved)
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     if front_end == "fully_shard":  # the shards (a kept form stays registered until the next use)
         for shard, want in zip(pairs[1][1].param_groups[0]["params"], ref.parameters()):

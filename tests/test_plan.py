@@ -313,6 +313,17 @@ def test_cli_closed_pipe_is_quiet():
 
 
 # -- against the real engine (see [Note: Measured step memory on CPU]) --------------------------
+# The plan's peak against the measured one: fp32 steps land within 0.03% (the tensors a step holds are
+# modelled one by one), so 0.1% there; leaving out one category (the sharded gradients: -2%) fails. bf16
+# compute and the fused codec's buffers are modelled coarser (measured -0.5% to -2.8%): 5% there.
+EXACT_PEAK = 1e-3
+COARSE_PEAK = 0.05
+
+
+def peak_tolerance(bf16: bool, fused: bool = False) -> float:
+    return COARSE_PEAK if bf16 or fused else EXACT_PEAK
+
+
 @pytest.mark.parametrize(
     "strategy, world_size, bf16, front_end, offload",
     [
@@ -358,7 +369,7 @@ def test_prediction_matches_measured_step(strategy, world_size, bf16, front_end,
     units = model_units(ARGS, config.shard_size, config.flat_params)
     assert measured[0]["shard_numels"] == [u.shard_numel for u in units]
     assert measured[0]["comm"] == plan.comm  # both front ends keep the root gathered from forward to backward
-    assert plan.peak == pytest.approx(peak, rel=0.05)
+    assert plan.peak == pytest.approx(peak, rel=peak_tolerance(bf16))
 
 
 # Blocks of 98,304 coded values per rank at 2 ranks: the fused CPU codec's (see [Note: Fused codec]).
@@ -381,7 +392,7 @@ FUSED_ARGS = ModelArgs(n_layers=2, dim=128, n_heads=4, vocab_size=253, max_seq_l
 )
 def test_prediction_matches_measured_step_with_quantized_all_gather(code, world_size, bf16, args, front_end):
     """Weights gathered as codes (per-parameter rows, or the wrapper's flat pieces): the plan's bytes
-    are the comm spy's, its peak within 5% of the step's."""
+    are the comm spy's, its peak within ``peak_tolerance`` of the step's."""
     measured = run_distributed(
         measure_step, world_size, args, BATCH, "full", bf16, RANKS_PER_NODE, all_gather_dtype=code,
         front_end=front_end,
@@ -395,7 +406,7 @@ def test_prediction_matches_measured_step_with_quantized_all_gather(code, world_
     peak = max(rank["peak"] for rank in measured)
     print(f"{code} world {world_size}: measured {peak} B, predicted {plan.peak} B ({plan.peak / peak - 1:+.4%})")
     assert measured[0]["comm"] == plan.comm  # both front ends gather the root once a step
-    assert plan.peak == pytest.approx(peak, rel=0.05)
+    assert plan.peak == pytest.approx(peak, rel=peak_tolerance(bf16, fused=args is FUSED_ARGS))
 
 
 def test_prediction_matches_the_demo_step():
@@ -409,4 +420,4 @@ def test_prediction_matches_the_demo_step():
     plan = estimate(PlanConfig(args, 2, "full", batch_size=batch, device="cpu"))
     peak = max(rank["peak"] for rank in measured)
     print(f"demo: measured {peak} B, predicted {plan.peak} B ({plan.peak / peak - 1:+.4%})")
-    assert plan.peak == pytest.approx(peak, rel=0.05)
+    assert plan.peak == pytest.approx(peak, rel=peak_tolerance(False))

@@ -141,6 +141,45 @@ def test_gradients_exact_with_respect_to_the_quantized_weights():
         torch.testing.assert_close(param.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
 
 
+def assert_computes_with_decoded_weights(
+    model: nn.Module, tokens: torch.Tensor | None = None, built_second: bool = False
+) -> None:
+    """Every Linear weight a forward of ``model`` computes with is its exact initial value (``Transformer(ARGS)``
+    seeded 0; ``built_second``: the second one built after the seed, as the wrapper tests build theirs after
+    the one their wrap policy reads its block type from) to within the code's rounding: the least-squares factor from the exact weight to the one used is 1
+    within 1%. Rounding to the nearest code is unbiased, so this factor stays near 1; a decode off by a
+    constant factor (every weight 10% smaller, or zero) is not.
+    Losses over a few steps cannot see that: the next-token loss at initialisation hardly depends on scale."""
+    torch.manual_seed(0)
+    reference = Transformer(ARGS)
+    if built_second:
+        reference = Transformer(ARGS)
+    exact = {n: m.weight.detach().float() for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
+    used: dict[str, torch.Tensor] = {}
+
+    def keep(key: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            used.setdefault(key, module.weight.detach().float().clone())
+
+        return hook
+
+    handles = [
+        module.register_forward_pre_hook(keep(name.replace("_fsdp_wrapped_module.", "")))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
+    try:
+        with torch.no_grad():
+            model(tokens if tokens is not None else _batch(0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(used) == set(exact), (sorted(used), sorted(exact))
+    for name, weight in exact.items():
+        factor = ((used[name] * weight).sum() / weight.square().sum()).item()
+        assert abs(factor - 1) < 0.01, f"{name}: the weight used is {factor:.4f} x the exact one"
+
+
 def _train(model: nn.Module, steps: int = 4) -> list[float]:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     return train_steps(model, optim, [_batch(10 * step + dist.get_rank()) for step in range(steps)], _loss)
@@ -152,6 +191,7 @@ def test_trains_close_to_exact_and_can_be_turned_off():
     coded = _train(_sharded(AllGatherQuantization()))
     assert exact != coded
     torch.testing.assert_close(torch.tensor(coded), torch.tensor(exact), rtol=1e-2, atol=0)
+    assert_computes_with_decoded_weights(_sharded(AllGatherQuantization()))
     model = _sharded(AllGatherQuantization())
     set_all_gather_quantization(model, None)
     assert _train(model) == exact
@@ -174,6 +214,16 @@ def test_backward_regather_within_a_smaller_group_is_quantized_too():
     assert {r.dtype for r in gathers} == {torch.uint8}
     losses = _train(_sharded(NOTHING_EXACT, reshard_after_forward=2))
     assert all(torch.isfinite(torch.tensor(losses)))
+    assert_computes_with_decoded_weights(_sharded(NOTHING_EXACT, reshard_after_forward=2))
+    # The backward computes with the re-gathered (pair-group) codes: its gradients are those of the
+    # full-group gather's codes to within the codes' rounding, not of zeros or scaled weights.
+    grads = []
+    for reshard in (2, True):
+        model = _sharded(NOTHING_EXACT, reshard_after_forward=reshard)
+        _loss(model, _batch(dist.get_rank())).backward()
+        grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
+    factor = ((grads[0] * grads[1]).sum() / grads[1].square().sum()).item()
+    assert abs(factor - 1) < 0.05, factor
 
 
 @distributed(world_size=4)
@@ -220,6 +270,7 @@ def test_hybrid_mesh_quantizes_the_shard_group_gather():
     torch.testing.assert_close(
         torch.tensor(_train(_sharded(AllGatherQuantization(), mesh=mesh))), exact, rtol=1e-2, atol=0
     )
+    assert_computes_with_decoded_weights(_sharded(AllGatherQuantization(), mesh=mesh))
 
 
 @distributed(world_size=2)
@@ -243,6 +294,10 @@ def test_wrapper_front_end():
     model = wrapped()
     set_all_gather_quantization(model, AllGatherQuantization())
     torch.testing.assert_close(torch.tensor(_train(model)), torch.tensor(_train(wrapped())), rtol=1e-2, atol=0)
+    for use_orig_params in (True, False):
+        model = wrapped(use_orig_params)
+        set_all_gather_quantization(model, AllGatherQuantization())
+        assert_computes_with_decoded_weights(model, built_second=True)
 
 
 @distributed(world_size=2)

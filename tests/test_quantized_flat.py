@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from test_quantize_fused import fresh_fused_codecs  # noqa: F401 (a fixture)
+from test_quantized_all_gather import assert_computes_with_decoded_weights
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import (
@@ -261,6 +262,9 @@ def test_half_the_bytes_of_bf16_and_trains_like_use_orig_params():
     assert not torch.equal(flat, exact)
     torch.testing.assert_close(flat, exact, rtol=1e-2, atol=0)
     torch.testing.assert_close(flat, rows, rtol=1e-2, atol=0)
+    assert_computes_with_decoded_weights(
+        _transformer(AllGatherQuantization()), _tokens(0).remainder(ARGS.vocab_size), built_second=True
+    )
     model = _transformer(AllGatherQuantization())
     set_all_gather_quantization(model, None)
     assert torch.equal(torch.tensor(_train(model)), exact)

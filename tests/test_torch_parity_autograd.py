@@ -1,7 +1,8 @@
 """Autograd paths against torch's FSDP: the same body runs on torch 2.13's
 ``fully_shard`` (or FSDP1 wrapper) and on fullshard, on 2 gloo ranks, and
-both must match a local unsharded reference (every rank feeds the same batch,
-so the averaged gradient is the local one)."""
+both must match a local unsharded reference. Every rank feeds its own batch (seeded
+``rank + 1``); the reference steps on the mean of every rank's loss, whose gradient the
+reduction must average: a rank that skipped the reduce-scatter would train on its own batch only."""
 
 import copy
 import dataclasses
@@ -9,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp
 import torch.nn as nn
 
@@ -38,16 +40,32 @@ def fsdp1_of(lib: str):
     return fullshard.FullyShardedDataParallel, ModuleWrapPolicy
 
 
-def train(model: nn.Module, x: torch.Tensor, steps: int = 3, loss_fn=None, optim=None) -> list[float]:
-    """SGD steps; returns the losses."""
+# Losses as Python floats (compared in float64 by default): the ranks' mean is summed in another order
+# than the reference's, about 1e-7 apart; one SGD step on a wrong gradient moves a loss by far more.
+LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def rank_batches(*shape: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's batch and every rank's (rank r's seeded ``r + 1``)."""
+    every = [torch.randn(*shape, generator=torch.Generator().manual_seed(r + 1)) for r in range(dist.get_world_size())]
+    return every[dist.get_rank()], every
+
+
+def train(
+    model: nn.Module, x: torch.Tensor | list[torch.Tensor], steps: int = 3, loss_fn=None, optim=None
+) -> list[float]:
+    """SGD steps; returns the losses. ``x`` a list (every rank's batch, for the local reference):
+    each step on the mean of their losses, returning this rank's loss."""
     optim = optim or torch.optim.SGD(model.parameters(), lr=0.1)
+    every = x if isinstance(x, list) else [x]
+    mine = dist.get_rank() if isinstance(x, list) else 0
     losses = []
     for _ in range(steps):
-        loss = loss_fn(model, x) if loss_fn is not None else model(x)
-        loss.backward()
+        per_batch = [loss_fn(model, b) if loss_fn is not None else model(b) for b in every]
+        (sum(per_batch) / len(per_batch)).backward()
         optim.step()
         optim.zero_grad()
-        losses.append(loss.item())
+        losses.append(per_batch[mine].item())
     return losses
 
 
@@ -56,13 +74,13 @@ def assert_runs_like_reference(build, shard, steps: int = 3, loss_fn=None) -> No
     libraries: equal losses and parameters to the local model after ``steps``."""
     torch.manual_seed(0)
     ref = build()
-    x = torch.randn(4, 8)
-    ref_losses = train(ref, x, steps, loss_fn)
+    x, every = rank_batches(4, 8)
+    ref_losses = train(ref, every, steps, loss_fn)
     for lib in LIBS:
         model = copy.deepcopy(build_seeded(build))
         shard(model, fully_shard_of(lib))
         losses = train(model, x, steps, loss_fn)
-        torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib}: {m}")
+        torch.testing.assert_close(losses, ref_losses, **LOSS_TOLERANCE, msg=lambda m: f"{lib}: {m}")
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(full_value(param), ref_param.detach(), msg=lambda m: f"{lib} {name}: {m}")
 
@@ -236,10 +254,11 @@ def test_func_jvp_through_sharded_units():
     """Item 13: ``torch.func.jvp`` (forward-mode AD) through sharded units gives the
     reference's value and tangent, and training afterwards is unaffected."""
     torch.manual_seed(0)
-    x, tangent = torch.randn(4, 8), torch.randn(4, 8)
+    tangent = torch.randn(4, 8)
+    x, every = rank_batches(4, 8)
     ref = build_seeded(Stack)
     expected = torch.func.jvp(ref, (x,), (tangent,))
-    ref_losses = train(ref, x)
+    ref_losses = train(ref, every)
     for lib in LIBS:
         model = build_seeded(Stack)
         shard_blocks_of_stack(model, fully_shard_of(lib))
@@ -247,7 +266,9 @@ def test_func_jvp_through_sharded_units():
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         value, derivative = torch.func.jvp(model, (x,), (tangent,))
         torch.testing.assert_close((value, derivative), expected, msg=lambda m: f"{lib}: {m}")
-        torch.testing.assert_close(train(model, x, optim=optim), ref_losses, msg=lambda m: f"{lib}: {m}")
+        torch.testing.assert_close(
+            train(model, x, optim=optim), ref_losses, **LOSS_TOLERANCE, msg=lambda m: f"{lib}: {m}"
+        )
 
 
 # -- item 10: a dtype change after wrapping -------------------------------------------------------
@@ -256,14 +277,18 @@ def test_half_after_wrapping_trains_in_half():
     """Item 10: ``model.half()`` after wrapping changes the sharded parameters' dtype
     (as in torch, flat or original parameters, wrapper or fully_shard); training
     then runs in fp16 and matches an fp16 local model."""
-    torch.manual_seed(0)
-    x = torch.randn(4, 8).half()
-    ref_losses = train(build_seeded(Stack).half(), x)
+    x, every = rank_batches(4, 8)
+    x, every = x.half(), [b.half() for b in every]
+    ref_losses = train(build_seeded(Stack).half(), every)
     for lib in LIBS:
         wrapper, policy = fsdp1_of(lib)
         models = [
-            wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=orig,
-                    device_id=torch.device("cpu"))
+            wrapper(
+                build_seeded(Stack),
+                auto_wrap_policy=policy({Block}),
+                use_orig_params=orig,
+                device_id=torch.device("cpu"),
+            )
             for orig in (False, True)
         ]
         composable = build_seeded(Stack)
@@ -290,19 +315,21 @@ def test_freezing_a_wrapped_unit_after_wrapping():
     construction: DDP cannot freeze after) do; unfreezing resumes training."""
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.manual_seed(0)
-    x = torch.randn(4, 8)
+    x, _ = rank_batches(4, 8)  # DDP averages the ranks' gradients: the reference
     ref = build_seeded(Stack)
     ref_losses = train(DistributedDataParallel(ref), x, steps=1)
     ref.blocks[0].requires_grad_(False)
     ref_losses += train(DistributedDataParallel(ref), x, steps=2)
     for lib in LIBS:
         wrapper, policy = fsdp1_of(lib)
-        model = wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=False,
-                        device_id=torch.device("cpu"))
+        model = wrapper(
+            build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=False, device_id=torch.device("cpu")
+        )
         before = train(model, x, steps=1)  # a step before freezing: the unsharded forms exist
         model.blocks[0].requires_grad_(False)
-        torch.testing.assert_close(before + train(model, x, steps=2), ref_losses, msg=lambda m: f"{lib}: {m}")
+        torch.testing.assert_close(
+            before + train(model, x, steps=2), ref_losses, **LOSS_TOLERANCE, msg=lambda m: f"{lib}: {m}"
+        )
         assert_full_params_equal(wrapper, model, ref, lib)
         model.blocks[0].requires_grad_(True)
         train(model, x, steps=1)
@@ -319,15 +346,15 @@ def test_optimizer_in_backward_steps_after_reduction():
     backward steps them with the reduced gradient and leaves ``.grad`` None."""
     from torch.distributed.optim import _apply_optimizer_in_backward
 
-    torch.manual_seed(0)
-    x = torch.randn(4, 8)
+    x, every = rank_batches(4, 8)
     ref = build_seeded(Stack)
-    ref_losses = train(ref, x)
+    ref_losses = train(ref, every)
     models = {}
     for lib in LIBS:
         wrapper, policy = fsdp1_of(lib)
-        models[lib, "wrapper"] = wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=True,
-                                         device_id=torch.device("cpu"))
+        models[lib, "wrapper"] = wrapper(
+            build_seeded(Stack), auto_wrap_policy=policy({Block}), use_orig_params=True, device_id=torch.device("cpu")
+        )
     models["fullshard", "fully_shard"] = build_seeded(Stack)
     shard_blocks_of_stack(models["fullshard", "fully_shard"], fullshard.fully_shard)
     for (lib, api), model in models.items():
@@ -338,7 +365,7 @@ def test_optimizer_in_backward_steps_after_reduction():
             loss.backward()
             losses.append(loss.item())
             assert all(p.grad is None for p in model.parameters()), f"{lib} {api}"
-        torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib} {api}: {m}")
+        torch.testing.assert_close(losses, ref_losses, **LOSS_TOLERANCE, msg=lambda m: f"{lib} {api}: {m}")
 
 
 # -- misuse the wrapper rejects as torch's FSDP1 does (same exception type) -------------------------
@@ -432,8 +459,7 @@ def test_set_is_last_backward_for_micro_batches():
     """``set_is_last_backward(False)`` on all but the last micro-batch (gradient sync
     off, as recipes combine them, or on): the step's gradients and training match
     torch's fully_shard and the reference; the flag stays until set again."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 8)
+    x, every = rank_batches(8, 8)
     ref = build_seeded(Stack)
     ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
     results = {}
@@ -455,14 +481,14 @@ def test_set_is_last_backward_for_micro_batches():
         results[lib, sync_every_micro_batch] = losses, [full_value(p) for p in model.parameters()]
     ref_losses = []
     for _ in range(2):
-        for micro in x.chunk(4):
-            loss = ref(micro) / 4
-            loss.backward()
-            ref_losses.append(loss.item())
+        for micros in zip(*(b.chunk(4) for b in every)):  # micro-batch i of every rank
+            per_rank = [ref(micro) / 4 for micro in micros]
+            (sum(per_rank) / len(per_rank)).backward()
+            ref_losses.append(per_rank[dist.get_rank()].item())
         ref_optim.step()
         ref_optim.zero_grad()
     for lib, (losses, params) in results.items():
-        torch.testing.assert_close(losses, ref_losses, msg=lambda m: f"{lib}: {m}")
+        torch.testing.assert_close(losses, ref_losses, **LOSS_TOLERANCE, msg=lambda m: f"{lib}: {m}")
         torch.testing.assert_close(params, [p.detach() for p in ref.parameters()], msg=lambda m: f"{lib}: {m}")
 
 
@@ -473,8 +499,7 @@ def test_full_precision_in_eval_env():
     torch's FSDP1; train mode still computes in bf16, equal to torch's."""
     import os
 
-    torch.manual_seed(0)
-    x = torch.randn(4, 8)
+    x, _ = rank_batches(4, 8)
     ref = build_seeded(Stack)
     with torch.no_grad():
         expected = ref(x)
@@ -486,8 +511,12 @@ def test_full_precision_in_eval_env():
             precision = (torch.distributed.fsdp.MixedPrecision if lib == "torch" else fullshard.MixedPrecision)(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-            model = wrapper(build_seeded(Stack), auto_wrap_policy=policy({Block}), mixed_precision=precision,
-                            device_id=torch.device("cpu"))
+            model = wrapper(
+                build_seeded(Stack),
+                auto_wrap_policy=policy({Block}),
+                mixed_precision=precision,
+                device_id=torch.device("cpu"),
+            )
             with torch.no_grad():
                 model.eval()
                 in_eval = model(x)
@@ -521,12 +550,16 @@ def test_backward_post_prefetch_at_end_of_backward_is_not_reused():
     BACKWARD_POST prefetch of the unit before it then gathers values the
     optimizer is about to change: the next forward must gather again.
     Losses as torch's FSDP1 and the reference."""
-    torch.manual_seed(0)
-    x = torch.randn(4, 8)
-    ref_losses = train(build_seeded(StackWithUnusedLayers), x)
+    x, every = rank_batches(4, 8)
+    ref_losses = train(build_seeded(StackWithUnusedLayers), every)
     for lib in LIBS:
         wrapper, policy = fsdp1_of(lib)
         prefetch = (torch.distributed.fsdp if lib == "torch" else fullshard).BackwardPrefetch.BACKWARD_POST
-        model = wrapper(build_seeded(StackWithUnusedLayers), auto_wrap_policy=policy({BlockWithUnusedLayer}),
-                        backward_prefetch=prefetch, use_orig_params=True, device_id=torch.device("cpu"))
-        torch.testing.assert_close(train(model, x), ref_losses, msg=lambda m: f"{lib}: {m}")
+        model = wrapper(
+            build_seeded(StackWithUnusedLayers),
+            auto_wrap_policy=policy({BlockWithUnusedLayer}),
+            backward_prefetch=prefetch,
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
+        torch.testing.assert_close(train(model, x), ref_losses, **LOSS_TOLERANCE, msg=lambda m: f"{lib}: {m}")

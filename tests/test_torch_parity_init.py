@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 import fullshard
 from fullshard.testing import distributed, full_value
@@ -148,6 +149,9 @@ def test_misuse_rejected_as_torch(case):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 @distributed(world_size=1)
 def test_one_rank_switches_to_no_shard(strategy):
+    """One rank: the wrapper warns once, runs as NO_SHARD and trains exactly as the plain model does."""
+    reference = three_stage_model()
+    runs = {"torch": (train(reference, steps=2), full_state(reference))}
     for lib in ("torch", "fullshard"):
         ns = api(lib)
         with warnings.catch_warnings(record=True) as caught:
@@ -157,7 +161,8 @@ def test_one_rank_switches_to_no_shard(strategy):
         switched = [w for w in caught if issubclass(w.category, UserWarning) and "NO_SHARD" in str(w.message)]
         assert len(switched) == 1, (lib, [str(w.message) for w in caught])
         assert wrapper.sharding_strategy.name == "NO_SHARD", lib
-        assert train(wrapper, steps=2)  # trains as NO_SHARD
+        runs["fullshard"] = (train(wrapper, steps=2), full_state(wrapper))
+        assert_same_training(runs)  # the plain model's losses and values, under either library
 
 
 # -- item 12: meta-device initialization -----------------------------------------------------------------
@@ -187,13 +192,12 @@ def test_wrapper_materializes_meta_modules(init):
         assert all(p.device == CPU for p in model.parameters()), lib
         runs[lib] = (train(model), full_state(model))
     assert_same_training(runs)
-    if init == "param_init_fn":  # the same values as initialising first, then wrapping
+    if init == "param_init_fn":  # the same values as initialising first, then training under torch's DDP
         with torch.device("meta"):
             reference = three_stage_model()
         for module in reference.modules():
             seeded_init(module)
-        reference = wrap_nested(api("fullshard"), reference)
-        runs["torch"] = (train(reference), full_state(reference))
+        runs["torch"] = (train(DistributedDataParallel(reference)), full_state(reference))
         assert_same_training(runs)
 
 
@@ -219,10 +223,8 @@ def test_fully_shard_meta_model_loaded_with_assign():
     runs = {lib: load_piece_by_piece(api(lib), full) for lib in ("torch", "fullshard")}
     runs = {lib: (train(model), full_state(model)) for lib, model in runs.items()}
     assert_same_training(runs)
-    reference = three_stage_model()  # not on meta: sharded with its values
-    for module in (reference[1], reference):
-        fullshard.fully_shard(module, offload_policy=fullshard.CPUOffloadPolicy(pin_memory=False))
-    runs["torch"] = (train(reference), full_state(reference))
+    reference = three_stage_model()  # not on meta, not sharded: torch's DDP averages the ranks' gradients
+    runs["torch"] = (train(DistributedDataParallel(reference)), full_state(reference))
     assert_same_training(runs)
 
 

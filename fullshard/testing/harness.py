@@ -86,6 +86,7 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
     import torch.distributed as dist
 
     sys.path[:] = task.sys_path
+    environ = dict(os.environ)  # restored after the task: a test's LOCAL_WORLD_SIZE must not reach the next
     try:
         prefix_store = dist.PrefixStore(f"task{task.task_id}/", store)
         dist.init_process_group(
@@ -105,6 +106,8 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.set_debug_level(dist.DebugLevel.OFF)
+        os.environ.clear()
+        os.environ.update(environ)
         os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
 
 

@@ -111,7 +111,8 @@ def wrap_wrapper(s: Scenario, a: SimpleNamespace, net: nn.Module) -> nn.Module:
     if s.probe == "ignored_modules":
         kwargs["ignored_modules"] = [net.mid]
     elif s.probe == "ignored_states":
-        kwargs["ignored_states"] = [net.out.weight, net.block2.lin2]
+        # Parameters only: FSDP1 (and fullshard) refuse a list mixing parameters and modules at construction.
+        kwargs["ignored_states"] = [net.out.weight, net.block2.lin2.weight, net.block2.lin2.bias]
     elif s.probe == "ignored_module_invalid":  # a unit listed as ignored: torch's ValueError
         net.block1 = a.FSDP(net.block1, device_id=CPU)
         kwargs["ignored_modules"] = [net.block1]

@@ -1,8 +1,9 @@
 """What the matrix knows: where torch's FSDP itself fails or is wrong on CPU, our deliberate differences,
 and the differences still open (issue 23). Each row names the scenarios and differences it covers, and why.
 
-- ``TORCH_FAILURES``: torch's FSDP cannot run the scenario here; it runs under fullshard alone (it must
-  not crash or hang).
+- ``TORCH_FAILURES``: torch's FSDP cannot run the scenario here. Fullshard's record is then compared with
+  torch's record of a stand-in scenario that differs only in the setting torch cannot run and that changes
+  no value (offloading moves tensors, not numbers), or with the error our documentation names.
 - ``TORCH_WRONG``: torch's value is wrong; ours is what its documentation says (a value difference allowed
   only here, each with its proof).
 - ``DELIBERATE``: a difference of a kind other than ``value`` that we keep, listed in docs/api.md under
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 from .record import Difference
@@ -22,8 +24,13 @@ from .scenarios import Scenario
 
 
 class TorchFailure(NamedTuple):
+    """``applies(s)``: torch cannot run ``s``. Ours is checked against torch's record of ``stand_in(s)``
+    (every value equal), or must raise ``raises`` (documented in docs/api.md)."""
+
     applies: Callable[[Scenario], bool]
     reason: str
+    stand_in: Callable[[Scenario], Scenario] | None = None
+    raises: str | None = None
 
 
 class Row(NamedTuple):
@@ -48,26 +55,39 @@ TORCH_FAILURES: tuple[TorchFailure, ...] = (
         lambda s: _wrapper(s) and s.offload,
         "FSDP1's CPUOffload(offload_params=True) pins its shards at lazy init, which raises on a machine with no "
         "accelerator (RuntimeError: Cannot access accelerator device when none is available): fullshard "
-        "offloads without pinning there",
+        "offloads without pinning there; compared with torch without offload (same values)",
+        stand_in=lambda s: replace(s, offload=False),
     ),
     TorchFailure(
         lambda s: _wrapper(s) and ("offload_to_cpu" in s.probe or s.probe == "sd_full_rank0_cpu"),
         "FSDP1's offload_to_cpu on a CPU device frees the storage it then reads (RuntimeError: setStorage ... out "
         "of bounds for storage of size 0), on some ranks only with rank0_only (the others then hang): "
-        "fullshard hands out CPU copies",
+        "fullshard hands out CPU copies; compared with torch without offload_to_cpu (same values)",
+        stand_in=lambda s: replace(s, probe=_without_offload_to_cpu(s.probe)),
     ),
     TorchFailure(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe == "sd_local",
         "FSDP1's LOCAL_STATE_DICT with use_orig_params=True saves the flat parameter next to the original "
         "parameters' local slices and then refuses to load its own dict (RuntimeError: Unexpected key(s) "
         "... _flat_param); fullshard raises NotImplementedError at save (docs/api.md)",
+        raises="NotImplementedError",
     ),
     TorchFailure(
         lambda s: _wrapper(s) and s.use_orig_params and s.probe == "osd_optim_input",
         "FSDP1's full_optim_state_dict(optim_input=...) with use_orig_params=True fails its own padding check "
-        "(AssertionError: Manually calculated _sharded_numel_padded is incorrect)",
+        "(AssertionError: Manually calculated _sharded_numel_padded is incorrect); compared with torch's "
+        "full_optim_state_dict without optim_input (the same parameters, so the same state keys)",
+        stand_in=lambda s: replace(s, probe="osd_optim_input_default"),
     ),
 )
+
+
+def _without_offload_to_cpu(probe: str) -> str:
+    """The probe with ``offload_to_cpu`` left out (``sd_full_rank0_cpu``: rank0_only alone)."""
+    if probe == "sd_full_rank0_cpu":
+        return "sd_full_rank0"
+    kind, _, flags = probe.partition(":")
+    return kind + ":" + ",".join(f for f in flags.split(",") if f != "offload_to_cpu")
 
 
 def single_state_optimizer(s: Scenario) -> bool:
@@ -87,6 +107,10 @@ _LAYOUT = (
     "holds, and so each rank's local view, differ (full values, state dicts by name and optimizer states are "
     "equal). With use_orig_params=False both hold FSDP1's flat shard: no row"
 )
+
+# The gradients of the parameters models.Net(kind="frozen") freezes (a wrapper name may hold
+# ``_fsdp_wrapped_module.`` between the unit and its child).
+FROZEN_GRAD_KEYS = r"^(param|summoned)\.grad:(.*\.)?(block1\.(_fsdp_wrapped_module\.)?lin1|mid)\.(weight|bias)(:type|:shape)?$"
 
 TORCH_WRONG: tuple[Row, ...] = (
     Row(
@@ -110,11 +134,21 @@ TORCH_WRONG: tuple[Row, ...] = (
         "and fullshard discards them under every strategy",
     ),
     Row(
+        lambda s: _wrapper(s) and (s.strategy == "NO_SHARD" or "HYBRID" in s.strategy) and s.probe == "sd_full_rank0_cpu",
+        ("keys",),
+        r"^(keys$|sd:)",
+        "FullStateDictConfig(rank0_only=True): torch's stand-in (rank0_only without offload_to_cpu, see "
+        "TORCH_FAILURES) hands the full state dict to every rank under NO_SHARD, and to the first rank of each "
+        "shard group under the hybrid strategies (global rank 2 of 4); its documentation says only rank 0 gets "
+        "it, as fullshard does under every strategy (rank 0's keys and values are still compared)",
+    ),
+    Row(
         lambda s: _wrapper(s) and s.model == "frozen",
         ("value", "keys", "type"),
-        r"^(param|summoned)\.grad:",
+        FROZEN_GRAD_KEYS,
         "frozen parameters have no gradient: FSDP1 hands out zeros cut from its flat gradient for some of "
-        "them under summon_full_params(with_grads=True); fullshard leaves .grad None, as a plain model does",
+        "them under summon_full_params(with_grads=True); fullshard leaves .grad None, as a plain model does "
+        "(only the frozen parameters' gradients: models.Net freezes block1.lin1 and mid)",
     ),
 )
 
@@ -199,12 +233,18 @@ DELIBERATE: tuple[Row, ...] = (
 OPEN: tuple[Row, ...] = ()
 
 
-def torch_failure(s: Scenario) -> str | None:
-    """Why torch's FSDP cannot run ``s`` here (it is then run under fullshard alone), or None."""
+def torch_failure_row(s: Scenario) -> TorchFailure | None:
+    """The row saying torch's FSDP cannot run ``s`` here, or None."""
     for row in TORCH_FAILURES:
         if row.applies(s):
-            return row.reason
+            return row
     return None
+
+
+def torch_failure(s: Scenario) -> str | None:
+    """Why torch's FSDP cannot run ``s`` here, or None."""
+    row = torch_failure_row(s)
+    return row.reason if row is not None else None
 
 
 def explain(s: Scenario, d: Difference) -> str | None:

@@ -43,6 +43,13 @@ class Net(nn.Module):
         if kind == "buffers":
             self.register_buffer("scale", torch.full((5,), 0.5))
         self.kind = kind
+        # Each input in its layer's dtype, read inside the layer's forward (a unit's weight is gathered by
+        # then): under mixed precision an ignored layer (ignored_modules, ignored_states) keeps fp32 weights
+        # between bf16 ones, so both sides would raise a dtype mismatch instead of training. A no-op cast
+        # everywhere else.
+        for layer in (self.mid, self.out, getattr(self, "out2", None)):
+            if layer is not None:
+                layer.register_forward_pre_hook(_input_in_weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.block2(self.block1(self.inp(x)))
@@ -52,6 +59,10 @@ class Net(nn.Module):
         if self.kind == "tied":
             h = self.out2(torch.relu(h))
         return self.out(h)
+
+
+def _input_in_weight_dtype(layer: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(layer.weight.dtype),)
 
 
 MODEL_KINDS = ("nested", "tied", "frozen", "buffers", "norm")

@@ -163,13 +163,13 @@ def _load(r: Run, sd_type: str, sd: dict) -> None:
         r.model.load_state_dict(sd)
 
 
-@probe("sd_full", "sd_full_rank0_cpu", "sd_sharded", "sd_local")
+@probe("sd_full", "sd_full_rank0_cpu", "sd_full_rank0", "sd_sharded", "sd_local")
 def state_dict_round_trip(r: Run) -> None:
     r.step("loss0")
     sd_type = {"sd_full": "FULL_STATE_DICT", "sd_sharded": "SHARDED_STATE_DICT", "sd_local": "LOCAL_STATE_DICT"}
     config = None
-    if r.s.probe == "sd_full_rank0_cpu":
-        config = r.a.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    if r.s.probe.startswith("sd_full_rank0"):  # sd_full_rank0: the stand-in torch runs for the _cpu one
+        config = r.a.FullStateDictConfig(offload_to_cpu=r.s.probe.endswith("_cpu"), rank0_only=True)
     kind = sd_type.get(r.s.probe, "FULL_STATE_DICT")
     sd = state_dict_of(r, kind, config)
     r.rec.put("keys", tuple(sorted(sd)))  # FSDP1's order puts a tied parameter's name where it was first seen
@@ -233,10 +233,12 @@ def full_optim_state_dict(r: Run) -> None:
             r.rec.put(f"osd:{key}:{name}", value)
 
 
-@probe("osd_optim_input")
+@probe("osd_optim_input", "osd_optim_input_default")
 def osd_optim_input(r: Run) -> None:
+    """``osd_optim_input_default``: without ``optim_input`` (the stand-in torch runs where it fails)."""
     r.step("loss0")
-    osd = r.a.FSDP.full_optim_state_dict(r.model, r.optim, optim_input=list(r.model.parameters()))
+    optim_input = list(r.model.parameters()) if r.s.probe == "osd_optim_input" else None
+    osd = r.a.FSDP.full_optim_state_dict(r.model, r.optim, optim_input=optim_input)
     r.rec.put("state_keys", tuple(sorted(osd.get("state", {}))))
 
 

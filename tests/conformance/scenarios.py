@@ -134,7 +134,7 @@ def generate(world: int) -> list[Scenario]:
                 model = PROBE_MODEL.get(probe, MODEL_KINDS[(p_index + s_index) % len(MODEL_KINDS)])
                 out.append(Scenario(world, front, model, probe, strategy, uop, offload, mixed))
     # torch's FSDP1 cannot offload on a machine without an accelerator (known.TORCH_FAILURES): the
-    # wrapper's CPUOffload runs under fullshard alone, once per strategy.
+    # wrapper's CPUOffload is compared with torch's run without offload (the same values), once per strategy.
     out += [Scenario(world, "wrapper", "nested", "train", s, uop, True) for s in STRATEGIES for uop in (False, True)]
     return out
 
