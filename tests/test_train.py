@@ -317,6 +317,15 @@ def _wait(process: subprocess.Popen, tmp_path: Path, timeout: float = 90) -> tup
     return code, (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
 
 
+def _kill_rank_one(process: subprocess.Popen) -> int:
+    """SIGKILLs the launcher's rank-1 worker; returns its pid."""
+    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    rank1 = [pid for pid in workers if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
+    assert len(rank1) == 1, workers
+    os.kill(rank1[0], signal.SIGKILL)
+    return rank1[0]
+
+
 def _session_alive(process: subprocess.Popen) -> bool:
     try:
         os.killpg(process.pid, 0)
@@ -392,13 +401,10 @@ def test_a_second_sigint_leaves_only_complete_checkpoints(tmp_path):
 def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
     process = _start([*SMALL_FLAGS, "--steps", "1000000", "--metrics", "metrics.jsonl"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 2, process)
-    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
-    rank1 = [pid for pid in workers if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
-    assert len(rank1) == 1, workers
-    os.kill(rank1[0], signal.SIGKILL)
+    rank1 = _kill_rank_one(process)
     code, out, err = _wait(process, tmp_path, timeout=60)
     assert code == 1
-    assert f"fullshard train: rank 1 (pid {rank1[0]}) was killed by SIGKILL" in err
+    assert f"fullshard train: rank 1 (pid {rank1}) was killed by SIGKILL" in err
     assert "The other ranks were stopped." in err
     assert not _session_alive(process)
 
@@ -635,10 +641,7 @@ def test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve(tmp_
     assert code == 0, err
     process = _start([*flags, "--checkpoint-dir", "ckpt", "--metrics", "metrics.jsonl", "--max-restarts", "1"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 6, process)
-    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
-    rank1 = [pid for pid in workers if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
-    assert len(rank1) == 1, workers
-    os.kill(rank1[0], signal.SIGKILL)
+    rank1 = _kill_rank_one(process)
     code, out, err = _wait(process, tmp_path, timeout=120)
     assert code == 0, err
     resumed = re.search(r"restart 1 after a failed rank: resuming from the checkpoint of step (\d+)", err)

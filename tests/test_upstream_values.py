@@ -29,29 +29,19 @@ LIBS = ("torch", "fullshard")
 def api(lib: str) -> types.SimpleNamespace:
     """The FSDP names of ``lib`` that these tests use."""
     if lib == "torch":
-        import torch.distributed.fsdp as fsdp
+        import torch.distributed.fsdp as names
         from torch.distributed.fsdp import wrap
-
-        return types.SimpleNamespace(
-            lib=lib,
-            fully_shard=fsdp.fully_shard,
-            MixedPrecisionPolicy=fsdp.MixedPrecisionPolicy,
-            FSDP=fsdp.FullyShardedDataParallel,
-            MixedPrecision=fsdp.MixedPrecision,
-            ShardingStrategy=fsdp.ShardingStrategy,
-            CPUOffload=fsdp.CPUOffload,
-            ModuleWrapPolicy=wrap.ModuleWrapPolicy,
-        )
-    from fullshard import wrap
-
+    else:
+        names = fullshard
+        from fullshard import wrap
     return types.SimpleNamespace(
         lib=lib,
-        fully_shard=fullshard.fully_shard,
-        MixedPrecisionPolicy=fullshard.MixedPrecisionPolicy,
-        FSDP=fullshard.FullyShardedDataParallel,
-        MixedPrecision=fullshard.MixedPrecision,
-        ShardingStrategy=fullshard.ShardingStrategy,
-        CPUOffload=fullshard.CPUOffload,
+        fully_shard=names.fully_shard,
+        MixedPrecisionPolicy=names.MixedPrecisionPolicy,
+        FSDP=names.FullyShardedDataParallel,
+        MixedPrecision=names.MixedPrecision,
+        ShardingStrategy=names.ShardingStrategy,
+        CPUOffload=names.CPUOffload,
         ModuleWrapPolicy=wrap.ModuleWrapPolicy,
     )
 
