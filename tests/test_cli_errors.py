@@ -150,3 +150,24 @@ def test_ctrl_c_outside_the_ranks_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(plan, "run", interrupted)
     assert main(["plan"]) == 130
     assert capsys.readouterr().err == "\nfullshard plan: interrupted\n"
+
+
+@pytest.mark.slow
+def test_train_into_a_closed_pipe_succeeds_quietly(tmp_path):
+    """``fullshard train ... | true``: the summary has no reader; the run still succeeds, without a
+    traceback, and the metrics file still gets its summary line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "fullshard", "train", "--nproc", "2", "--steps", "2", "--layers", "1",
+               "--dim", "32", "--seq", "16", "--batch", "4", "--metrics", str(tmp_path / "m.jsonl")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    process.stdout.close()  # as `| true` does
+    err = process.stderr.read().decode()
+    assert process.wait(180) == 0 and "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
+    last = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert "summary" in last

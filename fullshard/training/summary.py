@@ -8,6 +8,8 @@ peak ``fullshard plan`` predicts for one process with the same per-rank batch.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,7 +176,10 @@ def print_summary(result: RunResult) -> None:
         lines += ["", _memory_table(result)]
     if result.sample is not None:
         lines += ["", "sample: " + repr(result.sample)]
-    print("\n".join(lines), flush=True)
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # the reader went away (`| head`): the run itself succeeded
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to tell it, at exit either
 
 
 def _memory_table(result: RunResult) -> str:
