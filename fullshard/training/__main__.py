@@ -38,12 +38,24 @@ def after_restart(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, resume=step is not None)
 
 
+def init_process_group(backend: str) -> None:
+    """torchrun's group; after a restart, under keys of this attempt's own: the agent's store keeps
+    the failed attempt's, and the ranks would read their predecessors' gloo addresses and fail."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"fullshard/attempt{restart}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
 @record
 def main() -> None:
     config = after_restart(TrainConfig.from_json(sys.argv[1]))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // local_ranks))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         result = train(config)
     except CheckpointError as exc:
