@@ -208,16 +208,20 @@ def thread_count() -> int:
 
 
 def leftovers(name: str, run: Callable[[str], None] = cycle) -> dict[str, int]:
-    """What one more cycle of ``name`` leaves alive (kinds that grew, with how many more).
+    """What each further cycle of ``name`` leaves alive: the kinds that grew over both of two
+    more cycles (with how many more after both).
 
-    The first cycle warms caches that live as long as the process (compiled kernels,
-    torch's lazily made objects); the second one is measured against it.
+    The first cycle warms caches that live as long as the process (compiled kernels, torch's
+    lazily made objects); a leak grows with every cycle after it, while an object that a
+    collective still holds for a moment (gloo's work in flight) shows up once and is gone.
     """
     run(name)
-    before = live_objects()
+    first = live_objects()
     run(name)
-    after = live_objects()
-    return {kind: after[kind] - before[kind] for kind in after if after[kind] > before[kind]}
+    second = live_objects()
+    run(name)
+    third = live_objects()
+    return {kind: third[kind] - first[kind] for kind in third if third[kind] > second[kind] > first[kind]}
 
 
 def _group_cycles(rank: int, world_size: int, port: int, cycles: int, name: str, results: object) -> None:
