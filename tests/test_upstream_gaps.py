@@ -15,6 +15,9 @@ from fullshard._core import comm
 from fullshard.models import MLP
 from fullshard.testing import distributed, full_value
 
+# make test only (4-rank pools, about 35 s): the fast tier keeps their paths' parity tests.
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 
 
