@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# make test only: a check of the GPU script's plumbing, not of the library (about 9 s).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
 ALL_STEPS = ["env", "tests-gpu", "tests-smoke", "train-fp32", "train-fp32-offload", "train-bf16",

@@ -425,6 +425,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
         (["--device", "cuda"], "--device cuda needs a GPU per rank, but this process sees no GPU: use --device cpu"),
         (["--lr", "-1"], "fullshard train: --lr expects a positive number but got -1\n"),
         (["--threads", "0"], "--threads expects a positive number but got 0"),
+        (["--max-restarts", "2"], "--max-restarts 2 needs --checkpoint-dir"),
         (["--shard-size", "2"], "--shard-size 2 applies only to --strategy hybrid, but got --strategy full: add "
                                 "--strategy hybrid, or drop --shard-size"),
         (["--checkpoint-dir", "{saved}", "--resume", "--steps", "2"],
@@ -651,9 +652,3 @@ def test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve(tmp_
     assert [r.get("step") for r in records] == [*range(1, 41), None]  # one curve, no step twice
     assert [r["loss"] for r in records[:-1]] == [r["loss"] for r in plain[:-1]]  # bit for bit
     assert not _session_alive(process)
-
-
-def test_max_restarts_needs_a_checkpoint_folder(tmp_path):
-    code, _, err = _wait(_start([*SMALL_FLAGS, "--max-restarts", "2"], tmp_path), tmp_path)
-    assert code == 2
-    assert "--max-restarts 2 needs --checkpoint-dir" in err

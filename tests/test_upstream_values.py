@@ -16,12 +16,16 @@ import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import fullshard
 from fullshard.testing import case, clone_tree, distributed, full_value
+
+# make test only (about 20 s): torch's oracle on upstream behaviours whose paths the fast tier's parity tests take.
+pytestmark = pytest.mark.slow
 
 LIBS = ("torch", "fullshard")
 
