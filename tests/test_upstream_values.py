@@ -50,6 +50,19 @@ def api(lib: str) -> types.SimpleNamespace:
     )
 
 
+def train_dropping_an_output(model: nn.Module, optim: torch.optim.Optimizer, both_steps: int) -> list[torch.Tensor]:
+    """Six steps of a two-output model whose right output leaves the loss after ``both_steps``."""
+    losses = []
+    for step, x in enumerate(rank_batches(6, 4, 8)):
+        left, right = model(x)
+        loss = left.sum() + right.sum() if step < both_steps else left.sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def rank_batches(num: int, *shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """``num`` batches of this rank's own (seeded ``seed + rank + 1``)."""
     gen = torch.Generator().manual_seed(seed + dist.get_rank() + 1)
@@ -402,15 +415,7 @@ def test_output_dropping_out_of_the_loss_matches_torch():
             for module in (model.trunk, model.left, model.right, model):
                 lib.fully_shard(module, reshard_after_forward=reshard)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
-            for step, x in enumerate(rank_batches(6, 4, 8)):
-                left, right = model(x)
-                loss = left.sum() + right.sum() if step < 3 else left.sum()
-                loss.backward()
-                optim.step()
-                optim.zero_grad()
-                losses.append(loss.detach())
-            return losses, full_params(model)
+            return train_dropping_an_output(model, optim, both_steps=3), full_params(model)
 
         with case(f"reshard={reshard}"):
             both(body)
@@ -1659,15 +1664,7 @@ def outputs_leaving_the_loss(strategy: str) -> Callable:
     def body(lib):
         model = wrap_fsdp1(lib, TwoOutputs(), sharding_strategy=getattr(lib.ShardingStrategy, strategy))
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step, x in enumerate(rank_batches(6, 4, 8)):
-            left, right = model(x)
-            loss = left.sum() + right.sum() if step < 2 else left.sum()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach())
-        return losses, full_state(model)
+        return train_dropping_an_output(model, optim, both_steps=2), full_state(model)
 
     return body
 
