@@ -46,7 +46,7 @@ def test_torch_fsdp_below_names_torch_fsdp():
         ValueError,
         match=r"^fully_shard expects modules that torch's FSDP has not been applied to, but _Block \(0\) is "
         r"already sharded by torch's FSDP \(torch\.distributed\.fsdp\.[\w.]+\): use fullshard's fully_shard on "
-        r"every module \(import it from fullshard, not torch\.distributed\.fsdp\), or torch's on every one$",
+        r"every module \(import it from fullshard, not from torch\), or torch's on every one$",
     ):
         fully_shard(model)
 

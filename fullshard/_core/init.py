@@ -118,14 +118,15 @@ def validate_module(module: nn.Module, api: str) -> None:
     reject_torch_fsdp(module, api)
 
 
-# torch's own FSDP (both APIs) and composable replicate, recognised by where their classes live:
-# fullshard may not import them (the clean-room line in DESIGN.md).
-_TORCH_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
+# torch's own FSDP, recognised by its classes' names in torch's tree without importing them (the
+# clean-room line in DESIGN.md): FSDP2's swapped-in classes (and composable replicate's) derive
+# from its FSDPModule, FSDP1's wrapper is its FullyShardedDataParallel.
+_TORCH_FSDP_CLASSES = ("FSDPModule", "FullyShardedDataParallel")
 
 
 def _torch_fsdp_class(module: nn.Module) -> type | None:
     for cls in type(module).__mro__:
-        if cls.__module__.startswith(_TORCH_FSDP_MODULES):
+        if cls.__name__ in _TORCH_FSDP_CLASSES and cls.__module__.startswith("torch."):
             return cls
     return None
 
@@ -137,12 +138,12 @@ def reject_torch_fsdp(module: nn.Module, api: str) -> None:
         cls = _torch_fsdp_class(sub)
         if cls is not None:
             # torch's FSDP2 swaps in a class derived from the user's: name the user's
-            user = next((c for c in type(sub).__mro__ if not c.__module__.startswith(_TORCH_FSDP_MODULES)), cls)
+            user = next(c for c in type(sub).__mro__ if not issubclass(c, cls))
             where = f"{user.__name__} ({name})" if name else user.__name__
             raise ValueError(
                 f"{api} expects modules that torch's FSDP has not been applied to, but {where} is already "
-                f"sharded by torch's FSDP ({cls.__module__}.{cls.__name__}): use fullshard's {api} on every "
-                "module (import it from fullshard, not torch.distributed.fsdp), or torch's on every one"
+                f"sharded by torch's FSDP ({type(sub).__module__}.{type(sub).__name__}): use fullshard's {api} on "
+                "every module (import it from fullshard, not from torch), or torch's on every one"
             )
 
 
