@@ -38,9 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import MEMORY_ENV, status_bytes  # noqa: E402
 
-from fullshard.testing.lifecycle import CONFIGS, small_model, thread_count  # noqa: E402
-from fullshard.testing.lifecycle import _extra as lifecycle_extra  # noqa: E402
-from fullshard.testing.lifecycle import _shard as lifecycle_shard  # noqa: E402
+from fullshard.testing.lifecycle import CONFIGS, after_step, shard_as, small_model, thread_count  # noqa: E402
 
 
 def _torch_shard(config: str, model: torch.nn.Sequential) -> torch.nn.Module:
@@ -61,14 +59,14 @@ def _torch_shard(config: str, model: torch.nn.Sequential) -> torch.nn.Module:
 
 def one_cycle(framework: str, config: str) -> None:
     model = small_model()
-    sharded = lifecycle_shard(config, model) if framework == "fullshard" else _torch_shard(config, model)
+    sharded = shard_as(config, model) if framework == "fullshard" else _torch_shard(config, model)
     optim = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     for _ in range(2):
         sharded(torch.randn(4, 16)).sum().backward()
         optim.step()
         optim.zero_grad()
     if framework == "fullshard":
-        lifecycle_extra(config, sharded, optim)
+        after_step(config, sharded, optim)
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     get_state_dict(sharded, optim)

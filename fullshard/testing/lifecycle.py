@@ -66,7 +66,7 @@ def _hsdp_mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def _shard(name: str, model: nn.Sequential) -> nn.Module:
+def shard_as(name: str, model: nn.Sequential) -> nn.Module:
     """``model`` sharded as configuration ``name`` says."""
     from fullshard import (
         AllGatherQuantization,
@@ -135,7 +135,7 @@ CONFIGS = (
 )
 
 
-def _extra(name: str, model: Any, optim: torch.optim.Optimizer) -> None:
+def after_step(name: str, model: Any, optim: torch.optim.Optimizer) -> None:
     """What configuration ``name`` does after its step."""
     if name == "state_dict":
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -171,14 +171,14 @@ def _extra(name: str, model: Any, optim: torch.optim.Optimizer) -> None:
 
 def cycle(name: str) -> None:
     """Builds, shards, steps and drops one model as ``name`` says (every rank calls it)."""
-    model = _shard(name, small_model())
+    model = shard_as(name, small_model())
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):
         model(torch.randn(4, 16, generator=generator)).sum().backward()
         optim.step()
         optim.zero_grad()
-    _extra(name, model, optim)
+    after_step(name, model, optim)
     del model, optim
 
 
