@@ -128,6 +128,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    faulthandler.enable(file=log, all_threads=True)  # a native crash leaves its Python stacks in the log
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: see [Note: Rank pool]
 
     import torch
@@ -150,6 +151,18 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
         except Exception as exc:  # noqa: BLE001 - e.g. a tensor that requires grad
             ok, value, failed_at = False, f"could not send the result back: {exc!r}", time.time()
         results.put((task.task_id, rank, ok, value, failed_at))
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    """A process's exit code in words: a negative code is the signal that killed it."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 class RankPool:
@@ -230,9 +243,10 @@ class RankPool:
             except queue.Empty:
                 dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
                 if dead:
+                    codes = ", ".join(f"rank {r}: {_describe_exit(self._procs[r].exitcode)}" for r in dead)
                     self.close()
                     raise RankFailure(
-                        f"rank(s) {dead} died while running {task.qualname}\n" + self._log_tails(dead)
+                        f"rank(s) {dead} died while running {task.qualname} ({codes})\n" + self._log_tails(dead)
                     ) from None
                 continue
             if task_id != task.task_id:
