@@ -2,6 +2,7 @@
 and the one-process parity reference."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import DataParallelReference, RankFailure, RankTimeout, distributed, run_distributed
+from fullshard.testing.harness import RankCrashWarning
 
 
 def _rank_and_sum():
@@ -127,3 +129,22 @@ def test_a_tasks_environment_changes_do_not_reach_the_next_task():
     before = run_distributed(_read_environment, 2)
     run_distributed(_set_local_world_size, 2)
     assert run_distributed(_read_environment, 2) == before
+
+
+@distributed(world_size=2)
+def _dies_by_a_signal_the_first_time(marker: str) -> int:
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_rank_killed_by_a_signal_is_named_and_the_test_runs_again(tmp_path):
+    """The first run's rank 1 dies by SIGSEGV: the warning names the signal and carries the
+    rank's native stacks (faulthandler); the second run, on fresh ranks, passes."""
+    with pytest.warns(RankCrashWarning) as record:
+        _dies_by_a_signal_the_first_time(str(tmp_path / "crashed-once"))
+    text = str(record[0].message)
+    assert "rank 1: killed by SIGSEGV" in text
+    assert "Fatal Python error: Segmentation fault" in text and "_dies_by_a_signal_the_first_time" in text
