@@ -106,8 +106,6 @@ SLOW_TESTS: dict[str, str] = {
     "test_train.py::test_resume_at_another_world_size_and_strategy resumes across world sizes",
     "test_fully_shard_training.py::test_parity_gradient_accumulation_mixed_precision": "16 s; "
     "test_parity_gradient_accumulation and test_parity_mixed_precision take each path",
-    "test_plan.py::test_cli_table": "13 s; test_cli_single_configuration_shows_its_peak and "
-    "test_cli_world_size_ranges run the same command",
     "test_bucketed_collectives.py::test_bucketed_training_equals_unbucketed_and_one_process_at_4": "5 s and a "
     "4-rank pool; test_bucketed_training_equals_unbucketed_and_one_process_at_2 takes each bucket path",
     "test_train.py::test_wrapper_front_end_trains_exactly_as_fully_shard": "3 s; the wrapper front end's "
