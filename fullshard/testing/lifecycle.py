@@ -224,9 +224,7 @@ def leftovers(name: str, run: Callable[[str], None] = cycle) -> dict[str, int]:
     return {kind: third[kind] - first[kind] for kind in third if third[kind] > second[kind] > first[kind]}
 
 
-def _group_cycles(
-    rank: int, world_size: int, port: int, cycles: int, names: list[str], results: object
-) -> None:
+def _group_cycles(rank: int, world_size: int, port: int, cycles: int, names: list[str], results: object) -> None:
     """In a fresh process, for each of ``names`` in turn: ``cycles`` times a new default group,
     one ``cycle(name)``, and the group destroyed; puts the thread count after each on ``results``."""
     import datetime
