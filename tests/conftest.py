@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 FAST_CASES: dict[str, tuple[str, ...]] = {
-    # 40 combinations, 97 s measured: one per strategy, each flag (use_orig_params, offload, mixed) both ways.
+    # 10 settings (each strategy with a row of flags and its complement): one per strategy, each flag
+    # (use_orig_params, offload, mixed) both ways.
     "test_wrapper.py::test_parity_matrix": (
         "ShardingStrategy.FULL_SHARD-False-False-False",
         "ShardingStrategy.FULL_SHARD-True-True-True",
