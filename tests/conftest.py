@@ -111,6 +111,9 @@ SLOW_TESTS: dict[str, str] = {
     "4-rank pool; test_bucketed_training_equals_unbucketed_and_one_process_at_2 takes each bucket path",
     "test_train.py::test_wrapper_front_end_trains_exactly_as_fully_shard": "3 s; the wrapper front end's "
     "other paths are test_wrapper.py's fast matrix cases",
+    "test_quantize_fused.py::test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_too": "6 s "
+    "(compiles); test_fused_codec_gives_the_eager_codecs_bits gives the eager codec's bits, with which "
+    "test_quantized_all_gather.py trains",
     "test_train.py::test_resume_moves_between_the_front_ends": "3 s; "
     "test_train.py::test_resume_after_ctrl_c_continues_the_loss_curve_exactly resumes",
 }
