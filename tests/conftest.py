@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 FAST_CASES: dict[str, tuple[str, ...]] = {
-    # 40 combinations, 97 s measured: one per strategy, each flag (use_orig_params, offload, mixed) both ways.
+    # 10 settings (each strategy with a row of flags and its complement): one per strategy, each flag
+    # (use_orig_params, offload, mixed) both ways.
     "test_wrapper.py::test_parity_matrix": (
         "ShardingStrategy.FULL_SHARD-False-False-False",
         "ShardingStrategy.FULL_SHARD-True-True-True",
@@ -106,12 +107,13 @@ SLOW_TESTS: dict[str, str] = {
     "test_train.py::test_resume_at_another_world_size_and_strategy resumes across world sizes",
     "test_fully_shard_training.py::test_parity_gradient_accumulation_mixed_precision": "16 s; "
     "test_parity_gradient_accumulation and test_parity_mixed_precision take each path",
-    "test_plan.py::test_cli_table": "13 s; test_cli_single_configuration_shows_its_peak and "
-    "test_cli_world_size_ranges run the same command",
     "test_bucketed_collectives.py::test_bucketed_training_equals_unbucketed_and_one_process_at_4": "5 s and a "
     "4-rank pool; test_bucketed_training_equals_unbucketed_and_one_process_at_2 takes each bucket path",
     "test_train.py::test_wrapper_front_end_trains_exactly_as_fully_shard": "3 s; the wrapper front end's "
     "other paths are test_wrapper.py's fast matrix cases",
+    "test_quantize_fused.py::test_training_with_the_fused_codec_equals_the_eager_codec_compiled_blocks_too": "6 s "
+    "(compiles); test_fused_codec_gives_the_eager_codecs_bits gives the eager codec's bits, with which "
+    "test_quantized_all_gather.py trains",
     "test_train.py::test_resume_moves_between_the_front_ends": "3 s; "
     "test_train.py::test_resume_after_ctrl_c_continues_the_loss_curve_exactly resumes",
 }

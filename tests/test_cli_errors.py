@@ -163,7 +163,8 @@ def test_train_into_a_closed_pipe_succeeds_quietly(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "fullshard", "train", "--nproc", "2", "--steps", "2", "--layers", "1",
+    # One rank: rank 0 and the launcher are the ones that print (a second rank costs an import of torch).
+    command = [sys.executable, "-m", "fullshard", "train", "--nproc", "1", "--steps", "2", "--layers", "1",
                "--dim", "32", "--seq", "16", "--batch", "4", "--metrics", str(tmp_path / "m.jsonl")]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
     process.stdout.close()  # as `| true` does

@@ -169,18 +169,9 @@ def test_bad_input():
 
 
 # -- the command line -------------------------------------------------------------------------
-def run_cli(*args: str) -> str:
-    root = os.path.dirname(os.path.dirname(fullshard.__file__))  # this checkout, also for the child
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, "-m", "fullshard", *args], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def test_cli_table():
-    out = run_cli("plan", "--model", "gpt-tiny", "--world-size", "1-4", "--batch-per-rank", "2", "--device", "cpu")
+def test_cli_table(capsys):
+    main(["plan", "--model", "gpt-tiny", "--world-size", "1-4", "--batch-per-rank", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("full ")]
     assert [row[1] for row in rows] == ["1", "2", "4"]
     for row in rows:

@@ -371,12 +371,8 @@ def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path)
     assert saved == steps[-1] >= 3  # saved after the last step every rank finished
     assert f"The newest complete checkpoint (step {saved})" in err
     assert not _session_alive(process)
-
-    code, out, err = _wait(_start([*SMALL_FLAGS, "--steps", str(saved + 2), *saving, "--resume"], tmp_path), tmp_path)
-    assert code == 0, err
-    assert f"{saved + 2} (resumed at step {saved})" in out
-    steps = [json.loads(line).get("step") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [*range(1, saved + 3), None]  # one continuous curve, then the summary
+    # Resuming it: test_resume_after_ctrl_c_continues_the_loss_curve_exactly (in-process, the metrics file's
+    # one curve), and the commands of test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve.
 
 
 @pytest.mark.slow
@@ -431,14 +427,22 @@ def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
         (["--checkpoint-dir", "{saved}", "--resume", "--steps", "2"],
          "--steps 2 is below the checkpoint's step 3 in {saved}: nothing would train; pass --steps above 3"),
         (["--checkpoint-dir", "{foreign}"], "holds a checkpoint that fullshard train did not write"),
+        (["--nnodes", "2:1"], "--nnodes expects 0 < MIN <= MAX but got '2:1'"),
+        (["--nnodes", "two"], "--nnodes expects N or MIN:MAX (machine counts) but got 'two'"),
+        (["--nnodes", "1:2"], "--nnodes 1:2 (elastic: the job goes on with as few as 1 machines) needs "
+                              "--rdzv-backend c10d and --rdzv-endpoint HOST:PORT"),
+        # 2 ranks a machine: the batch must split over 2 and over 4 ranks.
+        (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--batch", "6"],
+         "--batch 6 must be divisible by the number of ranks 4"),
     ],
 )
 def test_bad_flags_fail_before_any_rank_starts(flags, message, tmp_path, capsys, monkeypatch):
-    saved = tmp_path / "saved"
-    checkpoint.save(saved, Transformer(SMALL.model_args()), extra={"step": 3, "model": dataclasses.asdict(
-        SMALL.model_args())})
-    foreign = tmp_path / "foreign"
-    checkpoint.save(foreign, Transformer(SMALL.model_args()), extra=None)
+    saved, foreign = tmp_path / "saved", tmp_path / "foreign"
+    if any("{saved}" in flag for flag in flags):
+        extra = {"step": 3, "model": dataclasses.asdict(SMALL.model_args())}
+        checkpoint.save(saved, Transformer(SMALL.model_args()), extra=extra)
+    if "{foreign}" in flags:
+        checkpoint.save(foreign, Transformer(SMALL.model_args()), extra=None)
     flags = [f.format(empty=tmp_path / "empty", saved=saved, foreign=foreign) for f in flags]
     monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same on a GPU machine
@@ -637,18 +641,83 @@ def test_torchrun_options_pass_through_for_several_machines():
 def test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve(tmp_path):
     """``--max-restarts``: torchrun's agent starts every rank again after rank 1 is killed; they
     resume from the newest complete checkpoint and the curve goes on as an uninterrupted run's."""
-    flags = [*SMALL_FLAGS, "--steps", "40", "--checkpoint-every", "4"]
-    code, _, err = _wait(_start([*flags, "--checkpoint-dir", "plain", "--metrics", "plain.jsonl"], tmp_path), tmp_path)
-    assert code == 0, err
+    flags = [*SMALL_FLAGS, "--steps", "20", "--checkpoint-every", "4", "--threads", "1"]
     process = _start([*flags, "--checkpoint-dir", "ckpt", "--metrics", "metrics.jsonl", "--max-restarts", "1"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 6, process)
-    rank1 = _kill_rank_one(process)
+    _kill_rank_one(process)
     code, out, err = _wait(process, tmp_path, timeout=120)
     assert code == 0, err
-    resumed = re.search(r"restart 1 after a failed rank: resuming from the checkpoint of step (\d+)", err)
+    resumed = re.search(r"restart 1 after a failed rank: resuming from the checkpoint of step (\d+) on 2 ranks", err)
     assert resumed and int(resumed.group(1)) >= 4, err
+    assert f"20 (resumed at step {resumed.group(1)})" in out  # the summary says what it resumed
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
-    assert [r.get("step") for r in records] == [*range(1, 41), None]  # one curve, no step twice
-    assert [r["loss"] for r in records[:-1]] == [r["loss"] for r in plain[:-1]]  # bit for bit
+    assert [r.get("step") for r in records] == [*range(1, 21), None]  # one curve, no step twice
+    # The uninterrupted run, on the rank pool (one thread a rank, as --threads 1): bit for bit.
+    plain = run_distributed(_train_capturing_model, 2, _config_of(SMALL_FLAGS, steps=20))[0]["result"].losses
+    assert [r["loss"] for r in records[:-1]] == plain
     assert not _session_alive(process)
+
+
+def _config_of(flags: list[str], **changes: object) -> TrainConfig:
+    """The TrainConfig that ``fullshard train`` builds from ``flags`` (launch flags aside)."""
+    import argparse
+
+    from fullshard.training.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc")
+    add_arguments(parser)
+    return dataclasses.replace(TrainConfig.from_args(parser.parse_args(flags)), **changes)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_machine_shrinks_the_job_which_resumes_the_same_loss_curve(tmp_path):
+    """``--nnodes 1:2``: two torchrun agents (two "machines" of 2 ranks) share a c10d rendezvous; one
+    agent and its ranks are SIGKILLed. The other agent's ranks fail on the broken group, it meets the
+    rendezvous again alone, and its 2 ranks resume the newest checkpoint of the 4-rank job (DCP reshards
+    it): the loss curve goes on as a 2-rank run of the same global batch would."""
+    port = _free_port()
+    # The machines' ranks save into one folder (on a cluster: a shared file system).
+    steps = ["--steps", "20", "--checkpoint-every", "4", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    elastic = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "shrink", "--max-restarts", "1"]
+    # Both agents start together and join the first round, which closes when the second joins (MAX).
+    # The first hosts the store (the second only connects), and started first (a lower pid) it holds
+    # ranks 0 and 1. A lost agent is dead after 2 missed 1 s keep-alives; a round with MIN machines
+    # closes 5 s after MIN joined.
+    timeouts = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _start([*SMALL_FLAGS, *steps, *elastic, "--rdzv-conf", f"{timeouts},is_host=1",
+                    "--metrics", "metrics.jsonl"], tmp_path / "a")
+    second = _start([*SMALL_FLAGS, *steps, *elastic, "--rdzv-conf", f"{timeouts},is_host=0"], tmp_path / "b")
+    try:
+        _wait_for_steps(tmp_path / "a" / "metrics.jsonl", 6, first)
+        ranks = [int(pid) for pid in Path(f"/proc/{second.pid}/task/{second.pid}/children").read_text().split()]
+        assert len(ranks) == 2, ranks
+        for pid in (second.pid, *ranks):  # the agent, then its ranks: a machine lost
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        _kill_session(second)
+    code, _, err = _wait(first, tmp_path / "a", timeout=240)
+    assert code == 0, err
+    resumed = re.search(r"restart 1 after a failed rank: resuming from the checkpoint of step (\d+) on 2 ranks", err)
+    assert resumed and int(resumed.group(1)) >= 4, err
+    step = int(resumed.group(1))
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in records] == [*range(1, 21), None]  # one curve, no step twice
+    assert [len(r["peak_memory"]) for r in records[:-1]] == [4] * step + [2] * (20 - step)  # the world shrank
+    # The reference: the same run on 2 ranks, uninterrupted (the loss does not depend on the world size,
+    # up to float rounding: the global batch is split over the ranks, the loss is its mean).
+    plain = run_distributed(_train_capturing_model, 2, _config_of(SMALL_FLAGS, steps=20))[0]["result"].losses
+    torch.testing.assert_close([r["loss"] for r in records[:-1]], plain, rtol=1e-6, atol=0)
+    assert not _session_alive(first)

@@ -20,14 +20,15 @@ from .param import ShardParam
 def gather_full_values(unit: ParamGroup) -> list[torch.Tensor]:
     """Every parameter of ``unit`` unsharded, in its own dtype, in fresh tensors.
 
-    Gathers over the shard group only: replicas hold the same shards.
+    Gathers over the shard group only: replicas hold the same shards. A tensor-subclass
+    parameter (see [Note: Gather extensions]) is not in the buffer: its shard's DTensor is
+    gathered as its own type (the subclass defines that all-gather: NF4 sends its packed
+    parts), so the full value is the one the model was sharded from, bit for bit.
     """
-    if unit.buffers.extended:  # their shards are not in the buffer (see extension.py)
-        raise NotImplementedError(
-            f"summon_full_params and full state dicts are not yet supported with tensor-subclass parameters "
-            f"({unit.buffers.extended[0].fqn}); use sharded state dicts"
-        )
-    return gather_like_shards(unit, unit.buffers.shard_buffer)
+    values = gather_like_shards(unit, unit.buffers.shard_buffer)
+    for param in unit.buffers.extended:
+        values[unit.spec.params.index(param)] = comm.full_tensor(param.shard_as_dtensor())
+    return values
 
 
 @torch.no_grad()
@@ -49,9 +50,13 @@ def gather_like_shards(unit: ParamGroup, source: torch.Tensor) -> list[torch.Ten
         comm.all_gather(output, source, shard.process_group, async_op=False)
     else:
         output = source
-    padded = [torch.empty(p.unsharded_numel, dtype=p.orig_dtype, device=unit.spec.device) for p in unit.spec.params]
+    # A tensor-subclass parameter has an empty region (its value: gather_full_values).
+    padded = [
+        torch.empty(p.unsharded_numel if p.extension is None else 0, dtype=p.orig_dtype, device=unit.spec.device)
+        for p in unit.spec.params
+    ]
     unit.buffers.storage_layout.copy_out(output, shard.size, padded, split_views(unit.spec.params, padded))
-    return [p.full_from_padded(t) for p, t in zip(unit.spec.params, padded)]
+    return [p.full_from_padded(t) if p.extension is None else t for p, t in zip(unit.spec.params, padded)]
 
 
 def _grads_in_storage_layout(unit: ParamGroup) -> tuple[torch.Tensor, list[bool]]:

@@ -379,7 +379,11 @@ class ShardParam:
             raise ValueError(f"loading {self.fqn} expects shape {tuple(self.global_size)} but got {tuple(value.shape)}")
         if self.tp_mesh is not None:  # the TP-local value first, as the unsharded parameter holds it
             value = compat.local_region(value, self.tp_mesh, self.tp_placements)
-        rows = self.rows_per_rank(value)[self.mesh_info.shard.rank]
+        shard = self.mesh_info.shard
+        if self.extension is not None:  # split as the subclass splits, as at sharding (not dequantized)
+            local = value.to(self.local_shard.device)
+            return self.dtensor_from_rows(shard_subclass(local, shard.size, shard.rank, self.fqn))
+        rows = self.rows_per_rank(value)[shard.rank]
         device = value.device if self.local_shard.is_meta else self.local_shard.device
         local = torch.empty(rows.shape, dtype=rows.dtype, device=device)
         local.copy_(rows)

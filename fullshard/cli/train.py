@@ -6,6 +6,10 @@
     fullshard train --model gpt-30m --nproc 2 --batch 8 --metrics run.jsonl --sample 200
     # two machines (run on each, node rank 0 and 1):
     fullshard train --nnodes 2 --node-rank 0 --nproc 8 --master-addr host0 --master-port 29500
+    # elastic, 1 to 2 machines (the same line on each): a lost machine's job goes on, smaller,
+    # from the newest checkpoint (the folder shared by the machines)
+    fullshard train --nnodes 1:2 --nproc 8 --rdzv-backend c10d --rdzv-endpoint host0:29400 --rdzv-id job7 \
+        --max-restarts 3 --checkpoint-dir /shared/ckpt --checkpoint-every 50
 
 The ranks are started by torchrun's own launcher (``torch.distributed.run``):
 NCCL with one GPU per rank where this machine has a GPU for every rank, else
@@ -51,7 +55,7 @@ from ..training.resume import checkpoint_problems, remove_unfinished_saves, save
 
 HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
 
-__all__ = ["HELP", "add_arguments", "check", "problems", "run", "torchrun_arguments"]
+__all__ = ["HELP", "add_arguments", "check", "node_range", "problems", "run", "torchrun_arguments"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous")
     launch.add_argument("--rdzv-id", help="a job id shared by all machines")
     launch.add_argument(
+        "--rdzv-conf",
+        help="rendezvous settings, KEY=VALUE,... (e.g. last_call_timeout=5: how long an elastic job waits "
+        "for more machines once MIN have joined)",
+    )
+    launch.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -88,7 +97,7 @@ def torchrun_arguments(args: argparse.Namespace, config: TrainConfig) -> list[st
     """torchrun's command line: the launch options, then this package's rank program and the config."""
     options = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank)]
     options += ["--max-restarts", str(args.max_restarts)]
-    for flag in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+    for flag in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf"):
         value = getattr(args, flag)
         if value is not None:
             options += ["--" + flag.replace("_", "-"), str(value)]
@@ -140,11 +149,15 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
     config = TrainConfig(**{name: value for name, value in vars(args).items() if name in names})
     errors = config.problems()
     notices: list[str] = []
+    nodes, node_errors = node_range(args)
+    errors += node_errors
     if args.nproc < 1:
         errors.append(f"--nproc expects at least 1 rank but got {args.nproc}")
-    elif args.nnodes == "1":
-        errors += config.world_problems(args.nproc, args.nproc)
-        notices += _no_effect(config, args.nproc)
+    elif nodes:
+        for count in nodes:  # an elastic job may run at any of these sizes
+            errors += [line for line in config.world_problems(count * args.nproc, args.nproc) if line not in errors]
+        if nodes == range(1, 2):
+            notices += _no_effect(config, args.nproc)
     if args.max_restarts < 0:
         errors.append(f"--max-restarts expects a number >= 0 but got {args.max_restarts}")
     elif args.max_restarts > 0 and not config.checkpoint_dir:
@@ -156,6 +169,24 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
         return None, errors, notices
     found, said = checkpoint_problems(config)
     return (None if found else config), errors + found, notices + said
+
+
+def node_range(args: argparse.Namespace) -> tuple[range, list[str]]:
+    """The machine counts ``--nnodes`` (N or MIN:MAX) allows, and what is wrong with it."""
+    text = args.nnodes
+    try:
+        low, _, high = text.partition(":")
+        nodes = range(int(low), int(high or low) + 1)
+    except ValueError:
+        return range(0), [f"--nnodes expects N or MIN:MAX (machine counts) but got {text!r}"]
+    if not 0 < nodes.start < nodes.stop:
+        return range(0), [f"--nnodes expects 0 < MIN <= MAX but got {text!r}"]
+    if len(nodes) > 1 and args.rdzv_backend in (None, "static"):
+        return nodes, [
+            f"--nnodes {text} (elastic: the job goes on with as few as {nodes.start} machines) needs "
+            "--rdzv-backend c10d and --rdzv-endpoint HOST:PORT; the static rendezvous waits for a fixed number"
+        ]
+    return nodes, []
 
 
 def problems(args: argparse.Namespace) -> list[str]:

@@ -210,12 +210,32 @@ def _load_params(
                 missing_keys.append(key)
             continue
         value = loadable(state_dict[key], param)
-        if param.register_sharded:
+        if param.extension is not None:
+            _copy_subclass_parts(param.local_shard, param.shard_from_full(value)._local_tensor)
+            state_dict[key] = param.sharded_param  # nn.Module's copy is then of the shard onto itself
+        elif param.register_sharded:
             # nn.Module copies it into the registered shard
             state_dict[key] = param.present(param.shard_from_full(value)._local_tensor)
         else:
             full_params.write_shard(group, index, full_params.local_part(param, value))
             del state_dict[key]
+
+
+def _copy_subclass_parts(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Writes a tensor-subclass shard part by part when ``source`` has the same parts: a subclass's
+    own ``copy_`` may judge two shards of one layout different (torchao's NF4 compares a block count
+    that its split leaves stale) and then re-quantize, which changes the values (or fails)."""
+    names, _ = target.__tensor_flatten__()  # type: ignore[attr-defined]
+    parts = [(getattr(target, name), getattr(source, name, None)) for name in names]
+    if type(source) is type(target) and all(
+        isinstance(part, torch.Tensor) and part.shape == mine.shape and part.dtype == mine.dtype for mine, part in parts
+    ):
+        with torch.no_grad():
+            for mine, part in parts:
+                mine.copy_(part)
+        return
+    with torch.no_grad():
+        target.copy_(source)
 
 
 def _strip_wrapper_prefix(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:

@@ -224,27 +224,29 @@ def leftovers(name: str, run: Callable[[str], None] = cycle) -> dict[str, int]:
     return {kind: third[kind] - first[kind] for kind in third if third[kind] > second[kind] > first[kind]}
 
 
-def _group_cycles(rank: int, world_size: int, port: int, cycles: int, name: str, results: object) -> None:
-    """In a fresh process: ``cycles`` times a new default group, one ``cycle(name)``, and the
-    group destroyed; puts the thread count after each on ``results``."""
+def _group_cycles(rank: int, world_size: int, port: int, cycles: int, names: list[str], results: object) -> None:
+    """In a fresh process, for each of ``names`` in turn: ``cycles`` times a new default group,
+    one ``cycle(name)``, and the group destroyed; puts the thread count after each on ``results``."""
     import datetime
 
     torch.set_num_threads(1)
-    counts = []
+    counts: dict[str, list[int]] = {name: [] for name in names}
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-    for index in range(cycles):
-        prefix = dist.PrefixStore(f"cycle{index}/", store)
-        dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world_size)
-        cycle(name)
-        dist.destroy_process_group()
-        gc.collect()
-        counts.append(thread_count())
+    for name in names:
+        for index in range(cycles):
+            prefix = dist.PrefixStore(f"{name}/cycle{index}/", store)
+            dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world_size)
+            cycle(name)
+            dist.destroy_process_group()
+            gc.collect()
+            counts[name].append(thread_count())
     results.put((rank, counts))  # type: ignore[attr-defined]
 
 
-def threads_over_group_cycles(name: str, cycles: int, world_size: int = 2) -> list[list[int]]:
-    """Each rank's thread count after each of ``cycles`` cycles of process-group creation, one
-    ``cycle(name)`` and destruction, in fresh processes (a leaked group keeps gloo's threads)."""
+def threads_over_group_cycles(names: list[str], cycles: int, world_size: int = 2) -> dict[str, list[list[int]]]:
+    """For each configuration in ``names``: each rank's thread count after each of ``cycles`` cycles
+    of process-group creation, one ``cycle(name)`` and destruction. The configurations share two
+    fresh processes (a leaked group keeps gloo's threads, so a leak grows within its own cycles)."""
     import torch.multiprocessing as mp
 
     from .harness import free_port
@@ -253,13 +255,13 @@ def threads_over_group_cycles(name: str, cycles: int, world_size: int = 2) -> li
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_group_cycles, args=(rank, world_size, port, cycles, name, results), daemon=True)
+        ctx.Process(target=_group_cycles, args=(rank, world_size, port, cycles, names, results), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
-    counts: dict[int, list[int]] = {}
-    deadline = time.monotonic() + 120
+    counts: dict[int, dict[str, list[int]]] = {}
+    deadline = time.monotonic() + 120 * len(names)
     try:
         while len(counts) < world_size:
             try:
@@ -268,7 +270,7 @@ def threads_over_group_cycles(name: str, cycles: int, world_size: int = 2) -> li
             except queue.Empty:
                 if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
                     raise RuntimeError(
-                        f"the group cycles of {name!r} failed or hung (exit codes "
+                        f"the group cycles of {names} failed or hung (exit codes "
                         f"{[p.exitcode for p in procs]}); see the ranks' stderr"
                     ) from None
     finally:
@@ -276,4 +278,4 @@ def threads_over_group_cycles(name: str, cycles: int, world_size: int = 2) -> li
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    return [counts[rank] for rank in range(world_size)]
+    return {name: [counts[rank][name] for rank in range(world_size)] for name in names}

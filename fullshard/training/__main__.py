@@ -33,7 +33,9 @@ def after_restart(config: TrainConfig) -> TrainConfig:
         return config
     step = saved_step(config)
     if int(os.environ.get("RANK", "0")) == 0:
+        world = os.environ.get("WORLD_SIZE", "1")
         where = f"resuming from the checkpoint of step {step}" if step is not None else "no checkpoint yet: from step 0"
+        where += f" on {world} rank{'s' if world != '1' else ''}"
         print(f"fullshard train: restart {restart} after a failed rank: {where}", file=sys.stderr, flush=True)
     return dataclasses.replace(config, resume=step is not None)
 

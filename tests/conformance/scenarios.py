@@ -140,9 +140,10 @@ def generate(world: int) -> list[Scenario]:
 
 
 # The matrix CI runs: a fixed stride through each world's list (every probe and setting appears at 2
-# ranks), and every FAST_EVERY-th of the 2-rank ones in ``make test-fast``.
-STRIDE = {2: 2, 4: 7}
-FAST_EVERY = 24
+# ranks), and every FAST_EVERY-th of the 2-rank ones in ``make test-fast``. Every third 2-rank scenario
+# (704 in all, 604 compared with torch; every second one was 1,056 and a fifth of make test's time).
+STRIDE = {2: 3, 4: 7}
+FAST_EVERY = 16
 
 
 def matrix() -> list[Scenario]:
