@@ -23,16 +23,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._core.common import UnitConfig, module_class_name
-from ._core.init import (
-    root_modules,
-    validate_dtensor_meshes,
-    validate_module,
-)
-from ._core.manage import manage_module, states_below
+from ._core.common import module_class_name
+from ._core.manage import manage_module, root_modules, states_below, validate_dtensor_meshes, validate_module
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
+from ._core.settings import UnitConfig
 from ._core.spmd_mesh import resolve_dp_mesh_dims
-from ._core.state import ModuleState, get_state
+from ._core.step import ModuleState, get_state
 from .api import (
     HYBRID_STRATEGIES,
     DataParallelMeshDims,

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..api import DataParallelMeshDims, ShardingStrategy
 from . import compat
 from .common import module_class_name
-from .init import get_managed_modules, get_managed_states
+from .manage import get_managed_modules, get_managed_states
 from .mesh import default_mesh
 
 

@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import comm, compat
-from .common import ParamModuleInfo, set_module_tensor
+from .. import comm, compat
+from ..common import ParamModuleInfo, set_module_tensor
+from ..mesh import MeshInfo
+from ..presentation import DTENSOR_SHARDS, DTensorShards
 from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
-from .mesh import MeshInfo
-from .presentation import DTENSOR_SHARDS, DTensorShards
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
