@@ -168,3 +168,15 @@ def test_every_room_has_a_face():
         face = PACKAGE.parent / (room.replace(".", "/") + "/__init__.py")
         assert face.exists(), f"{room} has no __init__.py naming what the rest may use"
         assert "__all__" in face.read_text(), f"{room}'s face has no __all__"
+
+
+def test_the_architecture_names_every_engine_module():
+    """docs/architecture.md is the map of the engine: every room and module of it is on it."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [
+        str(path.relative_to(PACKAGE / "_core"))
+        for path in (PACKAGE / "_core").rglob("*.py")
+        if path.name != "__init__.py" and path.name not in text
+    ]
+    missing += [room for room in ROOMS if room.rsplit(".", 1)[1] + "/" not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"

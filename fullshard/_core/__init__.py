@@ -5,6 +5,6 @@ Ground floor, each module its own face: ``comm`` (every collective), ``compat``
 types), ``presentation`` (what a front end shows for a shard) and ``settings``
 (what a front end decides about a unit). Rooms, each with a face (its
 ``__init__``): ``gather/`` (with ``gather/codec/``), ``reduce/``, ``unit/``,
-``step/``. ``manage`` is the engine's entry point for the front ends;
-``spmd_mesh`` resolves ``fully_shard``'s ``dp_mesh_dims``.
+``step/``. ``manage`` is the engine's entry point for the front ends, which
+resolve their arguments first (one ``MeshInfo``, ``UnitConfig``).
 """

@@ -1,12 +1,10 @@
 """The engine's entry point: put one module's parameters under one unit.
 
 Both front ends (``fully_shard``, ``replicate``, and the FSDP1-style wrapper)
-end here with a mesh role assignment and a resharding choice; nothing below
-knows which front end called.
-
-What a ``fully_shard`` call manages, and the checks on its arguments.
-
-An optimizer built before sharding: it holds the parameters ``fully_shard`` replaced.
+end here with one resolved ``MeshInfo`` and a ``UnitConfig``; nothing below
+knows which front end called. Here too: what a ``fully_shard`` call manages
+(modules, parameters, the meta device), the checks on its arguments, and the
+check of optimizers built before sharding.
 
 [Note: Optimizer built before sharding]
 Sharding registers new parameter objects (the shards, as DTensors or flat

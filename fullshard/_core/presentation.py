@@ -1,4 +1,7 @@
-"""How a unit shows a sharded parameter to the user (module attribute, ``.grad``, optimizer).
+"""How a unit shows a sharded parameter to the user (module attribute, ``.grad``,
+optimizer), and the hook a front end installs when one object stands for a
+unit's whole shard buffer (``BufferView``): the engine's two plug-in points for
+front ends.
 
 [Note: Presentations]
 The engine keeps this rank's rows of every parameter in the unit's shard
@@ -16,11 +19,10 @@ Both present gradients and optimizer states the same way as the parameter,
 and both convert to and from DTensors, the layout-carrying form that state
 dicts and resharding use.
 
-The hook a front end installs when one object stands for a unit's whole shard buffer.
-
+[Note: Buffer views]
 The FSDP1 wrapper's ``use_orig_params=False`` registers the buffer itself as
 one flat ``nn.Parameter`` (``fullshard/_flat_param.py``). The engine knows it
-only through this protocol: what it must keep in step with that object.
+only through the ``BufferView`` protocol: what it must keep in step with that object.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A unit's all-gather in three steps: copy-in (this rank's shards onto the
 compute device, in the gather dtype), the collective, and copy-out (into each
 parameter's unsharded storage). See [Note: Unit buffers] in layout.py and
-[Note: CPU offload] in offload.py.
-
-Several small units' all-gathers as one collective.
+[Note: CPU offload] in offload.py. Several small units' all-gathers may run as
+one collective (buckets).
 
 [Note: Gather buckets]
 Each collective costs a latency (gloo: a round trip; NCCL: a kernel launch and

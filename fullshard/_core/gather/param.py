@@ -208,7 +208,7 @@ class ShardParam:
 
     def _init_whole_mesh(self, param: DTensor) -> torch.Tensor:
         """A DTensor on the whole SPMD mesh (``dp_mesh_dims``), replicated on the
-        data-parallel dims (spmd_mesh.py raises for others): the shard keeps that mesh
+        data-parallel dims (``fullshard/fully_shard_mesh.py`` raises for others): the shard keeps that mesh
         and its dims' order, and the data-parallel shard dim splits the local
         tensor's dim 0."""
         spec = param._spec

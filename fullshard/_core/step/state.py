@@ -1,4 +1,5 @@
-"""Per-module state and hooks: lazy root init, forward/backward transitions.
+"""Per-module state and hooks (forward/backward transitions), the root's lazy init
+and what the units under one root share (its context), and the lazy init's log.
 
 [Note: One step]
 root pre-forward: lazy init (once) -> for each unit: the schedule's
@@ -17,8 +18,7 @@ Every module's outputs get the pre-backward hook, as any of them may start
 backward. A module that did not run is waited for until the root's forward
 ends, which then finishes the pass.
 
-What the units under one root share within and across steps.
-
+[Note: Root context]
 The root's lazy init puts every state below it, and their units, under one
 ``RootContext`` (FSDP2's per-root state context): the schedule that orders
 their gathers and prefetches (schedule.py, see [Note: Prefetch]), the
@@ -26,11 +26,9 @@ reduction queue each unit is handed when it joins (see [Note: Reduction
 pipeline]), and the end-of-backward callback. The context knows the units; a
 unit knows only the schedule, as its ``UnitRoot``.
 
-The ``fullshard`` logger: what lazy initialisation built, at DEBUG.
-
 [Note: Logging]
 All of fullshard logs under ``logging.getLogger("fullshard")`` (this module
-uses its child ``fullshard.init``) and only at DEBUG: at the default level
+uses its child ``fullshard.init`` for what lazy initialisation built) and only at DEBUG: at the default level
 nothing is printed. At DEBUG, lazy initialisation (the root's first forward)
 logs the mesh, then one line per unit (parameters, numel, bytes, dtypes,
 offload, resharding) and one with the unit's bytes per step, counted as
