@@ -166,7 +166,7 @@ def test_shared_services_do_not_import_the_flat_parameter(path: Path) -> None:
     flat = [m for m in imported_modules(path) if m == "fullshard._flat_param" or m.startswith("fullshard._flat_param.")]
     assert not flat, (
         f"{path.relative_to(PACKAGE)} imports the wrapper's flat parameter; find a parameter's unit "
-        "through fullshard._core.param_units instead"
+        "through fullshard._core.unit (unit_of, buffer_param) instead"
     )
 
 

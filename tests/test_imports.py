@@ -150,16 +150,7 @@ def test_rooms_import_only_faces():
 
 def test_rooms_have_no_cycle():
     """Between whole rooms: ``gather/codec/`` is part of ``gather/`` (it reads its layouts)."""
-    top = {room for room in ROOMS if room.count(".") == 2}
-    rooms: dict[str, set[str]] = {}
-    for importer, targets in import_graph().items():
-        if importer.startswith(ENGINE + "."):
-            place = _place(importer, top)
-            rooms.setdefault(place, set())
-            rooms[place] |= {_place(t, top) for t in targets if t.startswith(ENGINE + ".")} - {place}
-    for targets in rooms.values():
-        targets &= rooms.keys()
-    cycle = find_cycle(rooms)
+    cycle = find_cycle(engine_places())
     assert cycle is None, "the engine's rooms import each other: " + " -> ".join(cycle or [])
 
 
@@ -180,3 +171,42 @@ def test_the_architecture_names_every_engine_module():
     ]
     missing += [room for room in ROOMS if room.rsplit(".", 1)[1] + "/" not in text]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each node's floor: 1 + the highest floor it imports (1: imports nothing in ``graph``)."""
+    found: dict[str, int] = {}
+
+    def floor(node: str) -> int:
+        if node not in found:
+            found[node] = 1 + max((floor(t) for t in graph[node] if t in graph), default=0)
+        return found[node]
+
+    for node in graph:
+        floor(node)
+    return found
+
+
+def engine_places() -> dict[str, set[str]]:
+    """The engine's places (ground modules and whole rooms) -> the places each imports."""
+    top = {room for room in ROOMS if room.count(".") == 2}
+    places: dict[str, set[str]] = {}
+    for importer, targets in import_graph().items():
+        if importer.startswith(ENGINE + "."):
+            place = _place(importer, top)
+            places.setdefault(place, set())
+            places[place] |= {_place(t, top) for t in targets if t.startswith(ENGINE + ".")} - {place}
+    return places
+
+
+MAX_ENGINE_FLOORS = 8  # issue 34: 13 places (8 ground modules, 4 rooms, manage.py) on 8 floors; FSDP2: 9 files on 9
+
+
+def test_the_engine_stands_on_few_floors():
+    found = floors(engine_places())
+    assert max(found.values()) <= MAX_ENGINE_FLOORS, f"the engine's places stand on more floors than before: {found}"
+
+
+if __name__ == "__main__":
+    for place, floor in sorted(floors(engine_places()).items(), key=lambda item: item[1]):
+        print(floor, place)

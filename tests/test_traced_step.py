@@ -4,8 +4,9 @@ A reader follows a step by following its calls; every file a call crosses into i
 one more file to open. The measure is the set of fullshard's files a phase enters
 (any function of the file runs), for init (the ``fully_shard`` calls), lazy init
 (the root's first-forward setup), a steady-state forward and backward, and a
-``state_dict()``. torch's FSDP2 enters 7 / 3 / 6 / 5 / 1 files; ours must stay
-within ``LIMITS`` (issue 34). ``fullshard/testing/`` (the harness) is not counted.
+``state_dict()``. torch's FSDP2 enters 7 / 3 / 6 / 5 / 1 files; ours may not enter
+more than ``CEILINGS``, and issue 34 aims at ``LIMITS``. ``fullshard/testing/`` (the
+harness) is not counted.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from fullshard.testing.fake_group import fake_world
 
 PACKAGE = Path(fullshard.__file__).resolve().parent
 NOT_COUNTED = PACKAGE / "testing"
-LIMITS = {"init": 12, "lazy init": 6, "forward": 8, "backward": 8, "state dict": 3}
+LIMITS = {"init": 12, "lazy init": 6, "forward": 8, "backward": 8, "state dict": 3}  # issue 34's targets
+# What the engine in rooms enters (before them: 23 / 11 / 15 / 18 / 7); a change may lower these, not raise them.
+CEILINGS = {"init": 21, "lazy init": 9, "forward": 11, "backward": 15, "state dict": 6}
 
 
 def _ours(filename: str) -> str | None:
@@ -102,9 +105,19 @@ def test_the_measure_sees_a_call_and_only_inside_the_function() -> None:
     assert inside == set(), inside
 
 
-@pytest.mark.xfail(reason="issue 34: the engine before its rooms", strict=True)
-def test_a_step_enters_few_files() -> None:
-    phases = traced_step()
+@pytest.fixture(scope="module")
+def phases() -> dict[str, set[str]]:
+    return traced_step()
+
+
+def test_a_step_enters_no_more_files_than_now(phases: dict[str, set[str]]) -> None:
+    counts = {phase: len(files) for phase, files in phases.items()}
+    for phase, ceiling in CEILINGS.items():
+        assert counts[phase] <= ceiling, f"{phase} enters {counts[phase]} files of fullshard: {sorted(phases[phase])}"
+
+
+@pytest.mark.xfail(reason="issue 34's targets: not reached by the rooms alone (benchmarks/RESULTS.md)", strict=True)
+def test_a_step_enters_few_files(phases: dict[str, set[str]]) -> None:
     counts = {phase: len(files) for phase, files in phases.items()}
     for phase, limit in LIMITS.items():
         assert counts[phase] <= limit, f"{phase} enters {counts[phase]} files of fullshard: {sorted(phases[phase])}"
