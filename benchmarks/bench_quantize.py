@@ -14,13 +14,13 @@ smallest one under 0.52x of bf16's bytes whose error is close to the smallest.
 ``--unit``: the codec of one bench GPT block unit (4.0M values, norms exact, bf16
 compute) as ``QuantizedGather`` runs it, encode of one rank's chunk and decode of
 all chunks into the parameters, eager vs fused (see [Note: Fused codec] in
-``fullshard/_core/fused_codec.py``; compile time included once), at 2 and 4 ranks,
+``fullshard/_core/gather/codec/fused_codec.py``; compile time included once), at 2 and 4 ranks,
 alternating, next to the bf16 gather's copy-out that the decode replaces. Those
 encode the bf16 chunk; ``fp32`` encodes the fp32 shards directly, as the engine
 does under bf16 compute, in place of the cast copy-in into a new buffer
 (``copy-in``, as the engine did before) and the encode of its result.
 ``kernel`` and ``kernel-fp32`` are the same two encodes by the C kernel
-(see [Note: Codec kernel] in ``fullshard/_core/codec_kernel.py``), which also
+(see [Note: Codec kernel] in ``fullshard/_core/gather/codec/codec_kernel.py``), which also
 decodes; ``fused`` and ``fp32`` are inductor's loops with the kernel turned off.
 ``--cpu-time``: each call's thread CPU time instead of wall time (steadier on a
 shared machine).
@@ -34,10 +34,10 @@ from collections.abc import Callable
 
 import torch
 
-from fullshard._core import codec_kernel, fused_codec
-from fullshard._core.layout import Layout
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.quantized_gather import QuantizedGather
+from fullshard._core.gather.codec import codec_kernel, fused_codec
+from fullshard._core.gather.layout import Layout
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer
 
 BLOCK_SIZES = (32, 64, 128, 256, 1024)

@@ -1,5 +1,5 @@
 """The quantized all-gather's codec on one bench GPT block unit, per-parameter rows next to the
-FSDP1 wrapper's flat pieces (see [Note: Quantized flat chunks] in fullshard/_core/quantized_gather.py).
+FSDP1 wrapper's flat pieces (see [Note: Quantized flat chunks] in fullshard/_core/gather/codec/quantized_gather.py).
 
     PYTHONPATH=$PWD python benchmarks/bench_quantized_flat.py                  # dim 576, 2 ranks, int8
     PYTHONPATH=$PWD python benchmarks/bench_quantized_flat.py --world 4 --code float8
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from fullshard._core.layout import Layout, flat_pieces
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.quantized_gather import QuantizedGather
+from fullshard._core.gather.layout import Layout, flat_pieces
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs
 from fullshard.plan.units import model_units
 

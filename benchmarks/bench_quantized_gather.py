@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard._core import comm
-from fullshard._core.layout import Layout
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.quantized_gather import QuantizedGather
+from fullshard._core.gather.layout import Layout
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,10 +1,10 @@
 """The FSDP1 wrapper's flat parameter (``use_orig_params=False``): a unit's shard
-buffer, in FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py),
+buffer, in FSDP1's flat layout (see [Note: Flat layout] in _core/gather/layout.py),
 registered as one ``nn.Parameter`` that the optimizer steps in place.
 
-The engine sees it only as a ``BufferView`` (``_core/buffer_view.py``); state
+The engine sees it only as a ``BufferView`` (``_core/presentation.py``); state
 dicts, clipping and the scaler find its unit through the engine
-(``_core/param_units.py``) and never import this module.
+(``_core/unit/group.py``) and never import this module.
 """
 
 from __future__ import annotations
@@ -13,16 +13,15 @@ import torch
 import torch.nn as nn
 
 from ._core import compat
-from ._core.group import ParamGroup
-from ._core.param_units import register_param_unit
 from ._core.presentation import DTensorShards, PresentedParam
+from ._core.unit import ParamGroup, register_param_unit
 
 FLAT_PARAM = "_flat_param"
 
 
 class FlatPieces(DTensorShards):
     """The presentation of a parameter's piece of the flat shard (see [Note: Flat layout]
-    in _core/layout.py): a plain 1D tensor, since a piece may start mid-row (no DTensor
+    in _core/gather/layout.py): a plain 1D tensor, since a piece may start mid-row (no DTensor
     describes it). Only the flat parameter is registered; pieces stand behind it."""
 
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,15 @@
 """``set_all_gather_bucket_size``: small units' prefetched all-gathers as one collective.
 
 fullshard's addition (torch's FSDP issues one all-gather per unit): see
-[Note: Gather buckets] in ``_core/bucket.py``.
+[Note: Gather buckets] in ``_core/gather/all_gather.py``.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ._core.bucket import DEFAULT_ALL_GATHER_BUCKET_BYTES
 from ._core.manage import states_below
+from ._core.settings import DEFAULT_ALL_GATHER_BUCKET_BYTES
 
 __all__ = ["DEFAULT_ALL_GATHER_BUCKET_BYTES", "set_all_gather_bucket_size"]
 

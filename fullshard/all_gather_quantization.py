@@ -1,7 +1,7 @@
 """``set_all_gather_quantization``: weights gathered as block-wise codes, for both front ends.
 
 fullshard's addition: torch's FSDP gathers in fp8 only through torchao's float8
-training weights. See [Note: Quantized all-gather] in ``_core/quantize.py``.
+training weights. See [Note: Quantized all-gather] in ``_core/gather/codec/quantize.py``.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ._core.gather import ShardParam
+from ._core.gather.codec import BlockQuantizer, QuantizedGather
 from ._core.manage import states_below
-from ._core.param import ShardParam
-from ._core.quantize import BlockQuantizer
-from ._core.quantized_gather import QuantizedGather
 from .api import AllGatherQuantization
 
 __all__ = ["set_all_gather_quantization"]
@@ -35,7 +34,7 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
 
     Under the FSDP1 wrapper's flat parameters (``use_orig_params=False``) each rank's piece of
     the flat parameter is coded as its own chunk (see [Note: Quantized flat chunks] in
-    ``_core/quantized_gather.py``); ``keep_exact`` still decides per original parameter.
+    ``_core/gather/codec/quantized_gather.py``); ``keep_exact`` still decides per original parameter.
     """
     states = states_below(module)
     if not states:
@@ -75,7 +74,7 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
 
 def _flat_pieces(params: list[ShardParam]) -> list[list[tuple[int, int]]] | None:
     """Each parameter's piece on every shard rank under FSDP1's flat layout (see [Note: Quantized
-    flat chunks] in _core/quantized_gather.py), or None for per-parameter rows."""
+    flat chunks] in _core/gather/codec/quantized_gather.py), or None for per-parameter rows."""
     pieces = []
     for param in params:
         if param.flat_ranges is None:

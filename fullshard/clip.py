@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._core import comm
-from ._core.param_units import unit_of
+from ._core.unit import unit_of
 
 __all__ = ["clip_grad_norm_"]
 

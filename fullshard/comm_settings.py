@@ -18,8 +18,8 @@ import torch.distributed as dist
 from ._core.mesh import GroupInfo
 
 if TYPE_CHECKING:
-    from ._core.group import ParamGroup
-    from ._core.state import ModuleState
+    from ._core.step import ModuleState
+    from ._core.unit import ParamGroup
 
 __all__ = ["CommSettings"]
 

@@ -23,18 +23,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._core.common import UnitConfig, module_class_name
-from ._core.init import (
-    root_modules,
-    validate_dtensor_meshes,
-    validate_module,
-)
-from ._core.manage import manage_module, states_below
-from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
-from ._core.spmd_mesh import resolve_dp_mesh_dims
-from ._core.state import ModuleState, get_state
+from ._core.common import module_class_name
+from ._core.manage import manage_module, root_modules, states_below, validate_module
+from ._core.settings import UnitConfig
+from ._core.step import ModuleState, get_state
 from .api import (
-    HYBRID_STRATEGIES,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -42,6 +35,7 @@ from .api import (
     StateDictType,
 )
 from .comm_settings import CommSettings
+from .fully_shard_mesh import resolve_mesh
 from .state_dict.model_hooks import install_state_dict_hooks
 from .state_dict.settings import default_settings
 from .wrap import Policy, PolicyFn, select_modules
@@ -349,13 +343,7 @@ def fully_shard(
         validate_module(candidate, "fully_shard")
     roots = root_modules(listed)
     requested_reshard = reshard_after_forward  # what the policy's units get, to resolve for themselves
-    if dp_mesh_dims is not None:
-        mesh, replicate_only = resolve_dp_mesh_dims(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
-    else:
-        mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
-    for root in roots:
-        validate_dtensor_meshes(root, mesh.device_type)
-    mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
+    mesh_info, reshard_after_forward = resolve_mesh(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
     ignored = set().union(*(_expand_ignored_modules(root, ignored_modules) for root in roots))
     ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
     if policy is not None:
@@ -386,42 +374,6 @@ def fully_shard(
     for root in roots:
         swap_class(root, FSDPModule, "FSDP")
     return cast(FSDPModule, module)  # swap_class made it one (a list: each of its modules)
-
-
-def _resolve_strategy(
-    module: nn.Module,
-    mesh: DeviceMesh | None,
-    strategy: ShardingStrategy | None,
-    reshard_after_forward: bool | int | None,
-) -> tuple[DeviceMesh, bool, bool | int | None]:
-    """Maps an FSDP1 strategy onto (mesh, replicate only?, resharding choice)."""
-    if strategy is None:
-        mesh = mesh if mesh is not None else default_mesh()
-        validate_mesh(mesh)
-        return mesh, False, reshard_after_forward
-    keeps = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
-    if reshard_after_forward is not None and strategy is ShardingStrategy.NO_SHARD:
-        raise ValueError(
-            f"fully_shard expects no reshard_after_forward with NO_SHARD (parameters are never sharded) but got "
-            f"reshard_after_forward={reshard_after_forward} for {module_class_name(module)}"
-        )
-    if reshard_after_forward is not None and keeps == bool(reshard_after_forward):
-        raise ValueError(
-            f"fully_shard expects either strategy or reshard_after_forward, but got {strategy.name} with "
-            f"reshard_after_forward={reshard_after_forward} for {module_class_name(module)}"
-        )
-    reshard = False if keeps else reshard_after_forward
-    if strategy in HYBRID_STRATEGIES:
-        mesh = mesh if mesh is not None else hybrid_mesh(default_device_type())
-        if mesh.ndim != 2:
-            raise ValueError(f"fully_shard expects a 2D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
-        return mesh, False, reshard
-    mesh = mesh if mesh is not None else default_mesh()
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard expects a 1D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
-    if strategy is ShardingStrategy.NO_SHARD:
-        return mesh, True, False
-    return mesh, False, reshard
 
 
 def _expand_ignored_modules(module: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._core import comm
-from ._core.param_units import buffer_param, unit_of
+from ._core.unit import buffer_param, unit_of
 
 __all__ = ["ShardedGradScaler"]
 

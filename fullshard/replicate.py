@@ -12,10 +12,9 @@ from typing import cast
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._core.common import UnitConfig
-from ._core.init import validate_dtensor_meshes, validate_module
-from ._core.manage import manage_module
+from ._core.manage import manage_module, validate_dtensor_meshes, validate_module
 from ._core.mesh import MeshInfo, default_mesh, describe_mesh
+from ._core.settings import UnitConfig
 from .api import MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from .fully_shard import FSDPModule, swap_class
 from .state_dict.model_hooks import install_state_dict_hooks

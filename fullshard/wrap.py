@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._core.state import get_state
+from ._core.step import get_state
 
 __all__ = [
     "CustomPolicy",

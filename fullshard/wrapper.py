@@ -38,11 +38,10 @@ from . import wrapper_optim_state as optim_states
 from . import wrapper_summon
 from ._core.common import TrainingState as EngineState
 from ._core.common import module_class_name
-from ._core.init import reject_torch_fsdp
-from ._core.manage import manage_module, states_below
+from ._core.manage import manage_module, reject_torch_fsdp, states_below
 from ._core.mesh import MeshInfo
-from ._core.param_units import register_param_unit
-from ._core.state import ModuleState, get_state
+from ._core.step import ModuleState, get_state
+from ._core.unit import register_param_unit
 from ._flat_param import FlatParamView
 from ._names import WRAPPED_MODULE, model_name
 from .api import HYBRID_STRATEGIES, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType

@@ -20,10 +20,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._core.common import UnitConfig, module_class_name
-from ._core.init import get_managed_modules
+from ._core.common import module_class_name
+from ._core.manage import get_managed_modules
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
+from ._core.settings import UnitConfig
 from ._flat_param import FLAT_PIECES
 from ._names import model_name
 from .api import (
@@ -268,7 +269,7 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
         )
         if settings.use_orig_params
         else FLAT_PIECES,
-        # One flat parameter per unit, in FSDP1's layout (see [Note: Flat layout] in _core/layout.py).
+        # One flat parameter per unit, in FSDP1's layout (see [Note: Flat layout] in _core/gather/layout.py).
         flat_layout=not settings.use_orig_params,
         sync_module_states=settings.sync_module_states,
     )

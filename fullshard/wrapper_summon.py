@@ -2,7 +2,7 @@
 ``use_orig_params=True`` contract (parameters the user replaced become the shards).
 
 Outside forward the user sees shards; inside ``summon_full_params`` the full
-parameters are registered instead (the engine's ``_core/full_params.py``
+parameters are registered instead (the engine's ``_core/unit/full_params.py``
 gathers them and writes changes back). A flat parameter (``use_orig_params=False``)
 is hidden meanwhile: ``named_parameters()`` then lists exactly the original
 model's parameters.
@@ -18,12 +18,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._core import full_params
 from ._core.common import TrainingState
-from ._core.group import ParamGroup
 from ._core.manage import states_below
-from ._core.param_units import register_param_unit
-from ._core.state import ModuleState, get_state
+from ._core.step import ModuleState, get_state
+from ._core.unit import ParamGroup, full_params, register_param_unit
 from ._flat_param import FlatParamView
 
 _summoned: weakref.WeakSet[ModuleState] = weakref.WeakSet()  # units inside summon_full_params

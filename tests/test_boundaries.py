@@ -9,7 +9,7 @@
   traffic and must not be counted in its bytes per step.
 - The shared services (state dicts, clipping, the scaler, the engine, ...) do not
   import the wrapper's flat parameter (``_flat_param.py``): they find a
-  parameter's unit through the engine (``_core/param_units.py``). Only the
+  parameter's unit through the engine (``_core/unit/group.py``). Only the
   wrapper's own modules (``WRAPPER_SIDE``) import it.
 - ``training/`` (the ranks of ``fullshard train``) does not import ``cli/``
   (the launcher).
@@ -166,7 +166,7 @@ def test_shared_services_do_not_import_the_flat_parameter(path: Path) -> None:
     flat = [m for m in imported_modules(path) if m == "fullshard._flat_param" or m.startswith("fullshard._flat_param.")]
     assert not flat, (
         f"{path.relative_to(PACKAGE)} imports the wrapper's flat parameter; find a parameter's unit "
-        "through fullshard._core.param_units instead"
+        "through fullshard._core.unit (unit_of, buffer_param) instead"
     )
 
 
@@ -240,123 +240,3 @@ def test_clean_room(path: Path) -> None:
 
 def test_the_rebinding_module_is_marked() -> None:
     assert CLEAN_ROOM_MARK in (PACKAGE / "torch_names.py").read_text().splitlines()
-
-
-# -- the unit's surface: few of its names per module ------------------------------------------------
-# A reader of any module meets few of the unit's (``ParamGroup``'s) names: what it is lives in its
-# frozen spec, its run-time choices in one ``settings`` object, and each step makes one call on it.
-UNIT_CLASS, UNIT_MODULE = "ParamGroup", PACKAGE / "_core" / "group.py"
-MAX_UNIT_MEMBERS_READ = 6
-MAX_UNIT_MODULE_LINES = 300
-UNIT_WORDS = {"unit", "group"}  # the names (variables, attributes) that hold a unit by convention
-
-
-def class_members(name: str, module: Path) -> set[str]:
-    """The methods, properties and ``self.`` attributes of class ``name`` in ``module``, and of its
-    bases imported from sibling modules (``from .forms import ParamForms``)."""
-    tree = ast.parse(module.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("__")}
-    members |= {
-        n.attr
-        for n in ast.walk(cls)
-        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and ast.unparse(n.value) == "self"
-    }
-    imported = {a.asname or a.name: n.module for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
-    for base in (b.id for b in cls.bases if isinstance(b, ast.Name) and imported.get(b.id)):
-        members |= class_members(base, module.parent / f"{imported[base]}.py")
-    return members
-
-
-def _key(node: ast.AST) -> str | None:
-    """The name a variable or attribute goes by (``state.group`` -> ``group``), module-wide."""
-    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-
-
-def unit_member_reads(source: str, members: set[str]) -> set[str]:
-    """The unit's ``members`` that ``source`` reads or writes off an expression holding a unit: a
-    name or attribute in ``UNIT_WORDS`` or annotated ``ParamGroup``, what is assigned from one, an
-    element (subscript, loop variable) of a collection annotated ``...[ParamGroup]`` or built from
-    units. Flow-insensitive on purpose: a name that holds a unit anywhere holds one everywhere."""
-    tree = ast.parse(source)
-    holders, collections = set(UNIT_WORDS), set()
-
-    def is_unit(node: ast.AST) -> bool:
-        return _key(node.value) in collections if isinstance(node, ast.Subscript) else _key(node) in holders
-
-    def is_collection(node: ast.AST) -> bool:
-        if isinstance(node, (ast.List, ast.Set, ast.Tuple)):
-            return bool(node.elts) and all(is_unit(e) for e in node.elts)
-        if isinstance(node, (ast.ListComp, ast.SetComp)):
-            return is_unit(node.elt)
-        return _key(node) in collections
-
-    for node in ast.walk(tree):
-        annotated = (node.annotation, node.arg) if isinstance(node, ast.arg) else (None, None)
-        if isinstance(node, ast.AnnAssign):
-            annotated = (node.annotation, _key(node.target))
-        annotation, name = annotated
-        if annotation is not None and name is not None:
-            text = ast.unparse(annotation).strip("'\"")
-            if text in (UNIT_CLASS, f"{UNIT_CLASS} | None"):
-                holders.add(name)
-            elif UNIT_CLASS in text:
-                collections.add(name)
-    while True:
-        known = len(holders) + len(collections)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign):
-                bindings = [(t, node.value, False) for t in node.targets]
-            elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                bindings = [(node.target, node.value, False)]
-            elif isinstance(node, (ast.For, ast.comprehension)):
-                bindings = [(node.target, node.iter, True)]
-            else:
-                continue
-            for target, value, loop in bindings:
-                name = _key(target)
-                if name is None:
-                    continue
-                if loop and is_collection(value) or not loop and is_unit(value):
-                    holders.add(name)
-                elif not loop and is_collection(value):
-                    collections.add(name)
-        if len(holders) + len(collections) == known:
-            break
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in members and is_unit(n.value)}
-
-
-def test_unit_member_scanner() -> None:
-    members = class_members(UNIT_CLASS, UNIT_MODULE)
-    assert {"unshard", "reshard", "settings", "spec", "training_state", "post_backward"} <= members  # bases too
-    source = (
-        "def f(state, units: list[ParamGroup], g: ParamGroup | None):\n"
-        "    state.group.reshard()\n"  # an attribute named group
-        "    for u in units: u.unshard()\n"  # an element of an annotated collection
-        "    g.spec\n"  # an annotated argument
-        "    first = units[0]; first.prefetch()\n"  # a subscript, then a name assigned from it
-        "    ready = [s.group for s in state.all]\n"
-        "    [r.settings for r in ready]\n"  # an element of a collection built from units
-        "    mine = unit; mine.training_state = 1\n"  # a write counts too
-        "    state.reshard(); other.unshard_needs_collective(); unit.not_a_member\n"  # not units / not members
-    )
-    assert unit_member_reads(source, members) == {
-        "reshard", "unshard", "spec", "prefetch", "settings", "training_state",
-    }  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "path", [p for p in sorted(PACKAGE.rglob("*.py")) if p != UNIT_MODULE], ids=lambda p: str(p.relative_to(PACKAGE))
-)
-def test_modules_read_few_unit_members(path: Path) -> None:
-    reads = unit_member_reads(path.read_text(), class_members(UNIT_CLASS, UNIT_MODULE))
-    assert len(reads) <= MAX_UNIT_MEMBERS_READ, (
-        f"{path.relative_to(PACKAGE)} reads {len(reads)} members of the unit ({sorted(reads)}), more than "
-        f"{MAX_UNIT_MEMBERS_READ}: make the checks it makes one call on the unit (group.py) or the schedule, "
-        "or read the run-time choices off unit.settings"
-    )
-
-
-def test_the_unit_module_stays_short() -> None:
-    lines = len(UNIT_MODULE.read_text().splitlines())
-    assert lines <= MAX_UNIT_MODULE_LINES, f"_core/group.py has {lines} lines, more than {MAX_UNIT_MODULE_LINES}"

@@ -1,5 +1,5 @@
 """Small units' prefetched all-gathers in one collective (see [Note: Gather buckets] in
-fullshard/_core/bucket.py): training equal to one process and, bit for bit, to the same
+fullshard/_core/gather/all_gather.py): training equal to one process and, bit for bit, to the same
 model gathering unit by unit, through both front ends and their settings; fewer
 collectives on the comm spy; units that cannot join gather alone; a prefetched bucket
 left unused by a changed order is freed; at DETAIL debug level every gather is checked."""
@@ -24,7 +24,7 @@ from fullshard import (
     set_all_gather_bucket_size,
 )
 from fullshard._core import comm
-from fullshard._core.state import get_state
+from fullshard._core.step.state import get_state
 from fullshard.testing import DataParallelReference, case, distributed, full_value
 from fullshard.testing.fake_group import fake_world
 from fullshard.wrap import ModuleWrapPolicy

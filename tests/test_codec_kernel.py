@@ -1,6 +1,6 @@
 """The C codec kernel of the quantized all-gather gives the eager codec's bits, decodes every
 rank's chunk in one call, and steps aside cleanly where it cannot be built. See [Note: Codec
-kernel] in fullshard/_core/codec_kernel.py.
+kernel] in fullshard/_core/gather/codec/codec_kernel.py.
 """
 
 import warnings
@@ -21,10 +21,10 @@ from test_quantize_fused import (
     _train,
 )
 
-from fullshard._core import codec_kernel, fused_codec
-from fullshard._core.layout import Layout, flat_pieces
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.quantized_gather import QuantizedGather
+from fullshard._core.gather.codec import codec_kernel, fused_codec
+from fullshard._core.gather.layout import Layout, flat_pieces
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.testing import distributed
 
 CODES = [torch.int8, torch.float8_e4m3fn]

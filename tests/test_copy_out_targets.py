@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fullshard import MixedPrecisionPolicy, fully_shard
-from fullshard._core.state import get_state
+from fullshard._core.step.state import get_state
 from fullshard.testing import distributed
 
 

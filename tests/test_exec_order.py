@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fullshard import FSDP, ShardingStrategy, fully_shard
-from fullshard._core.schedule import Schedule
-from fullshard._core.state import get_state
+from fullshard._core.step.schedule import Schedule
+from fullshard._core.step.state import get_state
 from fullshard.testing import DataParallelReference, distributed, full_value
 
 STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]

@@ -231,7 +231,7 @@ def test_copy_in_matches_chunk_cat(world, grad_dtype):
     """The CPU reduce-scatter copy-in (chunk by chunk, casting bf16 gradients to
     fp32 on the way, no padded copies) lays out and pads exactly like
     ``torch._chunk_cat``."""
-    from fullshard._core.reduction import chunk_cat
+    from fullshard._core.reduce.reduction import chunk_cat
 
     torch.manual_seed(world)
     for shapes in ([(5, 3), (3,), (7, 2, 2)], [(1, 5)], [(8, 8), (16,)]):

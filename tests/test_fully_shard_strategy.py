@@ -12,7 +12,7 @@ from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 
 from fullshard import ShardingStrategy, fully_shard, set_all_gather_bucket_size
 from fullshard._core import comm
-from fullshard._core.state import get_state
+from fullshard._core.step.state import get_state
 from fullshard.testing import DataParallelReference, assert_params_equal, case, distributed, mean_over
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
 from fullshard.wrap import ModuleWrapPolicy

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fullshard import fully_shard, set_all_gather_bucket_size
-from fullshard._core.state import get_state
+from fullshard._core.step.state import get_state
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing.fake_group import fake_world
 

@@ -1,11 +1,11 @@
 """Block-wise quantization for the all-gather: error bounds per block, the packed
-layout, and bad settings. See [Note: Quantized all-gather] in fullshard/_core/quantize.py.
+layout, and bad settings. See [Note: Quantized all-gather] in fullshard/_core/gather/codec/quantize.py.
 """
 
 import pytest
 import torch
 
-from fullshard._core.quantize import CODE_MAX, BlockQuantizer
+from fullshard._core.gather.codec.quantize import CODE_MAX, BlockQuantizer
 
 CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
 

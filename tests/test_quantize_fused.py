@@ -1,5 +1,5 @@
 """The fused (compiled) codec of the quantized all-gather gives the eager codec's bits,
-and steps aside where it cannot run. See [Note: Fused codec] in fullshard/_core/fused_codec.py.
+and steps aside where it cannot run. See [Note: Fused codec] in fullshard/_core/gather/codec/fused_codec.py.
 """
 
 import warnings
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
-from fullshard._core import codec_kernel, fused_codec
-from fullshard._core.fused_codec import Span, spans
-from fullshard._core.layout import Layout
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.quantized_gather import QuantizedGather
+from fullshard._core.gather.codec import codec_kernel, fused_codec
+from fullshard._core.gather.codec.fused_codec import Span, spans
+from fullshard._core.gather.layout import Layout
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing import distributed, train_steps
 

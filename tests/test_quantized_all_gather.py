@@ -1,6 +1,6 @@
 """Quantized all-gather (``set_all_gather_quantization``): what goes on the wire, what
 every rank computes with, exact gradients with respect to it, and every front end and
-mesh. See [Note: Quantized all-gather] in fullshard/_core/quantize.py.
+mesh. See [Note: Quantized all-gather] in fullshard/_core/gather/codec/quantize.py.
 """
 
 import copy
@@ -20,8 +20,8 @@ from fullshard import (
     set_all_gather_quantization,
 )
 from fullshard._core import comm
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.state import get_state
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.step.state import get_state
 from fullshard.models import ModelArgs, Transformer
 from fullshard.plan import PlanConfig, estimate
 from fullshard.testing import distributed, train_steps

@@ -1,6 +1,6 @@
 """Quantized all-gather on the FSDP1 wrapper's flat parameters (``use_orig_params=False``, issue 25):
 each rank's piece of FSDP1's flat shard is coded as its own chunk (see [Note: Quantized flat chunks]
-in fullshard/_core/quantized_gather.py). Checked against a reference built here from the unwrapped
+in fullshard/_core/gather/codec/quantized_gather.py). Checked against a reference built here from the unwrapped
 model's values, not from the engine's layout: the gathered weights are every rank's dequantized
 piece bit for bit, the bytes on the wire are the longest rank's chunk times the ranks, gradients
 are exact with respect to the weights used, and training matches ``use_orig_params=True``.
@@ -25,10 +25,11 @@ from fullshard import (
     ShardingStrategy,
     set_all_gather_quantization,
 )
-from fullshard._core import comm, fused_codec
-from fullshard._core.layout import Layout, flat_pieces
-from fullshard._core.quantize import BlockQuantizer
-from fullshard._core.quantized_gather import QuantizedGather
+from fullshard._core import comm
+from fullshard._core.gather.codec import fused_codec
+from fullshard._core.gather.layout import Layout, flat_pieces
+from fullshard._core.gather.codec.quantize import BlockQuantizer
+from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.api import keeps_exact_by_default
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing import distributed, train_steps

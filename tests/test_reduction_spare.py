@@ -1,5 +1,5 @@
 """The reduce-scatter input handed from one reduction to the next of its size (see
-[Note: Reduction pipeline] in ``fullshard/_core/reduction.py``).
+[Note: Reduction pipeline] in ``fullshard/_core/reduce/reduction.py``).
 
 On torch's fake process group (world 8, one process): units of one shape reuse one
 input within a backward, a unit of another size gets its own, nothing is handed on
@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import fully_shard
 from fullshard._core import comm
-from fullshard._core.reduction import GradReduction, ReduceSettings, ReductionQueue, plan_reduction
-from fullshard._core.state import get_state
+from fullshard._core.reduce.reduction import GradReduction, ReductionQueue, plan_reduction
+from fullshard._core.settings import ReduceSettings
+from fullshard._core.step.state import get_state
 from fullshard.testing.fake_group import fake_world
 
 

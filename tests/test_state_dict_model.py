@@ -21,7 +21,7 @@ from fullshard import (
     fully_shard,
 )
 from fullshard.state_dict.settings import unit_record
-from fullshard._core import full_params
+from fullshard._core.unit import full_params
 from fullshard.testing import distributed, full_value
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
 from fullshard.wrap import ModuleWrapPolicy

@@ -3,7 +3,7 @@
 A parameter whose tensor type defines ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` is sharded on dim 0 with the subclass's own
 operations, gathered as what its pre-hook returns and rebuilt by its post-hook
-(see [Note: Gather extensions] in ``fullshard/_core/extension.py``). Checked
+(see [Note: Gather extensions] in ``fullshard/_core/gather/extension.py``). Checked
 with a toy subclass of our own (both pre-hook signatures), torchao's NF4
 (QLoRA) and torchao's float8 weights, against torch's FSDP2 and one process;
 the comm spy proves what the wire carried.

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fullshard import FSDP, ShardingStrategy, fully_shard
-from fullshard._core.state import get_state
+from fullshard._core.step.state import get_state
 from fullshard.testing import DataParallelReference, assert_params_equal, distributed, mean_over
 from fullshard.testing.models import CompositeParamModel, UnitModule
 from fullshard.wrap import (

@@ -44,7 +44,7 @@ M = "tests/conformance/test_matrix.py"
 BREAKS: tuple[Break, ...] = (
     Break(
         "bf16_reduced_grads_zeroed",
-        "fullshard/_core/reduction.py",
+        "fullshard/_core/reduce/reduction.py",
         "        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
         "        if self._output.dtype == torch.bfloat16:\n"
         "            self._output.zero_()\n"
@@ -74,7 +74,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "quantized_decode_shrunk",
-        "fullshard/_core/quantize.py",
+        "fullshard/_core/gather/codec/quantize.py",
         "        values.mul_(scales)\n",
         "        values.mul_(scales).mul_(0.9)\n",
         (
@@ -88,7 +88,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "quantized_decode_zero",
-        "fullshard/_core/quantize.py",
+        "fullshard/_core/gather/codec/quantize.py",
         "        values.mul_(scales)\n",
         "        values.mul_(scales).zero_()\n",
         ("tests/test_quantized_all_gather.py::test_backward_regather_within_a_smaller_group_is_quantized_too",),
@@ -96,7 +96,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "codec_kernel_unused",
-        "fullshard/_core/quantized_gather.py",
+        "fullshard/_core/gather/codec/quantized_gather.py",
         "        return codec_kernel.library()\n",
         "        return None\n",
         ("tests/test_codec_kernel.py", "-k", "not failed_build and not built_once"),
@@ -104,7 +104,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "stale_forms_not_detected",
-        "fullshard/_core/forms.py",
+        "fullshard/_core/unit/group.py",
         "        return version is not None and version != self._shards_version()"
         " and not torch.compiler.is_compiling()\n",
         "        return False\n",
@@ -113,7 +113,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "reduce_scatter_keeps_local_chunk",
-        "fullshard/_core/reduction.py",
+        "fullshard/_core/reduce/reduction.py",
         "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
         "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
         ("tests/test_torch_parity_autograd.py",),
@@ -139,7 +139,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "one_rank_grads_dropped",
-        "fullshard/_core/reduction.py",
+        "fullshard/_core/reduce/reduction.py",
         "        self._final_divide = 1.0\n",
         "        self._final_divide = 1.0\n"
         "        if shard.size == 1 and plan.replicate.size == 1:\n"
@@ -158,7 +158,7 @@ BREAKS: tuple[Break, ...] = (
     ),
     Break(
         "reduce_scatter_keeps_local_chunk_hsdp",
-        "fullshard/_core/reduction.py",
+        "fullshard/_core/reduce/reduction.py",
         "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
         "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
         ("tests/test_wrapper_hybrid_shard.py::test_fsdp_hybrid_shard_parity", "-m", "not slow"),

@@ -1,21 +1,17 @@
-"""Small types shared across the engine: training states, module info, casts."""
+"""Small types shared across the engine: training states, where a parameter is registered, casts."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import enum
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
-
-from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
-from .presentation import DTensorShards
 
 
 class TrainingState(enum.Enum):
@@ -25,37 +21,6 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # inside the module's forward
     PRE_BACKWARD = enum.auto()  # backward reached the module's outputs; grads pending
     POST_BACKWARD = enum.auto()  # the module's gradients were handed to reduction
-
-
-@dataclass(frozen=True, kw_only=True)
-class UnitConfig:
-    """Everything a front end decides about one unit; the engine reads only this."""
-
-    api_name: str = "fully_shard"  # the call the user made, for messages: "<api_name> expects ..."
-    ignore_argument: str = "ignored_params"  # that call's argument leaving a parameter unsharded, for messages
-    # A name from a walk of the module tree as the user's model names it (a wrapper
-    # drops the segments it inserts); None: the name itself.
-    name_in_model: Callable[[str], str] | None = None
-    reshard_after_forward: bool | int | None = None  # None: True except for the root
-    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
-    offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
-    forward_prefetch: bool = True  # gather the next unit (previous step's order) while this one runs
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    cast_root_inputs: bool = False  # cast the root's inputs even without mp_policy.cast_forward_inputs
-    keep_low_precision_grads: bool = False  # leave reduced gradients in the reduce dtype
-    buffer_dtype: torch.dtype | None = None  # cast managed buffers for compute
-    full_precision_in_eval: bool = False  # eval-mode forwards gather and compute in the parameters' dtype
-    sync_module_states: bool = False  # broadcast the first rank's parameters and buffers first
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # param -> Shard(dim) | None (dim 0)
-    presentation: DTensorShards | None = None  # how shards are shown (None: DTensors); see [Note: Presentations]
-    flat_layout: bool = False  # FSDP1's flat parameter layout (see [Note: Flat layout] in layout.py)
-    # As a root, adopt units another root adopted before (FSDP1: wrapping a trained model's inner
-    # module again, for inference); FSDP2 refuses any unit lazily initialized before.
-    adopts_used_units: bool = False
-
-    def model_name(self, name: str) -> str:
-        """``name`` (from a module-tree walk) as the user's model names it."""
-        return name if self.name_in_model is None else self.name_in_model(name)
 
 
 @dataclass
@@ -126,21 +91,3 @@ def flatten_tensors(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(found.append, tree)
     return found
-
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def outside_transforms(method: _Method) -> _Method:
-    """Runs a buffer transition with functorch transforms (``torch.func.jvp``)
-    switched off: buffers it allocates must stay plain tensors whose storage
-    can be freed, not wrappers of the transform's level."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch._C._are_functorch_transforms_active():
-            return method(*args, **kwargs)
-        with torch._C._DisableFuncTorch():
-            return method(*args, **kwargs)
-
-    return cast(_Method, run)

@@ -1,4 +1,7 @@
-"""How a unit shows a sharded parameter to the user (module attribute, ``.grad``, optimizer).
+"""How a unit shows a sharded parameter to the user (module attribute, ``.grad``,
+optimizer), and the hook a front end installs when one object stands for a
+unit's whole shard buffer (``BufferView``): the engine's two plug-in points for
+front ends.
 
 [Note: Presentations]
 The engine keeps this rank's rows of every parameter in the unit's shard
@@ -15,6 +18,11 @@ for those rows outside forward and backward:
 Both present gradients and optimizer states the same way as the parameter,
 and both convert to and from DTensors, the layout-carrying form that state
 dicts and resharding use.
+
+[Note: Buffer views]
+The FSDP1 wrapper's ``use_orig_params=False`` registers the buffer itself as
+one flat ``nn.Parameter`` (``fullshard/_flat_param.py``). The engine knows it
+only through the ``BufferView`` protocol: what it must keep in step with that object.
 """
 
 from __future__ import annotations
@@ -96,3 +104,25 @@ class LocalViews(DTensorShards):
 
 
 DTENSOR_SHARDS = DTensorShards()
+
+
+class BufferView(Protocol):
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The registered object: it shares the shard buffer's storage (``nn.Module._apply``
+        may give it new storage, which the unit then adopts), and its ``.grad``
+        receives the unit's reduced gradients in the buffer's layout."""
+        ...
+
+    def sync_requires_grad(self) -> None:
+        """Called before the unsharded parameters are registered: ``requires_grad_`` on
+        the object (un)freezes the parameters it stands for."""
+        ...
+
+    def hide(self) -> None:
+        """Unregisters the object while the full parameters stand in for it."""
+        ...
+
+    def show(self) -> None:
+        """Registers it again."""
+        ...

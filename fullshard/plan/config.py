@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._core.bucket import DEFAULT_ALL_GATHER_BUCKET_BYTES
+from .._core.settings import DEFAULT_ALL_GATHER_BUCKET_BYTES
 from ..models.transformer import ModelArgs
 
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
@@ -41,7 +41,7 @@ class PlanConfig:
             rather than every parameter's padded rows.
         all_gather_bucket_bytes: ``set_all_gather_bucket_size``: prefetched units gathered together
             in one all-gather up to this many gathered bytes (0: each alone; see [Note: Gather
-            buckets] in ``fullshard/_core/bucket.py``).
+            buckets] in ``fullshard/_core/gather/all_gather.py``).
         device: ``cuda`` or ``cpu``, where the step runs. Decides what some
             kernels allocate: AdamW (foreach on accelerators, one tensor at a
             time on CPU) and ``torch._chunk_cat`` (pads copies on CPU).

@@ -9,11 +9,11 @@ live total, and what was alive then is the breakdown. It follows:
   output (and a staged input when it casts or comes from host memory) alive
   from issue to the copy-out into the unsharded parameters; at most one unit
   prefetched, as the engine does by default (see [Note: Prefetch] in
-  ``fullshard/_core/schedule.py``): in forward the next unit of the previous
+  ``fullshard/_core/step/schedule.py``): in forward the next unit of the previous
   step's order, issued once the current unit's gather is done; in backward
   (``BACKWARD_PRE``) the unit before the current one, issued once its own is done;
   small units several at a time, as one bucket (``PlanConfig.all_gather_bucket_bytes``,
-  see [Note: Gather buckets] in ``fullshard/_core/bucket.py``): one output for all of
+  see [Note: Gather buckets] in ``fullshard/_core/gather/all_gather.py``): one output for all of
   them, alive until the last has copied out (a flat unit's copy-out makes a
   contiguous copy of its columns first);
   autograd's gradients of a unit's unsharded parameters until its
@@ -57,8 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._core.fused_codec import MIN_FUSED_VALUES
-from .._core.quantize import BlockQuantizer
+from .._core.gather.codec import MIN_FUSED_VALUES, BlockQuantizer
 from .config import PlanConfig
 from .units import Unit, gather_codes, units_per_bucket
 
@@ -128,7 +127,7 @@ class StepReplay:
         self.embedding_grad = args.vocab_size * args.dim * self.c
         self.in_flight: dict[str, int] = {}  # unit -> bytes of its all-gather buffers
         # Blocks one prefetched all-gather takes, and each bucket's output bytes and units still
-        # to copy out (see [Note: Gather buckets] in fullshard/_core/bucket.py).
+        # to copy out (see [Note: Gather buckets] in fullshard/_core/gather/all_gather.py).
         self.per_bucket = units_per_bucket(config, self.blocks[0]) if self.blocks else 1
         self.buckets: dict[str, tuple[int, set[str]]] = {}
         self.codes = gather_codes(config)  # a quantized all-gather's, or None

@@ -5,7 +5,7 @@ unit holds the token and position embeddings, the final norm and (tied to the
 token embedding, so counted once) the output weight. Each parameter is split on
 dim 0 into chunks of ``ceil(rows / shard size)`` rows, padded; a unit's chunks
 sit back to back in one shard buffer (see [Note: Unit buffers] in
-``fullshard/_core/layout.py``). Under the FSDP1 wrapper's ``use_orig_params=False``
+``fullshard/_core/gather/layout.py``). Under the FSDP1 wrapper's ``use_orig_params=False``
 (``PlanConfig.flat_params``) a unit's shard is instead FSDP1's flat piece: its
 parameters flattened and concatenated, cut into ``ceil(numel / shard size)``
 elements per rank, padded once at the end (see [Note: Flat layout] there).
@@ -17,8 +17,8 @@ import functools
 from collections import Counter
 from dataclasses import dataclass
 
-from .._core.layout import flat_pieces
-from .._core.quantize import BlockQuantizer
+from .._core.gather import flat_pieces
+from .._core.gather.codec import BlockQuantizer
 from ..models.transformer import ModelArgs
 from .config import PlanConfig
 
@@ -49,7 +49,7 @@ class Unit:
     def packed_chunk_bytes(self, code: BlockQuantizer, compute_bytes: int) -> int:
         """One rank's chunk of a quantized all-gather: codes and scales, then the exact values (a
         flat unit's: the longest rank's, which every rank sends; see [Note: Quantized flat chunks]
-        in ``fullshard/_core/quantized_gather.py``)."""
+        in ``fullshard/_core/gather/codec/quantized_gather.py``)."""
         if self.flat:
             return max(_packed_bytes(code, coded, exact * compute_bytes) for coded, exact in self._flat_split())
         coded = self.coded_shard_numel()
@@ -131,7 +131,7 @@ def gather_codes(config: PlanConfig) -> BlockQuantizer | None:
 
 def units_per_bucket(config: PlanConfig, unit: Unit) -> int:
     """How many consecutive blocks like ``unit`` one prefetched all-gather takes (see [Note: Gather
-    buckets] in ``fullshard/_core/bucket.py``): 1 where they gather alone."""
+    buckets] in ``fullshard/_core/gather/all_gather.py``): 1 where they gather alone."""
     if config.shard_size == 1 or config.cpu_offload or config.all_gather_dtype is not None:
         return 1
     nbytes = unit.gathered_numel * config.compute_dtype.itemsize

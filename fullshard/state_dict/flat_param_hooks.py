@@ -6,7 +6,7 @@ the original parameters' keys carry its values.
 FSDP1 saves a unit's flat parameter as a 1-D ShardedTensor over the
 concatenation of the unit's parameters (flattened, in order, without
 padding), each rank holding its equal-sized contiguous part. Ours is laid out
-so (see [Note: Flat layout] in _core/layout.py): the ShardedTensor is the flat
+so (see [Note: Flat layout] in _core/gather/layout.py): the ShardedTensor is the flat
 shard without its end padding (a view, no copy), so
 ``torch.distributed.checkpoint`` reads it back at any world size, a dict of
 another layout loads by assembling it, and a plain tensor (this rank's padded
@@ -27,8 +27,8 @@ import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
-from .._core.group import ParamGroup
-from .._core.state import ModuleState
+from .._core.step import ModuleState
+from .._core.unit import ParamGroup
 from ..api import StateDictType
 from .settings import UnitStateDict, unit_record
 from .sharded_tensor import full_tensor, same_shards, shard_entry, sharded_tensor
@@ -83,7 +83,7 @@ def _load_flat_param(
 
 
 def _flat_layout(unit: ParamGroup, chunk: int, device: torch.device) -> tuple[list[ShardMetadata], int]:
-    """Under FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py): every rank's one
+    """Under FSDP1's flat layout (see [Note: Flat layout] in _core/gather/layout.py): every rank's one
     contiguous shard of the concatenation, and how many of this rank's elements are not padding."""
     shard, total = unit.spec.mesh_info.shard, _total_numel(unit)
     group = _shard_group(unit)

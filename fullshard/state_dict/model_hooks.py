@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._core import comm, full_params
+from .._core import comm
 from .._core.common import TrainingState
-from .._core.group import ParamGroup
-from .._core.state import ModuleState
+from .._core.step import ModuleState
+from .._core.unit import ParamGroup, full_params
 from .._names import WRAPPER_PREFIX, model_name
 from ..api import StateDictSettings, StateDictType
 from .settings import UnitStateDict, rank0_only, register_unit, unit_record
@@ -115,7 +115,7 @@ def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, pr
     _warn_if_always_full(record)
     _reshard_unit(group)
     kind = record.model_settings().state_dict_type
-    # A flat piece's sharded value is cut from the full one (see [Note: Flat layout] in _core/layout.py).
+    # A flat piece's sharded value is cut from the full one (see [Note: Flat layout] in _core/gather/layout.py).
     flat_sharded = kind is StateDictType.SHARDED_STATE_DICT and group.spec.flat_chunk is not None
     if kind is StateDictType.FULL_STATE_DICT or flat_sharded:
         record.full_values = full_params.gather_full_values(group)

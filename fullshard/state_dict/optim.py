@@ -24,11 +24,10 @@ import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .._core import comm, full_params
-from .._core.group import ParamGroup
+from .._core import comm
+from .._core.gather import ShardParam
 from .._core.manage import states_below
-from .._core.param import ShardParam
-from .._core.param_units import buffer_param
+from .._core.unit import ParamGroup, buffer_param, full_params
 from .._names import model_name
 from ..api import StateDictType
 from .settings import default_settings, get_state_dict_type, rank0_only, unit_record
@@ -222,7 +221,7 @@ def _gather_flat_states(
     param: torch.Tensor, unit: ParamGroup | None, values: dict[str, Any]
 ) -> dict[str, list[torch.Tensor]]:
     """A flat parameter's states in FSDP1's flat layout, each gathered once into its original
-    parameters' full values (see [Note: Flat layout] in _core/layout.py); {} for any other."""
+    parameters' full values (see [Note: Flat layout] in _core/gather/layout.py); {} for any other."""
     if unit is None or unit.spec.flat_chunk is None or param is not buffer_param(unit):
         return {}
     return {

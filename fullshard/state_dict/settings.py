@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from .._core.manage import states_below
-from .._core.param_units import buffer_param
-from .._core.state import ModuleState
+from .._core.step import ModuleState
+from .._core.unit import buffer_param
 from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard as ShardPlacement
 
 from .._core import comm
-from .._core.param import ShardParam
+from .._core.gather import ShardParam
 
 
 def as_sharded_tensor(value: DTensor) -> torch.Tensor:

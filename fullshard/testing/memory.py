@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._core import comm
 from .._core.mesh import default_mesh, hybrid_mesh
-from .._core.state import get_state
+from .._core.step import get_state
 from ..all_gather_buckets import set_all_gather_bucket_size
 from ..all_gather_quantization import set_all_gather_quantization
 from ..api import (
@@ -128,7 +128,7 @@ def measure_step(
 def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool, flat: bool) -> nn.Module:
     """``model`` under the FSDP1 wrapper, one unit per block plus the root; ``flat``: with
     ``use_orig_params=False``, each unit one flat parameter in FSDP1's layout (see [Note: Flat
-    layout] in _core/layout.py), else per-parameter rows."""
+    layout] in _core/gather/layout.py), else per-parameter rows."""
     from ..wrap import ModuleWrapPolicy
     from ..wrapper import FullyShardedDataParallel
 

@@ -5,7 +5,7 @@ and names (see [Note: Unit spec]).
 ``manage_module`` builds one frozen ``UnitSpec`` per unit. Everything that
 works on a unit's data (the all-gather, gradient intake, the shard buffer,
 full-parameter I/O, logging) reads the spec and the buffers, not the unit:
-the unit (group.py, over forms.py) keeps only its lifecycle state (sharded or
+the unit (``unit/group.py``) keeps only its lifecycle state (sharded or
 not, where it is in the step, run-time settings). The one thing learnt later
 is the name: the root's lazy init knows the module's path in the model and
 replaces the spec with ``named`` (a new spec; readers holding the old one are
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import MixedPrecisionPolicy
-from .mesh import MeshInfo
+from ...api import MixedPrecisionPolicy
+from ..mesh import MeshInfo
+from ..presentation import DTensorShards
+from ..trace import UnitLabels, unit_labels
 from .param import ShardParam
-from .presentation import DTensorShards
-from .trace import UnitLabels, unit_labels
 
 
 @dataclass(frozen=True, slots=True)

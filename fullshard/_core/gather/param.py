@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import comm, compat
-from .common import ParamModuleInfo, set_module_tensor
+from .. import comm, compat
+from ..common import ParamModuleInfo, set_module_tensor
+from ..mesh import MeshInfo
+from ..presentation import DTENSOR_SHARDS, DTensorShards
 from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
-from .mesh import MeshInfo
-from .presentation import DTENSOR_SHARDS, DTensorShards
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -208,7 +208,7 @@ class ShardParam:
 
     def _init_whole_mesh(self, param: DTensor) -> torch.Tensor:
         """A DTensor on the whole SPMD mesh (``dp_mesh_dims``), replicated on the
-        data-parallel dims (spmd_mesh.py raises for others): the shard keeps that mesh
+        data-parallel dims (``fullshard/fully_shard_mesh.py`` raises for others): the shard keeps that mesh
         and its dims' order, and the data-parallel shard dim splits the local
         tensor's dim 0."""
         spec = param._spec

@@ -31,11 +31,11 @@ from typing import NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .common import TrainingState, outside_transforms
-from .group import ParamGroup
-from .mesh import MeshInfo
-from .param import ShardParam
+from .. import comm
+from ..common import TrainingState
+from ..gather import ShardParam
+from ..mesh import MeshInfo
+from ..unit import ParamGroup, outside_transforms
 from .schedule import Schedule
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .buffer_view import BufferView
+from ..presentation import BufferView
 from .layout import Layout
 from .param import ShardParam
 from .spec import UnitSpec
@@ -26,7 +26,7 @@ class UnitBuffers:
         self.offload = spec.offload
         self.pin_memory = spec.pin_memory  # pinned host memory: copies to an accelerator are asynchronous
         self.flat_chunk = spec.flat_chunk  # see [Note: Flat layout] in layout.py
-        # A front end's tensor registered in place of the shards (see buffer_view.py).
+        # A front end's tensor registered in place of the shards (see ``presentation.BufferView``).
         self.view: BufferView | None = None
         self.build(shards)
 
@@ -58,7 +58,7 @@ class UnitBuffers:
         self._bind(buffer, dtypes)
 
     def install_view(self, view: BufferView, owner: str) -> None:
-        """A front end registers ``view`` in place of the shards (see buffer_view.py);
+        """A front end registers ``view`` in place of the shards (see ``presentation.BufferView``);
         ``owner`` names the unit in errors."""
         if self.extended:
             raise NotImplementedError(

@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import comm
-from .all_gather import split_views
+from .. import comm
+from ..gather import ShardParam, split_views
 from .group import ParamGroup
-from .param import ShardParam
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Per-module state and hooks: lazy root init, forward/backward transitions.
+"""Per-module state and hooks (forward/backward transitions), the root's lazy init
+and what the units under one root share (its context), and the lazy init's log.
 
 [Note: One step]
 root pre-forward: lazy init (once) -> for each unit: the schedule's
@@ -16,24 +17,45 @@ the others only cast their inputs, and the last one's post-forward reshards.
 Every module's outputs get the pre-backward hook, as any of them may start
 backward. A module that did not run is waited for until the root's forward
 ends, which then finishes the pass.
+
+[Note: Root context]
+The root's lazy init puts every state below it, and their units, under one
+``RootContext`` (FSDP2's per-root state context): the schedule that orders
+their gathers and prefetches (schedule.py, see [Note: Prefetch]), the
+reduction queue each unit is handed when it joins (see [Note: Reduction
+pipeline]), and the end-of-backward callback. The context knows the units; a
+unit knows only the schedule, as its ``UnitRoot``.
+
+[Note: Logging]
+All of fullshard logs under ``logging.getLogger("fullshard")`` (this module
+uses its child ``fullshard.init`` for what lazy initialisation built) and only at DEBUG: at the default level
+nothing is printed. At DEBUG, lazy initialisation (the root's first forward)
+logs the mesh, then one line per unit (parameters, numel, bytes, dtypes,
+offload, resharding) and one with the unit's bytes per step, counted as
+``comm.record_comms()`` counts them (the full buffer for an all-gather and a
+reduce-scatter, the shard for an all-reduce).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.autograd import Variable
 
-from . import offload
-from .common import TrainingState, UnitConfig, cast_floating, flatten_tensors, map_tensors, module_class_name
-from .context import RootContext
-from .exec_order import validation_enabled
-from .group import ParamGroup, UnitUse
-from .log import log_lazy_init
+from .. import offload
+from ..common import TrainingState, cast_floating, flatten_tensors, map_tensors, module_class_name
+from ..mesh import MeshInfo
+from ..reduce import ReductionQueue
+from ..settings import UnitConfig
+from ..unit import ParamGroup, UnitUse
+from .exec_order import CheckedSchedule, check_ranks_agree_on_units, validation_enabled
+from .schedule import Schedule, ScheduledState
 
 # Weak both ways: a module keeps its state alive through the hooks it holds (the
 # state's methods), and the state holds its modules; a strong value here would keep
@@ -346,3 +368,169 @@ def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook(*args, **kwargs)
 
     return run
+
+
+class ContextState(ScheduledState, Protocol):
+    """What the context reads of a module state under it (``state.ModuleState``)."""
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]: ...
+
+    def finish_forward_pass(self) -> None: ...
+
+    def abandon_step(self) -> None: ...
+
+
+class RootContext:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.all_states: list[ContextState] = []
+        self.reductions = ReductionQueue()
+        self.schedule = Schedule(self.queue_end_of_backward)
+        self.iteration_root: ContextState | None = None
+        self.end_of_backward_queued = False
+        # False: this backward is not the step's last (micro-batching); its end leaves
+        # reductions in flight instead of waiting, and keeps the prefetch order.
+        self.is_last_backward = True
+        # FSDPModule.set_post_optim_event's event: the next all-gather waits for it, once.
+        self.post_optim_event: torch.Event | None = None
+        self._units: list[ParamGroup] = []
+        self._grouped_states: list[ContextState] = []
+
+    def adopt(self, states: list[ContextState], validate: bool, root_name: str) -> None:
+        """Puts ``states`` (the root's first) and their units under this context, once every
+        rank agrees on them (see [Note: Ranks agree on the model]); ``validate``: check the
+        execution order (see [Note: Execution order])."""
+        self.all_states = states
+        # Only a unit over several modules can end a forward with some not run (see finish_forward_pass).
+        self._grouped_states = [s for s in states if len(s.modules) > 1]
+        self._units = [s.group for s in states if s.group is not None]
+        if self._units:
+            mesh_info = self._units[0].spec.mesh_info
+            check_ranks_agree_on_units(root_name, mesh_info, [unit.describe() for unit in self._units])
+        gate = None
+        if validate:
+            checked = CheckedSchedule(self.queue_end_of_backward, self._units)
+            self.schedule, gate = checked, checked.gate_reduction
+        for unit in self._units:
+            unit.join_root(self.schedule, self.reductions, gate)
+        root_unit = states[0].group
+        if root_unit is not None:  # backward needs the root's parameters first
+            root_unit.settings.keep_unsharded_as_root()
+
+    # -- forward ---------------------------------------------------------------------
+    def begin_iteration(self, root: ContextState) -> None:
+        self.iteration_root = root
+        self.schedule.begin_iteration()
+
+    def end_forward(self) -> None:
+        """Finishes passes some of whose modules did not run, and reshards units
+        whose prefetch went unused (the order changed)."""
+        for state in self._grouped_states:
+            if state is not self.iteration_root:
+                state.finish_forward_pass()
+        self.schedule.end_forward()
+        self.iteration_root = None
+
+    # -- backward --------------------------------------------------------------------
+    def queue_end_of_backward(self) -> None:
+        if not self.end_of_backward_queued:
+            self.end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        for state in self.all_states:
+            if state.group is not None:
+                state.group.finalize_backward()
+            state.training_state = TrainingState.IDLE
+        self.schedule.end_backward(self.is_last_backward)
+        self.end_of_backward_queued = False
+        if self.is_last_backward:
+            self.reductions.drain()
+            offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
+
+    def abandon_step(self) -> None:
+        """Forgets a step an exception cut short in forward or backward: waits for the
+        collectives in flight, drops its reductions and gradients, reshards every
+        unit and starts the next step afresh (``FSDPModule.reset_iter_state``)."""
+        self.reductions.discard()
+        offload.wait_for_host_copies()
+        for state in self.all_states:
+            state.abandon_step()
+        for unit in self._units:
+            unit.abandon_step()
+        self.schedule.abandon_step()
+        self.iteration_root = None
+        self.end_of_backward_queued = False  # autograd drops the callback of a failed backward
+
+    @property
+    def step_cut_short(self) -> bool:
+        """Whether a forward or backward under this root stopped midway (an exception):
+        seen when the root's next forward starts."""
+        return self.end_of_backward_queued or any(
+            state.training_state is TrainingState.FORWARD for state in self.all_states
+        )
+
+
+logger = logging.getLogger("fullshard.init")
+
+
+def log_lazy_init(root_name: str, groups: list[ParamGroup]) -> None:
+    """The DEBUG lines of one root's lazy initialisation."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    logger.debug("lazy init of root %s: %d units", root_name, len(groups))
+    meshes: list[MeshInfo] = []
+    for group in groups:
+        if all(group.spec.mesh_info is not seen for seen in meshes):
+            meshes.append(group.spec.mesh_info)
+            _log_mesh(group.spec.mesh_info)
+        _log_unit(group)
+
+
+def _log_mesh(mesh_info: MeshInfo) -> None:
+    mesh = mesh_info.mesh
+    logger.debug(
+        "mesh %s (dims %s) on %s: shard group %d ranks, replicate group %d ranks",
+        tuple(mesh.shape),
+        mesh.mesh_dim_names,
+        mesh_info.device,
+        mesh_info.shard.size,
+        mesh_info.replicate.size,
+    )
+
+
+def _log_unit(group: ParamGroup) -> None:
+    params = group.spec.params
+    numel = sum(p.global_size.numel() for p in params)
+    full_bytes = sum(p.global_size.numel() * p.orig_dtype.itemsize for p in params)
+    shard_bytes = group.buffers.shard_buffer.numel() * group.buffers.shard_buffer.element_size()
+    logger.debug(
+        "unit %s: %d parameters, %d elements, %d bytes (%d per rank sharded), dtypes %s, compute dtype %s, "
+        "reduce dtype %s, offload %s, reshard after forward %s",
+        group.spec.name,
+        len(params),
+        numel,
+        full_bytes,
+        shard_bytes,
+        sorted({str(p.orig_dtype) for p in params}),
+        sorted({str(p.param_dtype) for p in params}),
+        group.buffers.reduce_dtype,
+        group.spec.offload,
+        group.settings.reshard_after_forward,
+    )
+    shard, replicate = group.spec.mesh_info.shard, group.spec.mesh_info.replicate
+    gather_layout = group.buffers.gather_layout
+    gather_bytes = gather_layout.total * gather_layout.dtype.itemsize * shard.size
+    grad_numel = sum(p.shard_numel for p in params if p.sharded_param.requires_grad)
+    reduce_bytes = grad_numel * group.buffers.reduce_dtype.itemsize
+    num_gathers = (1 + int(group.settings.reshard_after_forward)) if shard.size > 1 else 0
+    logger.debug(
+        "unit %s bytes per step: all-gather %d (%d calls), reduce-scatter %d, all-reduce %d",
+        group.spec.name,
+        gather_bytes * num_gathers,
+        num_gathers,
+        reduce_bytes * shard.size if shard.size > 1 and grad_numel else 0,
+        reduce_bytes if replicate.size > 1 and grad_numel else 0,
+    )

@@ -46,12 +46,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import comm, compat
-from .trace import UnitLabels, call, span, unit_labels
+from .. import comm, compat
+from ..trace import UnitLabels, call, span, unit_labels
 
 if TYPE_CHECKING:
-    from .mesh import GroupInfo, MeshInfo
-    from .param import ShardParam
+    from ..gather import ShardParam
+    from ..mesh import GroupInfo, MeshInfo
+    from ..settings import ReduceSettings
 
 
 def _averaging(dtype: torch.dtype, world: int, sum_only: bool = False) -> tuple[dist.ReduceOp.RedOpType, float, float]:
@@ -157,30 +158,6 @@ def split_reduced(
     if len(set(dtypes)) == 1:
         return list(move(output, dtypes[0]).split_with_sizes(numels))
     return [move(piece, dtype) for piece, dtype in zip(output.split_with_sizes(numels), dtypes)]
-
-
-@dataclass
-class ReduceSettings:
-    """How a unit reduces its gradients; changed at run time through ``FSDPModule``
-    (and the wrapper's ``register_comm_hook``)."""
-
-    divide_factor: float | None = None  # None: average over the ranks
-    all_reduce: bool = True  # HSDP: False stops after the reduce-scatter (a partial result)
-    comm_hook: tuple[Callable[..., None], Any] | None = None  # (hook, state): communicates instead
-    post_reduce_hook: Callable[[torch.Tensor], None] | None = None  # sees each final reduced shard
-    sum_only: bool = False  # average with SUM and divisions, never ReduceOp.AVG
-    # Zero gradients for trainable parameters this rank's backward did not reach, so that
-    # every rank reduces the same parameters (conditional use: mixture of experts).
-    include_unused: bool = False
-    # The shard ranks' own group for reduce-scatters (set_separate_reduce_scatter_group),
-    # so they need not queue behind all-gathers on one communicator; None: the mesh's.
-    scatter_group: GroupInfo | None = None
-    # The user's reduce-scatter (FSDPModule.set_custom_reduce_scatter): allocates the
-    # reduce-scatter's input and output and runs it; None: the engine's own.
-    custom_reduce_scatter: comm.CustomReduceScatter | None = None
-
-    def partial_only(self, replicate: GroupInfo) -> bool:
-        return not self.all_reduce and replicate.size > 1
 
 
 @dataclass(slots=True)

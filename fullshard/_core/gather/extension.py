@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..api import MixedPrecisionPolicy
-from .mesh import MeshInfo
+from ...api import MixedPrecisionPolicy
+from ..mesh import MeshInfo
 
 
 class GatherExtension(Protocol):

@@ -13,7 +13,7 @@ order, so collectives stay matched. Explicit lists
 (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) replace the
 implicit choice. So by default at most one prefetched unit is in flight, or
 one bucket of small units gathered together (see [Note: Gather buckets] in
-bucket.py), and ``fullshard plan`` models exactly that (see [Note: Plan model]).
+all_gather.py), and ``fullshard plan`` models exactly that (see [Note: Plan model]).
 
 The module hooks make one call each: ``before_forward`` (gather this unit,
 prefetch the next one in forward) and ``before_backward`` (the same in
@@ -27,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ..api import BackwardPrefetch
-from .common import TrainingState, UnitConfig
-from .group import ParamGroup, UnitUse, prefetch_following
+from ...api import BackwardPrefetch
+from ..common import TrainingState
+from ..settings import UnitConfig
+from ..unit import ParamGroup, UnitUse, prefetch_following
 
 
 class ScheduledState(Protocol):

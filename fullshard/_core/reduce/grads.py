@@ -1,7 +1,7 @@
 """What happens to a unit's gradients, from autograd to the sharded ``.grad``.
 
 Autograd accumulates into the unsharded parameters. Once the unit's backward is
-done (see [Note: When a unit's backward is done] in group.py) ``take`` pops
+done (see [Note: When a unit's backward is done] in unit/group.py) ``take`` pops
 those gradients and ``submit`` hands them to the reduction pipeline (see
 [Note: Reduction pipeline]); the reduced shards land in the sharded parameters'
 ``.grad`` (or the front end's buffer view's, in the buffer's layout), or stay a
@@ -16,11 +16,10 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import comm, offload
-from .buffers import UnitBuffers
-from .param import ShardParam
-from .reduction import GradReduction, ReduceSettings, ReductionQueue, plan_reduction, split_reduced
-from .spec import UnitSpec
+from .. import comm, offload
+from ..gather import ShardParam, UnitBuffers, UnitSpec
+from ..settings import ReduceSettings
+from .reduction import GradReduction, ReductionQueue, plan_reduction, split_reduced
 
 
 def per_param(params: list[ShardParam], output: torch.Tensor) -> Iterator[tuple[ShardParam, torch.Tensor]]:

@@ -1,5 +1,7 @@
-"""The data-parallel mesh inside a whole SPMD mesh (``fully_shard(dp_mesh_dims=...)``).
+"""``fully_shard``'s mesh arguments (``mesh``, ``dp_mesh_dims``, FSDP1's ``strategy``)
+resolved once, in the front end, into the one ``MeshInfo`` the engine receives.
 
+[Note: SPMD meshes]
 ``DataParallelMeshDims`` names the mesh dims that shard and replicate; several
 names flatten into one dim. The engine then runs on that data-parallel mesh: 1D
 (shard, or replicate only) or 2D (replicate, shard), as if it had been passed
@@ -17,11 +19,66 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..api import DataParallelMeshDims, ShardingStrategy
-from . import compat
-from .common import module_class_name
-from .init import get_managed_modules, get_managed_states
-from .mesh import default_mesh
+from ._core import compat
+from ._core.common import module_class_name
+from ._core.manage import get_managed_modules, get_managed_states, validate_dtensor_meshes
+from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
+from .api import HYBRID_STRATEGIES, DataParallelMeshDims, ShardingStrategy
+
+
+def resolve_mesh(
+    roots: tuple[nn.Module, ...],
+    mesh: DeviceMesh | None,
+    dp_mesh_dims: DataParallelMeshDims | None,
+    strategy: ShardingStrategy | None,
+    reshard_after_forward: bool | int | None,
+) -> tuple[MeshInfo, bool | int | None]:
+    """The ``MeshInfo`` a ``fully_shard`` call's unit runs on, and its resolved
+    ``reshard_after_forward`` (a strategy decides it); every mesh check is made here."""
+    if dp_mesh_dims is not None:
+        mesh, replicate_only = resolve_dp_mesh_dims(roots, mesh, dp_mesh_dims, strategy, reshard_after_forward)
+    else:
+        mesh, replicate_only, reshard_after_forward = _resolve_strategy(roots[0], mesh, strategy, reshard_after_forward)
+    for root in roots:
+        validate_dtensor_meshes(root, mesh.device_type)
+    mesh_info = MeshInfo.for_replicate(mesh) if replicate_only else MeshInfo.for_fully_shard(mesh)
+    return mesh_info, reshard_after_forward
+
+
+def _resolve_strategy(
+    module: nn.Module,
+    mesh: DeviceMesh | None,
+    strategy: ShardingStrategy | None,
+    reshard_after_forward: bool | int | None,
+) -> tuple[DeviceMesh, bool, bool | int | None]:
+    """Maps an FSDP1 strategy onto (mesh, replicate only?, resharding choice)."""
+    if strategy is None:
+        mesh = mesh if mesh is not None else default_mesh()
+        validate_mesh(mesh)
+        return mesh, False, reshard_after_forward
+    keeps = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if reshard_after_forward is not None and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            f"fully_shard expects no reshard_after_forward with NO_SHARD (parameters are never sharded) but got "
+            f"reshard_after_forward={reshard_after_forward} for {module_class_name(module)}"
+        )
+    if reshard_after_forward is not None and keeps == bool(reshard_after_forward):
+        raise ValueError(
+            f"fully_shard expects either strategy or reshard_after_forward, but got {strategy.name} with "
+            f"reshard_after_forward={reshard_after_forward} for {module_class_name(module)}"
+        )
+    reshard = False if keeps else reshard_after_forward
+    if strategy in HYBRID_STRATEGIES:
+        mesh = mesh if mesh is not None else hybrid_mesh(default_device_type())
+        if mesh.ndim != 2:
+            raise ValueError(f"fully_shard expects a 2D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
+        return mesh, False, reshard
+    mesh = mesh if mesh is not None else default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard expects a 1D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
+    if strategy is ShardingStrategy.NO_SHARD:
+        return mesh, True, False
+    return mesh, False, reshard
 
 
 def resolve_dp_mesh_dims(

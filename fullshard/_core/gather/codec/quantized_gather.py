@@ -38,9 +38,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..layout import Layout
 from . import codec_kernel
 from .fused_codec import FusedCodec, fusable, spans, worth_fusing
-from .layout import Layout
 from .quantize import BlockQuantizer
 
 _SCALE_ALIGN = 4  # bytes of an fp32 scale
