@@ -1,0 +1,281 @@
+"""Value gaps from tests/UPSTREAM.md's work queue: model and optimizer state dicts (both front ends).
+
+Each is closed against torch's FSDP as the oracle: one body runs with each library
+(tests/upstream_oracle.py says how).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from upstream_oracle import (
+    MLP,
+    Tied,
+    WithNamedBuffer,
+    api,
+    assert_same,
+    both,
+    full_params,
+    full_state,
+    rank_batches,
+    sgd_train,
+    wrap_fsdp1,
+)
+
+import fullshard
+from fullshard.testing import case, distributed, full_value
+
+# make test only: torch's oracle on upstream behaviours whose paths the fast tier's parity tests take.
+pytestmark = pytest.mark.slow
+
+
+# -- test_fsdp_optim_state.py scatter_full_optim_state_dict, shard_full_optim_state_dict at half ------
+def trained_wrapper(lib, group=None, tied: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    kwargs = {} if group is None else {"process_group": group}
+    model = wrap_fsdp1(
+        lib, Tied() if tied else MLP(), classes=() if tied else (nn.Linear,), use_orig_params=False, **kwargs
+    )
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+@distributed(world_size=2)
+def test_full_optim_state_dict_scattered_and_sharded_at_half_the_world_matches_torch():
+    """A full optimizer state dict of a trained wrapper: ``scatter_full_optim_state_dict``
+    from rank 0 gives each rank exactly its own optimizer state, and
+    ``shard_full_optim_state_dict`` into a wrapper on a one-rank group (half the
+    world) loads torch's states, which then train on as torch's. Our
+    ``scatter_full_optim_state_dict`` into that group loads the same states
+    (torch's fails there: it broadcasts from global rank 0, not in the group). An MLP
+    and a model with tied weights."""
+    halves = [dist.new_group([0]), dist.new_group([1])]
+    half = halves[dist.get_rank()]
+
+    def body(lib, load="shard", tied=False):
+        model, optim = trained_wrapper(lib, tied=tied)
+        sgd_train(model, rank_batches(2, 4, 8), optim=optim)
+        full = lib.FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+        rank0_full = lib.FSDP.full_optim_state_dict(model, optim)
+        torch.manual_seed(1)
+        fresh, _ = trained_wrapper(lib, tied=tied)
+        scattered = lib.FSDP.scatter_full_optim_state_dict(rank0_full if dist.get_rank() == 0 else None, fresh)
+        assert_same(scattered["state"], optim.state_dict()["state"], 0.0, 0.0, "scattered")
+        torch.manual_seed(1)
+        small, small_optim = trained_wrapper(lib, half, tied)
+        if load == "shard":
+            sharded = lib.FSDP.shard_full_optim_state_dict(full, small)
+        else:
+            sharded = lib.FSDP.scatter_full_optim_state_dict(full, small, group=half)
+        small_optim.load_state_dict(sharded)
+        with lib.FSDP.summon_full_params(model), lib.FSDP.summon_full_params(small, writeback=True):
+            with torch.no_grad():
+                for param, small_param in zip(model.parameters(), small.parameters()):
+                    small_param.copy_(param)
+        loaded = small_optim.state_dict()["state"]
+        return (
+            scattered["state"],
+            loaded,
+            sgd_train(small, rank_batches(2, 4, 8, seed=5), optim=small_optim),
+            full_state(small),
+        )
+
+    for tied in (False, True):
+        with case(f"tied={tied}"):
+            runs = both(functools.partial(body, tied=tied))
+            torch.manual_seed(0)
+            scattered = body(api("fullshard"), load="scatter", tied=tied)
+            assert_same(scattered, runs["torch"], 0.0, 0.0, "scattered at half")
+
+
+# -- test_fsdp_state_dict.py test_local_state_dict_with_empty_ranks ---------------------------------
+def local_shards(value: Any) -> list[torch.Tensor]:
+    """A local state dict value's local shards (a ShardedTensor holds none on a rank with only padding)."""
+    if hasattr(value, "local_shards"):
+        return [shard.tensor.clone() for shard in value.local_shards()]
+    return [value.clone()]
+
+
+class OneElement(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@distributed(world_size=2)
+def test_one_element_parameter_local_state_dict_and_writeback_match_torch():
+    """A one-element parameter on 2 ranks (rank 1's shard is padding only): its local
+    state dict loads into another wrapper (of other values), and
+    ``summon_full_params(writeback=True)`` keeps only the owning rank's write
+    (each rank writes its own value); torch's values throughout."""
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    def body(lib):
+        state_dict_type = TorchStateDictType if lib.lib == "torch" else fullshard.StateDictType
+        model = lib.FSDP(OneElement(), use_orig_params=False, device_id=torch.device("cpu"))
+        other = OneElement()
+        with torch.no_grad():
+            other.scale.fill_(7.0)
+        other = lib.FSDP(other, use_orig_params=False, device_id=torch.device("cpu"))
+        results = []
+        with lib.FSDP.state_dict_type(model, state_dict_type.LOCAL_STATE_DICT):
+            local = model.state_dict()
+            saved = {k: local_shards(v) for k, v in local.items()}
+            with lib.FSDP.state_dict_type(other, state_dict_type.LOCAL_STATE_DICT):
+                other.load_state_dict(local)
+        model = other
+        results += [saved, full_state(model)]
+        with lib.FSDP.summon_full_params(model, writeback=True):
+            with torch.no_grad():
+                model.scale.fill_(10.0 + dist.get_rank())
+        results.append(full_state(model))
+        results.append(sgd_train(model, rank_batches(2, 4, 1)))
+        results.append(full_state(model))
+        return results
+
+    runs = both(body)
+    assert runs["fullshard"][1]["scale"].item() == 2.0
+    assert runs["fullshard"][2]["scale"].item() == 10.0
+
+
+# -- 2-D meshes (4 ranks) ----------------------------------------------------------------------------
+def tp_mlp(mesh) -> nn.Module:
+    """The column-then-row-parallel two-layer MLP of ``mesh["tp"]`` (seeded the same everywhere)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    return parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+# -- test_fully_shard_state_dict.py test_2d_state_dict_correctness -----------------------------------
+@distributed(world_size=4)
+def test_2d_state_dict_full_values_match_the_local_model_and_torch():
+    """Tensor parallel over "tp", ``fully_shard`` over "dp" of a (2, 2) mesh: every
+    state-dict entry's full value is the local model's, before and after 3 Adam
+    steps (the local model trained on every dp rank's batch), and equals torch's;
+    loading it into a fresh 2-D model gives the same full values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref_optim = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    dp_rank = mesh["dp"].get_local_rank()
+    batches = [torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(r + 1)) for r in range(2)]
+    for step in range(3):
+        ref(torch.cat([batches[r][step] for r in range(2)])).sum().mul(0.5).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+
+    def body(lib):
+        model = tp_mlp(mesh)
+        lib.fully_shard(model[0], mesh=mesh["dp"])
+        lib.fully_shard(model, mesh=mesh["dp"])
+        initial = {k: full_value(v) for k, v in model.state_dict().items()}
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = sgd_train(model, list(batches[dp_rank]), optim=optim)
+        trained = {k: full_value(v) for k, v in model.state_dict().items()}
+        fresh = tp_mlp(mesh)
+        lib.fully_shard(fresh[0], mesh=mesh["dp"])
+        lib.fully_shard(fresh, mesh=mesh["dp"])
+        fresh.load_state_dict(model.state_dict())
+        loaded = {k: full_value(v) for k, v in fresh.state_dict().items()}
+        return initial, losses, trained, loaded
+
+    runs = both(body)
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).state_dict()
+    initial, _, trained, loaded = runs["fullshard"]
+    assert_same(initial, dict(local), 0.0, 0.0, "initial")
+    assert_same(trained, dict(ref.state_dict()), 1e-6, 1e-5, "trained")  # the local model sums in another order
+    assert_same(loaded, trained, 0.0, 0.0, "loaded")
+
+
+# -- test_fsdp_tp_checkpoint_conversion.py test_fsdp_to_tp -------------------------------------------
+@distributed(world_size=2)
+def test_wrapper_sharded_checkpoint_loads_into_a_tensor_parallel_model_like_torch():
+    """A wrapper's ``SHARDED_STATE_DICT`` (after a training step) saved with DCP and
+    loaded into a tensor-parallel model of the same architecture: the TP model's
+    full values are the wrapper's full parameters, and equal torch's; the TP
+    model then computes the wrapper's outputs."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    paths = [tempfile.mkdtemp(prefix="fullshard-fsdp-to-tp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(paths)
+
+    def body(lib):
+        state_dict_type = TorchStateDictType if lib.lib == "torch" else fullshard.StateDictType
+        torch.manual_seed(0)
+        model = wrap_fsdp1(lib, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), use_orig_params=True)
+        sgd_train(model, rank_batches(1, 4, 8))
+        full = full_state(model)
+        path = f"{paths[0]}/{lib.lib}"
+        with lib.FSDP.state_dict_type(model, state_dict_type.SHARDED_STATE_DICT):
+            dcp.save(model.state_dict(), checkpoint_id=path)
+        tp = tp_mlp(mesh)
+        state = tp.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        tp.load_state_dict(state)
+        loaded = {k: full_value(v) for k, v in tp.state_dict().items()}
+        assert_same(loaded, full, 0.0, 0.0, "loaded into TP")
+        probe = torch.ones(2, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(tp(probe), model(probe), atol=1e-6, rtol=1e-5)
+        return loaded
+
+    try:
+        both(body)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            import shutil
+
+            shutil.rmtree(paths[0], ignore_errors=True)
+
+
+# -- test_fsdp_state_dict.py test_state_dict_type, test_state_dict_with_ignored_modules --------------
+@distributed(world_size=2)
+def test_state_dict_type_context_and_ignored_modules_match_torch():
+    """The wrapper against torch's: ``state_dict_type`` sets the type inside the
+    block and restores FULL_STATE_DICT on exit; a full state dict with an
+    ignored module (``prefix=`` given) holds the ignored parameters uncloned (the
+    same storage as the module's) and the buffers in their original dtype under
+    buffer mixed precision (the same dtypes and values as torch's), and loads
+    into a plain model."""
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    def body(lib):
+        types_ = TorchStateDictType if lib.lib == "torch" else fullshard.StateDictType
+        plain = WithNamedBuffer()
+        ignored = plain.layers[1]
+        mp = lib.MixedPrecision(buffer_dtype=torch.float16)
+        model = lib.FSDP(plain, ignored_modules=[ignored], mixed_precision=mp, device_id=torch.device("cpu"))
+        names = [lib.FSDP.get_state_dict_type(model).state_dict_type.name]
+        with lib.FSDP.state_dict_type(model, types_.SHARDED_STATE_DICT):
+            names.append(lib.FSDP.get_state_dict_type(model).state_dict_type.name)
+        names.append(lib.FSDP.get_state_dict_type(model).state_dict_type.name)
+        state = model.state_dict(prefix="top.")
+        same_storage = [
+            state["top.layers.1.weight"].data_ptr() == ignored.weight.data_ptr(),
+            state["top.layers.1.bias"].data_ptr() == ignored.bias.data_ptr(),
+        ]
+        fresh = WithNamedBuffer()
+        fresh.load_state_dict({k[len("top.") :]: v for k, v in state.items()})
+        return names, same_storage, {k: (str(v.dtype), v.clone()) for k, v in state.items()}, full_params(fresh)
+
+    runs = both(body)
+    assert runs["fullshard"][0] == ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+    assert runs["fullshard"][1] == [True, True]
