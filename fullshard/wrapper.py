@@ -453,8 +453,8 @@ def _check_nothing_wrapped(module: nn.Module) -> None:
         if get_state(submodule) is not None:
             raise ValueError(
                 "FSDP auto wrapping requires modules to not already have FSDP applied but found "
-                f"{name or type(module).__name__} ({type(submodule).__name__}); wrap it with the policy alone, "
-                "or without auto_wrap_policy"
+                f"{name or type(module).__name__} in {type(module).__name__} (a {type(submodule).__name__} unit); "
+                "wrap the plain model with the policy alone, or nest units without auto_wrap_policy"
             )
 
 

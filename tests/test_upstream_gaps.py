@@ -2,6 +2,7 @@
 each checked against torch's FSDP on gloo (the oracle) or a one-process reference."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -42,38 +43,96 @@ TP_PLAN = {"mlp.in_proj": ColwiseParallel(), "mlp.out_proj": RowwiseParallel()}
 @pytest.mark.parametrize("sync_module_states", [False, True])
 @distributed(world_size=4)
 def test_wrapper_flat_parameter_with_tensor_parallel_trains_like_torch(sync_module_states, use_orig_params):
-    """The wrapper over tensor-parallel DTensors (use_orig_params=False, FSDP1's default, and True)
-    trains as torch's FSDP1 does; sync_module_states takes data-parallel rank 0's values (torch
-    cannot sync on CPU, so its twin starts from them)."""
+    """The wrapper over tensor-parallel DTensors (use_orig_params=False, FSDP1's default, and True;
+    FULL_SHARD and SHARD_GRAD_OP) trains as torch's FSDP1 does; sync_module_states takes
+    data-parallel rank 0's values (torch cannot sync on CPU, so its twin starts from them).
+    Torch's CPUOffload variants need a GPU (on CPU there is nothing to offload to)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    from fullshard import ShardingStrategy
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
-    torch.manual_seed(dp_rank if sync_module_states else 0)
-    ours = NormedMLP()
-    torch.manual_seed(0)
-    theirs = NormedMLP()
-    for model in (ours, theirs):
-        parallelize_module(model, mesh["tp"], copy.deepcopy(TP_PLAN))
-    ours = FSDP(ours, device_mesh=mesh["dp"], sync_module_states=sync_module_states, use_orig_params=use_orig_params)
-    theirs = TorchFSDP(theirs, device_mesh=mesh["dp"], device_id=CPU, use_orig_params=use_orig_params)
-    optims = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    torch.manual_seed(100 + dp_rank)
-    for step in range(3):
-        x = torch.randn(4, 8)
-        losses = []
-        for model, optim in zip((ours, theirs), optims):
-            loss = model(x).pow(2).sum()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], msg=lambda m: f"step {step}: {m}")
-    with FSDP.summon_full_params(ours), TorchFSDP.summon_full_params(theirs):
-        for (name, param), (_, other) in zip(ours.named_parameters(), theirs.named_parameters()):
-            torch.testing.assert_close(full_value(param), full_value(other), msg=lambda m: f"{name}: {m}")
-    x = torch.randn(4, 8)  # and training goes on after summon_full_params
-    torch.testing.assert_close(ours(x).pow(2).sum(), theirs(x).pow(2).sum())
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        torch.manual_seed(dp_rank if sync_module_states else 0)
+        ours = NormedMLP()
+        torch.manual_seed(0)
+        theirs = NormedMLP()
+        for model in (ours, theirs):
+            parallelize_module(model, mesh["tp"], copy.deepcopy(TP_PLAN))
+        ours = FSDP(
+            ours,
+            device_mesh=mesh["dp"],
+            sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
+            sharding_strategy=ShardingStrategy[strategy],
+        )
+        theirs = TorchFSDP(
+            theirs,
+            device_mesh=mesh["dp"],
+            device_id=CPU,
+            use_orig_params=use_orig_params,
+            sharding_strategy=TorchStrategy[strategy],
+        )
+        optims = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ours, theirs)]
+        torch.manual_seed(100 + dp_rank)
+        for step in range(3):
+            x = torch.randn(4, 8)
+            losses = []
+            for model, optim in zip((ours, theirs), optims):
+                loss = model(x).pow(2).sum()
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[0], losses[1], msg=lambda m: f"{strategy} step {step}: {m}")
+        with FSDP.summon_full_params(ours), TorchFSDP.summon_full_params(theirs):
+            for (name, param), (_, other) in zip(ours.named_parameters(), theirs.named_parameters()):
+                torch.testing.assert_close(full_value(param), full_value(other), msg=lambda m: f"{name}: {m}")
+        x = torch.randn(4, 8)  # and training goes on after summon_full_params
+        torch.testing.assert_close(ours(x).pow(2).sum(), theirs(x).pow(2).sum())
+
+
+class ReplicatedOnTP(nn.Module):
+    """A parameter and a buffer replicated over the tensor-parallel mesh, with values of each rank's own."""
+
+    def __init__(self, tp_mesh) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor, Replicate
+
+        self.param = nn.Parameter(DTensor.from_local(torch.randn(8, 8), tp_mesh, [Replicate()], run_check=False))
+        self.register_buffer("buf", DTensor.from_local(torch.randn(8, 8), tp_mesh, [Replicate()], run_check=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.param.to_local() + self.buf.to_local() + x
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=4)
+def test_sync_module_states_syncs_replicated_dtensor_parameters_and_buffers(use_orig_params):
+    """sync_module_states=True over the data-parallel dim (torch's test_fsdp_tp_sync_module_state):
+    every rank ends with the values of data-parallel rank 0 of its tensor-parallel column, for the
+    parameter (seen inside summon_full_params) and the buffer; before, all four ranks differ."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_group = mesh["dp"].get_group()
+    torch.manual_seed(dist.get_rank())
+    model = ReplicatedOnTP(mesh["tp"])
+
+    def across_dp(tensor: torch.Tensor) -> list[torch.Tensor]:
+        gathered = [torch.empty_like(tensor) for _ in range(dp_group.size())]
+        dist.all_gather(gathered, tensor.contiguous(), group=dp_group)
+        return gathered
+
+    before = {"param": across_dp(model.param.to_local()), "buf": across_dp(model.buf.to_local())}
+    for values in before.values():
+        assert not torch.equal(values[0], values[1])
+    model = FSDP(model, device_mesh=mesh["dp"], sync_module_states=True, use_orig_params=use_orig_params)
+    with FSDP.summon_full_params(model):
+        after = {"param": across_dp(model.param.to_local()), "buf": across_dp(model.buf.to_local())}
+    for name, values in after.items():
+        for value in values:
+            torch.testing.assert_close(value, before[name][0], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 class GroupDouble:
@@ -119,22 +178,35 @@ def test_wrapper_takes_a_process_group_double():
 
 @distributed(world_size=2)
 def test_auto_wrapping_a_model_that_holds_units_raises_like_torch():
+    """A unit directly under the root or one level deeper: torch's FSDP1 and ours both raise
+    ValueError naming its path ("but found <path> in"), with a class policy and the size policy."""
+    import functools
+
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
 
     from fullshard import fully_shard
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
-    for wrapper, policy, wrap_inner in (
-        (TorchFSDP, TorchModuleWrapPolicy, lambda m: TorchFSDP(m, device_id=CPU)),
-        (FSDP, ModuleWrapPolicy, FSDP),
-        (FSDP, ModuleWrapPolicy, fully_shard),
+    def torch_inner(module):
+        return TorchFSDP(module, device_id=CPU)
+
+    for wrapper, policies, wrap_inner in (
+        (TorchFSDP, (TorchModuleWrapPolicy({nn.Linear}), torch_size_policy), torch_inner),
+        (FSDP, (ModuleWrapPolicy({nn.Linear}), size_based_auto_wrap_policy), FSDP),
+        (FSDP, (ModuleWrapPolicy({nn.Linear}), size_based_auto_wrap_policy), fully_shard),
     ):
-        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
-        model[1] = wrap_inner(model[1])
         kwargs = {"device_id": CPU} if wrapper is TorchFSDP else {}
-        with pytest.raises(ValueError, match=r"^FSDP auto wrapping requires modules to not already have FSDP applied"):
-            wrapper(model, auto_wrap_policy=policy({nn.Linear}), **kwargs)
+        for nested, path in ((False, "lin1"), (True, "lin1.1")):
+            for policy in policies:
+                model = nn.Module()
+                inner = wrap_inner(nn.Linear(4, 4))
+                model.lin1 = nn.Sequential(nn.Linear(4, 4), inner) if nested else inner
+                model.lin2 = wrap_inner(nn.Linear(4, 4))
+                policy = functools.partial(policy, min_num_params=1) if isinstance(policy, types.FunctionType) else policy
+                with pytest.raises(ValueError, match=rf"^FSDP auto wrapping requires modules to not already have FSDP applied but found {path} in"):
+                    wrapper(model, auto_wrap_policy=policy, **kwargs)
     model = nn.Sequential(nn.Linear(4, 4), FSDP(nn.Sequential(nn.Linear(4, 4))))
     FSDP(model)  # nesting by hand stays allowed
 
@@ -206,9 +278,32 @@ def _wrapped_names(model: nn.Module) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("extra_leaves", [set(), {nn.Linear}])
+# The size policy's presets (torch's TestAutoWrap preset tests): a model and the leaves added to
+# FORCE_LEAF_MODULES. Linears of 10x10 (110 parameters) pass min_num_params=40, of 5x5 (30) do not.
+SIZE_POLICY_MODELS = {
+    "excluded container, small children": (lambda: nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)]), set()),
+    "excluded container, a large child": (lambda: nn.ModuleList([nn.Linear(10, 10)]), set()),
+    "forced leaf attention": (lambda: nn.Sequential(nn.Linear(10, 10), nn.MultiheadAttention(100, 1)), set()),
+    "Linear added to the forced leaves": (
+        lambda: nn.Sequential(nn.Linear(10, 10), nn.ModuleList([nn.Linear(10, 10)])),
+        {nn.Linear},
+    ),
+    "nested": (
+        lambda: nn.Sequential(
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+            nn.MultiheadAttention(8, 2),
+            nn.Sequential(nn.Sequential(nn.Linear(8, 8))),
+        ),
+        set(),
+    ),
+}
+
+
 @distributed(world_size=2)
-def test_size_policy_forced_leaves_extend_like_torchs(extra_leaves):
+def test_size_policy_presets_wrap_like_torchs():
+    """Containers in EXCLUDE_WRAP_MODULES are never units themselves (their large children are);
+    FORCE_LEAF_MODULES (attention, or the defaults extended) are never units and never looked
+    into: the same units as torch's FSDP1 under its own policy, for each model."""
     import functools
 
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -218,21 +313,23 @@ def test_size_policy_forced_leaves_extend_like_torchs(extra_leaves):
 
     assert size_based_auto_wrap_policy.FORCE_LEAF_MODULES == torch_size_policy.FORCE_LEAF_MODULES
     assert size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES == torch_size_policy.EXCLUDE_WRAP_MODULES
-    names = []
-    for wrapper, policy in ((TorchFSDP, torch_size_policy), (FSDP, size_based_auto_wrap_policy)):
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
-            nn.MultiheadAttention(8, 2),
-            nn.Sequential(nn.Sequential(nn.Linear(8, 8))),
-        )
-        chosen = functools.partial(
-            policy, min_num_params=40, force_leaf_modules=policy.FORCE_LEAF_MODULES | extra_leaves
-        )
-        kwargs = {"device_id": CPU} if wrapper is TorchFSDP else {}
-        names.append(_wrapped_names(wrapper(model, auto_wrap_policy=chosen, **kwargs)))
-    assert names[0] == names[1]
-    assert "1" not in names[1]  # attention is a leaf: never wrapped, its children never looked into
+    for label, (build, extra_leaves) in SIZE_POLICY_MODELS.items():
+        names = []
+        for wrapper, policy in ((TorchFSDP, torch_size_policy), (FSDP, size_based_auto_wrap_policy)):
+            torch.manual_seed(0)
+            chosen = functools.partial(
+                policy, min_num_params=40, force_leaf_modules=policy.FORCE_LEAF_MODULES | extra_leaves
+            )
+            kwargs = {"device_id": CPU} if wrapper is TorchFSDP else {}
+            names.append(_wrapped_names(wrapper(build(), auto_wrap_policy=chosen, **kwargs)))
+        assert names[0] == names[1], label
+        assert names[1][0] == "", label  # the root is always a unit
+        if label == "excluded container, a large child":
+            assert names[1] == ["", "0"]
+        if label == "forced leaf attention":
+            assert names[1] == ["", "0"]  # attention and its out_proj stay inside the root
+        if label == "Linear added to the forced leaves":
+            assert names[1] == [""]
 
 
 class _InnerWithUnit(nn.Module):
