@@ -365,8 +365,9 @@ def test_wrapping_a_trained_model_again_for_inference_like_torch():
     torch.testing.assert_close(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("broadcast", [True, False])
 @distributed(world_size=2)
-def test_meta_model_loaded_by_set_model_state_dict_saves_and_runs_like_torch():
+def test_meta_model_loaded_by_set_model_state_dict_saves_and_runs_like_torch(broadcast):
     """torch's set_model_state_dict loads into a meta-device model by assigning new parameters:
     state_dict() and forward see them at once, before any forward (torch's FSDP2 adopts them in a
     load post-hook too)."""
@@ -385,8 +386,11 @@ def test_meta_model_loaded_by_set_model_state_dict_saves_and_runs_like_torch():
         for index in (0, 2):
             shard(model[index])
         shard(model)
-        loaded = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else {}  # torch's call rewrites it
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        if broadcast:  # only rank 0 holds the dict
+            loaded = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else {}  # torch's call rewrites it
+        else:
+            loaded = {k: v.clone() for k, v in full.items()}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
         set_model_state_dict(model, loaded, options=options)
         saved = model.state_dict()
         assert not any(v.is_meta for v in saved.values()), shard.__module__
@@ -395,34 +399,112 @@ def test_meta_model_loaded_by_set_model_state_dict_saves_and_runs_like_torch():
         torch.testing.assert_close(model(x), reference(x))
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
-@distributed(world_size=2)
-def test_sharded_optimizer_state_dict_on_a_mesh_saves_on_every_rank(use_orig_params):
-    """Each state's shard owns memory of its own size (no view of a gathered full value), so
-    torch.save writes it on every rank, and the dict loads back."""
+class EvenNet(nn.Module):
+    """torch's even model: every layer's rows split evenly over 2 and 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.net2 = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.net3 = nn.Linear(32, 64)
+        self.net4 = nn.Sequential(nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net4(self.net3(self.net2(self.net1(x))))
+
+
+class UnevenNet(EvenNet):
+    """Uneven rows (5, 15, 5): padded shards, and a rank with none of a bias."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.net1 = nn.Sequential(nn.Linear(5, 10), nn.ReLU())
+        self.net2 = nn.Sequential(nn.Linear(10, 15), nn.ReLU())
+        self.net3 = nn.Linear(15, 30)
+        self.net4 = nn.Sequential(nn.ReLU(), nn.Linear(30, 5))
+
+
+def _local(value):
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _assert_same_values(saved, loaded, where: str) -> None:
+    assert type(saved) is type(loaded), where
+    torch.testing.assert_close(_local(loaded), _local(saved), rtol=0, atol=0, msg=lambda m: f"{where}: {m}")
+    assert _local(loaded).device == _local(saved).device, where
+
+
+def _sharded_dicts_survive_torch_save(mesh, strategy) -> None:
+    """torch's test_dtensor_sharded_{model,optim}_load_state_dict: a mesh wrapper's sharded model and
+    optimizer dicts go through torch.save on every rank; after one more step, loading them back
+    restores exactly the saved values (DTensors, same devices), so the load is not a no-op."""
     import io
 
-    from fullshard import StateDictType
+    from fullshard import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = FSDP(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)), device_mesh=mesh, use_orig_params=use_orig_params)
-    optim = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    optim.step()
-    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
-    saved = FSDP.optim_state_dict(model, optim)
-    for fqn, states in saved["state"].items():
-        for name, value in states.items():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), (fqn, name)
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    buffer.seek(0)
-    before = {k: v.clone() for k, v in optim.state_dict()["state"][0].items()}
-    optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, torch.load(buffer, weights_only=False)))
-    for key, value in optim.state_dict()["state"][0].items():
-        torch.testing.assert_close(value, before[key])
+    for net, offload_to_cpu, use_orig_params in (
+        (EvenNet, False, False),
+        (UnevenNet, True, False),
+        (UnevenNet, False, True),
+        (EvenNet, True, True),
+    ):
+        where = f"{net.__name__} offload_to_cpu={offload_to_cpu} use_orig_params={use_orig_params}"
+        torch.manual_seed(0)
+        model = FSDP(net(), device_mesh=mesh, sharding_strategy=strategy, use_orig_params=use_orig_params)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + dist.get_rank())
+        batch = torch.rand(4, model.net1[0].in_features)
+
+        def step() -> None:
+            model(batch).sum().backward()
+            optim.step()
+            optim.zero_grad()
+
+        step()
+        FSDP.set_state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=offload_to_cpu),
+            ShardedOptimStateDictConfig(offload_to_cpu=offload_to_cpu),
+        )
+        files = {"model": io.BytesIO(), "optim": io.BytesIO()}
+        saved = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        for key, value in saved.items():
+            torch.save(value, files[key])
+            files[key].seek(0)
+        saved = {key: copy.deepcopy(value) for key, value in saved.items()}
+        step()
+        stepped = model.state_dict()
+        changed = [k for k, v in saved["model"].items() if not torch.equal(_local(stepped[k]), _local(v))]
+        assert changed, f"{where}: the extra step changed nothing: {stepped}"
+        model.load_state_dict(torch.load(files["model"], weights_only=False))
+        loaded = torch.load(files["optim"], weights_only=False)
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, loaded))
+        now = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        assert list(now["model"]) == list(saved["model"]), where
+        for key, value in saved["model"].items():
+            _assert_same_values(value, now["model"][key], f"{where} {key}")
+        assert list(now["optim"]["state"]) == list(saved["optim"]["state"]), where
+        for fqn, states in saved["optim"]["state"].items():
+            for name, value in states.items():
+                _assert_same_values(value, now["optim"]["state"][fqn][name], f"{where} {fqn}.{name}")
+                local = _local(value)
+                if name != "step":  # each shard owns memory of its own size (no view of a full value)
+                    assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), (where, fqn)
+
+
+@distributed(world_size=2)
+def test_sharded_dicts_of_a_mesh_wrapper_survive_torch_save():
+    from fullshard import ShardingStrategy
+
+    _sharded_dicts_survive_torch_save(init_device_mesh("cpu", (2,)), ShardingStrategy.FULL_SHARD)
+
+
+@distributed(world_size=4)
+def test_sharded_dicts_of_a_hybrid_mesh_wrapper_survive_torch_save():
+    from fullshard import ShardingStrategy
+
+    _sharded_dicts_survive_torch_save(init_device_mesh("cpu", (2, 2)), ShardingStrategy.HYBRID_SHARD)
 
 
 # Factor 8 takes the same path (a sum and a division) as 4: only make test runs it.
@@ -474,3 +556,120 @@ def test_root_gradient_divide_factor_on_a_2d_mesh_matches_torch_and_one_process(
         for model in models:
             for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(full_value(param), ref_param, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+class ReduceThenMLPs(nn.Module):
+    """Three layers whose outputs are all-reduced (async, not differentiable) while the next
+    unit's parameters are gathered: each MLP unit's ``unshard(async_op=True)`` is issued inside
+    the root's forward, before the MLPs run (torch's TestFullyShardUnshardMultiProcess)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.reduce = nn.ModuleList([nn.Linear(dim, dim, bias=False) for _ in range(3)])
+        self.mlps = nn.ModuleList([MLP(dim) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ys, works = [], []
+        for layer, mlp in zip(self.reduce, self.mlps):
+            y = torch.relu(layer(x))
+            works.append(dist.all_reduce(y.detach(), async_op=True))
+            ys.append(y)
+            if hasattr(mlp, "unshard"):
+                mlp.unshard(async_op=True)
+        out = 0
+        for y, work, mlp in zip(ys, works, self.mlps):
+            work.wait()
+            out = out + mlp(y)
+        return out
+
+
+@distributed(world_size=2)
+def test_async_unshard_inside_the_roots_forward_trains_like_torch():
+    """MLP units kept unsharded after forward, gathered early by the root's forward; replicate
+    (torch's FSDP-based one for torch) as the root: 10 Adam steps give torch's losses and
+    parameters."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fullshard
+
+    runs = []
+    for shard, replicate in ((torch_fully_shard, torch_replicate), (fullshard.fully_shard, fullshard.replicate)):
+        torch.manual_seed(42)
+        model = ReduceThenMLPs()
+        for mlp in model.mlps:
+            shard(mlp, reshard_after_forward=False)
+        replicate(model)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(43 + dist.get_rank())
+        x = torch.randn(2, 8)
+        losses = []
+        for _ in range(10):
+            loss = model(x).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        runs.append((losses, [full_value(p) for p in model.parameters()]))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+def _patch_bf16_gather(local: torch.Tensor, calls: list) -> None:
+    """Gives one tensor object (not its class) a bf16 all-gather: the pre-hook sends the shard
+    in bf16, the post-hook upcasts the gathered rows to the parameter dtype."""
+    from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls.append(tuple(outer_size))
+        return (self.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = outputs
+        if out is not None:  # a refresh in place: autograd saved ``out`` in forward
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):
+                out.copy_(gathered)
+            return None
+        full = gathered.to(param_dtype)
+        return full, (gathered, full)
+
+    local.fsdp_pre_all_gather = types.MethodType(fsdp_pre_all_gather, local)
+    local.fsdp_post_all_gather = types.MethodType(fsdp_post_all_gather, local)
+
+
+@distributed(world_size=2)
+def test_gather_hooks_patched_onto_local_shards_after_to_empty_are_used_like_torch():
+    """torch's test_all_gather_extensions_monkey_patch: a meta model sharded, materialized with
+    to_empty, then each weight's local shard (a plain tensor) given gather hooks before the first
+    forward: the hooks run (bf16 on the wire), and 3 Adam steps give torch's losses and weights."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fullshard
+
+    runs = []
+    for shard in (torch_fully_shard, fullshard.fully_shard):
+        with torch.device("meta"):
+            model = nn.Sequential(*(MLP(8) for _ in range(3)))
+        for mlp in model:
+            shard(mlp)
+        shard(model)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for param in model.parameters():
+            nn.init.trunc_normal_(param)
+        calls: list = []
+        for name, param in model.named_parameters():
+            if name.endswith("weight"):
+                _patch_bf16_gather(param._local_tensor, calls)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(42 + dist.get_rank())
+        x = torch.randn(2, 8)
+        losses = []
+        for _ in range(3):
+            loss = model(x).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        assert calls, shard.__module__
+        runs.append((losses, [full_value(p) for p in model.parameters()], len(calls)))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
