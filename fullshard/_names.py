@@ -16,3 +16,7 @@ WRAPPER_PREFIX = WRAPPED_MODULE + "."
 def model_name(name: str) -> str:
     """``name`` without the wrapper's segments: as in the unwrapped model."""
     return name.replace(WRAPPER_PREFIX, "")
+
+
+# torch's checkpoint_wrapper holds the module it wraps under this name; state dicts leave it out.
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."

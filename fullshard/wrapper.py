@@ -50,6 +50,7 @@ from .clip import clip_grad_norm_
 from .state_dict.flat_param_hooks import install_flat_param_hooks
 from .state_dict.model_hooks import install_prefix_hooks, install_state_dict_hooks
 from .state_dict.settings import default_settings
+from .torch_names import state_dict_api_rebound
 from .wrap import Policy, PolicyFn, select_modules
 from .wrapper_arguments import (
     WrapperSettings,
@@ -195,6 +196,25 @@ class FullyShardedDataParallel(nn.Module):
             warn_no_shard_on_one_rank(requested)
 
     # -- FSDP1 members -----------------------------------------------------------------
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Asked of every module by torch's state-dict API (``get_state_dict``, ``set_state_dict``, ...):
+        no name of ours is left out of the keys. That API knows FSDP1 wrappers by torch's class only,
+        unless ``fullshard.use_in_place_of_torch()`` pointed it at ours (see torch_names.py): as a
+        plain module, ours would have its optimizer states keyed by internal names and its shards
+        saved as if replicated, so it refuses instead.
+
+        Raises:
+            RuntimeError: torch's state-dict API does not know this wrapper.
+        """
+        if not state_dict_api_rebound():
+            raise RuntimeError(
+                "torch.distributed.checkpoint.state_dict (get_state_dict, set_state_dict, ...) finds FSDP1 "
+                "wrappers by torch's class and would take fullshard's FullyShardedDataParallel (over "
+                f"{module_class_name(self.module)}) for a plain module; call fullshard.use_in_place_of_torch() "
+                "first, or use FSDP.state_dict_type with model.state_dict() and FSDP.optim_state_dict"
+            )
+        return {}
+
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""

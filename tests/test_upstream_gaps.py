@@ -673,3 +673,52 @@ def test_gather_hooks_patched_onto_local_shards_after_to_empty_are_used_like_tor
         assert calls, shard.__module__
         runs.append((losses, [full_value(p) for p in model.parameters()], len(calls)))
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+@distributed(world_size=2)
+def test_meta_model_under_cpu_offload_loaded_piece_by_piece_like_torch():
+    """torch's test_dp_state_dict_cpu_offload: a meta model under CPU offload takes DTensor
+    state-dict pieces one at a time (assign=True, strict=False), some parameters still on meta
+    between them; forward then runs (lazy init without error), the state dict is on the CPU and
+    holds the loaded values, and training gives torch's FSDP2's losses and parameters. (torch's
+    error for a non-CPU dict, and its pinned memory, need an accelerator.)"""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    import fullshard
+
+    torch.manual_seed(42)
+    full = [torch.randn(4, 4), torch.randn(4, 4)]
+    x = torch.rand(4, 4, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    runs = []
+    for shard, policy in (
+        (torch_fully_shard, TorchCPUOffloadPolicy(pin_memory=False)),
+        (fullshard.fully_shard, fullshard.CPUOffloadPolicy(pin_memory=False)),
+    ):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        for layer in model:
+            shard(layer, offload_policy=policy)
+        shard(model, offload_policy=policy)
+        pieces = [
+            {name: distribute_tensor(value, param.device_mesh, param.placements)}
+            for (name, param), value in zip(model.named_parameters(), full)
+        ]
+        for piece in pieces:
+            model.load_state_dict(piece, assign=True, strict=False)
+        saved = model.state_dict()
+        assert all(v.device.type == "cpu" for v in saved.values()), shard.__module__
+        for value, expected in zip(saved.values(), full):
+            torch.testing.assert_close(value.full_tensor(), expected, rtol=0, atol=0)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss = model(x).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        assert all(v.device.type == "cpu" for v in model.state_dict().values()), shard.__module__
+        runs.append((losses, [full_value(p) for p in model.parameters()]))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)

@@ -7,6 +7,7 @@ Each is closed against torch's FSDP as the oracle: one body runs with each libra
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -279,3 +280,150 @@ def test_state_dict_type_context_and_ignored_modules_match_torch():
     runs = both(body)
     assert runs["fullshard"][0] == ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT"]
     assert runs["fullshard"][1] == [True, True]
+
+
+# -- checkpoint/test_state_dict.py, e2e/test_fsdp.py: torch's state-dict API over our modules --------
+def _shared_tmpdir() -> str:
+    """One fresh directory, made on rank 0, known to every rank."""
+    import tempfile
+
+    name = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _local_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One step of an unsharded model on this rank's batch with gradients averaged over the
+    ranks: what data-parallel training computes."""
+    model(x).sum().backward()
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad.div_(dist.get_world_size())
+    optim.step()
+    optim.zero_grad()
+
+
+def _sharded_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _assert_full_dicts_equal(ours: dict, theirs: dict, where: str) -> None:
+    assert list(ours) == list(theirs), f"{where}: {list(ours)} vs {list(theirs)}"
+    for key, value in theirs.items():
+        if isinstance(value, dict):
+            _assert_full_dicts_equal(ours[key], value, f"{where}.{key}")
+        elif isinstance(value, torch.Tensor):
+            torch.testing.assert_close(full_value(ours[key]), value, msg=lambda m: f"{where}.{key}: {m}")
+        else:
+            assert ours[key] == value, f"{where}.{key}"
+
+
+def _state_dict_api_round_trip(label: str, shard: Callable[[nn.Module], nn.Module]) -> None:
+    """torch's TestStateDict.test_fsdp / e2e test_fsdp with ``shard`` as the wrapper: ``get_state_dict``
+    before the first forward; after two steps its full dicts equal an unsharded model's (same keys,
+    the optimizer's included), its sharded ones are saved with DCP and loaded with ``set_state_dict``
+    into a new model, which then steps as the unsharded one; a full dict held by rank 0 alone loads
+    with ``broadcast_from_rank0``, and ``strict`` reports a missing key."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6), nn.ReLU()), nn.Linear(6, 3))
+    fresh = shard(copy.deepcopy(local))  # before lazy init (torch's test_fsdp_root_not_initialized)
+    get_model_state_dict(fresh)
+    get_optimizer_state_dict(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))  # steps it with zero grads
+    model = shard(copy.deepcopy(local))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    local_optim = torch.optim.Adam(local.parameters(), lr=0.1)
+    batches = rank_batches(4, 2, 4)
+    for x in batches[:2]:
+        _local_step(local, local_optim, x)
+        _sharded_step(model, optim, x)
+    local_msd, local_osd = get_state_dict(local, local_optim)
+    msd, osd = get_state_dict(model, optim, options=full)
+    _assert_full_dicts_equal(msd, local_msd, f"{label} model")
+    _assert_full_dicts_equal(osd, local_osd, f"{label} optim")
+    offloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in offloaded.values()), label
+        _assert_full_dicts_equal(offloaded, local_msd, f"{label} cpu_offload")
+    else:
+        assert offloaded == {}, label
+    msd, osd = get_state_dict(model, optim)  # sharded
+    assert set(osd["state"]) == {name for name, _ in local.named_parameters()}, f"{label}: {list(osd['state'])}"
+    path = _shared_tmpdir()
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    torch.manual_seed(1)
+    other = shard(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6), nn.ReLU()), nn.Linear(6, 3)))
+    other_optim = torch.optim.Adam(other.parameters(), lr=0.1)
+    target_msd, target_osd = get_state_dict(other, other_optim)
+    loaded = {"model": target_msd, "optim": target_osd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(other, other_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    _sharded_step(other, other_optim, batches[2])
+    _local_step(local, local_optim, batches[2])
+    local_msd, local_osd = get_state_dict(local, local_optim)
+    msd, osd = get_state_dict(other, other_optim, options=full)
+    _assert_full_dicts_equal(msd, local_msd, f"{label} loaded model")
+    _assert_full_dicts_equal(osd, local_osd, f"{label} loaded optim")
+    zeros = {k: torch.zeros_like(v) for k, v in local_msd.items()}
+    rank0_only = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(other, dict(zeros) if dist.get_rank() == 0 else {}, options=rank0_only)  # it rewrites the dict
+    assert all(not full_value(v).any() for v in get_model_state_dict(other, options=full).values()), label
+    missing = dict(list(zeros.items())[1:])
+    with pytest.raises(RuntimeError, match="Missing key"):
+        set_model_state_dict(other, missing if dist.get_rank() == 0 else {}, options=rank0_only)
+
+
+@distributed(world_size=2)
+def test_torch_state_dict_api_on_the_wrapper_and_fully_shard_matches_an_unsharded_model():
+    """The FSDP1 wrapper (flat and original parameters, auto-wrapped, on a device mesh or not)
+    once ``fullshard.use_in_place_of_torch()`` points torch's state-dict API at it, and
+    ``fully_shard`` (which needs no rebinding: its parameters are DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard.wrap import ModuleWrapPolicy
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = ModuleWrapPolicy({nn.Linear})
+    wrappers = {
+        "flat, auto-wrapped": lambda m: fullshard.FSDP(m, auto_wrap_policy=policy),
+        "orig params on a mesh": lambda m: fullshard.FSDP(m, auto_wrap_policy=policy, device_mesh=mesh, use_orig_params=True),
+        "flat on a mesh, one unit": lambda m: fullshard.FSDP(m, device_mesh=mesh),
+    }
+    with fullshard.use_in_place_of_torch():
+        for label, shard in wrappers.items():
+            with case(label):
+                _state_dict_api_round_trip(label, shard)
+
+    def fully_shard_all(model: nn.Module) -> nn.Module:
+        for layer in (model[0], model[2], model[3]):
+            fullshard.fully_shard(layer)
+        return fullshard.fully_shard(model)
+
+    with case("fully_shard"):
+        _state_dict_api_round_trip("fully_shard", fully_shard_all)
+
+
+@distributed(world_size=2)
+def test_torch_state_dict_api_refuses_the_wrapper_it_does_not_know():
+    """Without the rebinding torch's API would key the wrapper's optimizer states by internal names
+    and save its shards as replicated tensors: it raises naming the fix instead."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = fullshard.FSDP(nn.Sequential(nn.Linear(4, 4)))
+    optim = torch.optim.Adam(model.parameters())
+    with pytest.raises(RuntimeError, match=r"finds FSDP1 wrappers by torch's class .*use_in_place_of_torch\(\)"):
+        get_state_dict(model, optim)

@@ -172,8 +172,9 @@ class ShardParam:
         [Note: Gather extensions]): the shard leaves the unit's buffer for storage of its
         own, the tensor object (which may carry the hooks itself) kept."""
         local = self.local_shard
+        own = local.clone()
         with torch.no_grad():
-            local.set_(local.clone())
+            local.set_(own.untyped_storage(), 0, own.size(), own.stride())
         self.bound_rows = local
         self.forget_unsharded()
         self.extension = TensorHooks(
