@@ -387,6 +387,50 @@ def _state_dict_api_round_trip(label: str, shard: Callable[[nn.Module], nn.Modul
         set_model_state_dict(other, missing if dist.get_rank() == 0 else {}, options=rank0_only)
 
 
+def _patched_methods_round_trip(label: str, shard: Callable[[nn.Module], nn.Module]) -> None:
+    """torch's TestE2ESaveAndLoad.test_e2e: the model's and optimizer's ``state_dict`` methods patched
+    to torch's API, the objects themselves handed to DCP (with a stateful entry of the user's):
+    a new model loads them and steps on as an unsharded model does."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        _patch_model_state_dict,
+        _patch_optimizer_state_dict,
+        get_state_dict,
+    )
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = shard(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6)), nn.Linear(6, 3)))
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        _patch_model_state_dict(model)
+        _patch_optimizer_state_dict(model, optimizers=optim)
+        return model, optim
+
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6)), nn.Linear(6, 3))
+    local_optim = torch.optim.Adam(local.parameters(), lr=0.1)
+    model, optim = build(0)
+    batches = rank_batches(3, 2, 4, seed=7)
+    for x in batches[:2]:
+        _local_step(local, local_optim, x)
+        _sharded_step(model, optim, x)
+    path = _shared_tmpdir()
+    dcp.save({"model": model, "optimizer": optim, "step": torch.tensor(2)}, checkpoint_id=path)
+    other, other_optim = build(1)
+    loaded = {"model": other, "optimizer": other_optim, "step": torch.tensor(0)}
+    dcp.load(loaded, checkpoint_id=path)
+    assert loaded["step"].item() == 2, label
+    _sharded_step(other, other_optim, batches[2])
+    _local_step(local, local_optim, batches[2])
+    local_msd, local_osd = get_state_dict(local, local_optim)
+    msd, osd = get_state_dict(other, other_optim, options=StateDictOptions(full_state_dict=True))
+    _assert_full_dicts_equal(msd, local_msd, f"{label} patched model")
+    _assert_full_dicts_equal(osd, local_osd, f"{label} patched optim")
+
+
 @distributed(world_size=2)
 def test_torch_state_dict_api_on_the_wrapper_and_fully_shard_matches_an_unsharded_model():
     """The FSDP1 wrapper (flat and original parameters, auto-wrapped, on a device mesh or not)
@@ -407,6 +451,8 @@ def test_torch_state_dict_api_on_the_wrapper_and_fully_shard_matches_an_unsharde
         for label, shard in wrappers.items():
             with case(label):
                 _state_dict_api_round_trip(label, shard)
+        with case("patched methods"):
+            _patched_methods_round_trip("patched methods", wrappers["orig params on a mesh"])
 
     def fully_shard_all(model: nn.Module) -> nn.Module:
         for layer in (model[0], model[2], model[3]):
@@ -427,3 +473,28 @@ def test_torch_state_dict_api_refuses_the_wrapper_it_does_not_know():
     optim = torch.optim.Adam(model.parameters())
     with pytest.raises(RuntimeError, match=r"finds FSDP1 wrappers by torch's class .*use_in_place_of_torch\(\)"):
         get_state_dict(model, optim)
+
+
+@distributed(world_size=4)
+def test_torch_state_dict_api_on_a_hybrid_wrapper_matches_an_unsharded_model():
+    """The same on a (replicate, shard) mesh with HYBRID_SHARD (torch's test_e2e's HSDP model,
+    test_broadcast_from_rank0_hsdp), through torch's API and the patched methods."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard.wrap import ModuleWrapPolicy
+
+    mesh = init_device_mesh("cpu", (2, 2))
+
+    def hybrid(model: nn.Module) -> nn.Module:
+        return fullshard.FSDP(
+            model,
+            device_mesh=mesh,
+            sharding_strategy=fullshard.ShardingStrategy.HYBRID_SHARD,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        )
+
+    with fullshard.use_in_place_of_torch():
+        with case("get/set"):
+            _state_dict_api_round_trip("hybrid", hybrid)
+        with case("patched methods"):
+            _patched_methods_round_trip("hybrid patched", hybrid)
