@@ -16,7 +16,7 @@ from ._core import compat
 from ._core.group import ParamGroup
 from ._core.param_units import register_param_unit
 from ._core.presentation import DTensorShards, PresentedParam
-from ._names import CHECKPOINT_PREFIX
+from ._names import state_dict_name
 
 FLAT_PARAM = "_flat_param"
 
@@ -46,7 +46,7 @@ def _names_from(module: nn.Module, unit: ParamGroup) -> tuple[str, ...]:
     for param in unit.spec.params:
         path = paths[param.module_info.module]
         name = f"{path}.{param.module_info.param_name}" if path else param.module_info.param_name
-        names.append(name.replace(CHECKPOINT_PREFIX, ""))
+        names.append(state_dict_name(name))
     return tuple(names)
 
 

@@ -722,3 +722,41 @@ def test_meta_model_under_cpu_offload_loaded_piece_by_piece_like_torch():
         assert all(v.device.type == "cpu" for v in model.state_dict().values()), shard.__module__
         runs.append((losses, [full_value(p) for p in model.parameters()]))
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=2)
+def test_optimizer_state_keys_with_checkpoint_wrappers_and_ignored_modules_are_torchs(use_orig_params):
+    """torch's test_full_optim_state_dict_keys: optimizer state dicts (full and sharded) of a model
+    whose Linears are checkpoint-wrapped, one module ignored, are keyed as its model state dict is:
+    no _checkpoint_wrapped_module segment (ours had it, so a torch checkpoint's keys did not match)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    from fullshard import StateDictType
+
+    keys = {}
+    for wrapper, types_, kwargs in (
+        (TorchFSDP, TorchStateDictType, {"device_id": CPU}),
+        (FSDP, StateDictType, {}),
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6)), nn.Linear(6, 3))
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+        model[2][0] = FSDP(model[2][0], use_orig_params=use_orig_params, **kwargs) if wrapper is FSDP else wrapper(
+            model[2][0], use_orig_params=use_orig_params, **kwargs
+        )
+        model = wrapper(model, use_orig_params=use_orig_params, ignored_modules=[model[3]], **kwargs)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            with wrapper.state_dict_type(model, types_[kind]):
+                model_keys = set(model.state_dict())
+                optim_keys = set(wrapper.optim_state_dict(model, optim)["state"])
+            keys[(wrapper.__module__, kind)] = (model_keys, optim_keys)
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        ours, theirs = keys[("fullshard", kind)], keys[(TorchFSDP.__module__, kind)]
+        assert ours == theirs, kind
+        assert ours[1] <= ours[0] and not any("_checkpoint_wrapped_module" in k for k in ours[1]), kind

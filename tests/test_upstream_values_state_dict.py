@@ -315,7 +315,7 @@ def _assert_full_dicts_equal(ours: dict, theirs: dict, where: str) -> None:
         if isinstance(value, dict):
             _assert_full_dicts_equal(ours[key], value, f"{where}.{key}")
         elif isinstance(value, torch.Tensor):
-            torch.testing.assert_close(full_value(ours[key]), value, msg=lambda m: f"{where}.{key}: {m}")
+            torch.testing.assert_close(full_value(ours[key]), full_value(value), msg=lambda m: f"{where}.{key}: {m}")
         else:
             assert ours[key] == value, f"{where}.{key}"
 
@@ -498,3 +498,129 @@ def test_torch_state_dict_api_on_a_hybrid_wrapper_matches_an_unsharded_model():
             _state_dict_api_round_trip("hybrid", hybrid)
         with case("patched methods"):
             _patched_methods_round_trip("hybrid patched", hybrid)
+
+
+class TiedEmbedding(nn.Module):
+    """An embedding whose weight the decoder shares (torch's test_shared_weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(16, 8)
+        self.decoder = nn.Linear(8, 16)
+        self.decoder.weight = self.embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.embedding((x.abs() * 10).long() % 16))
+
+
+@distributed(world_size=2)
+def test_torch_state_dict_api_options_on_our_modules_like_torch():
+    """More of torch's test_state_dict.py over our modules, through torch's API: keys without the
+    checkpoint wrapper's prefix (test_activation_ckpt_fqns_fsdp1), frozen parameters left out with
+    ignore_frozen_params (test_frozen_parameters), a tied weight round-tripping under the wrapper
+    (test_shared_weight, flattened optimizer dict too), initial_lr restored from rank 0
+    (test_optim_state_dict_param_matching), flattened and nested optimizer dicts loading alike
+    (test_flattened_osd), and get_model_state_dict equal to state_dict() for fully_shard, also after
+    a forward that keeps parameters unsharded (test_fsdp_dsd's test_1d_fsdp_get_model_state_dict)."""
+    import copy
+    from itertools import product
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    def layered() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6)), nn.Linear(6, 3))
+
+    with fullshard.use_in_place_of_torch():
+        with case("checkpoint prefixes"):
+            expected = list(get_model_state_dict(layered()))
+            for use_orig_params in (False, True):
+                model = layered()
+                apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+                model = fullshard.FSDP(model, use_orig_params=use_orig_params)
+                assert list(get_model_state_dict(model)) == expected, use_orig_params
+                assert list(get_optimizer_state_dict(model, torch.optim.Adam(model.parameters()))["state"]) == expected
+        with case("frozen parameters"):
+            for shard in (
+                lambda m: fullshard.FSDP(m, use_orig_params=True),
+                lambda m: fullshard.fully_shard(m),
+            ):
+                model = layered()
+                model[0].requires_grad_(False)
+                model = shard(model)
+                optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+                _sharded_step(model, optim, torch.randn(2, 4))
+                msd, osd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
+                assert list(msd) == ["2.0.weight", "2.0.bias", "3.weight", "3.bias"], list(msd)
+                assert list(osd["state"]) == list(msd)
+        with case("tied weight"):
+            torch.manual_seed(0)
+            local = TiedEmbedding()
+            for flatten in (False, True):
+                options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+                model = fullshard.FSDP(copy.deepcopy(local))
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                local_model = copy.deepcopy(local)
+                local_optim = torch.optim.AdamW(local_model.parameters(), lr=1e-2)
+                for x in rank_batches(2, 3, 4):
+                    _local_step(local_model, local_optim, x)
+                    _sharded_step(model, optim, x)
+                msd, osd = get_state_dict(model, optim, options=options)
+                other = fullshard.FSDP(TiedEmbedding())
+                other_optim = torch.optim.AdamW(other.parameters(), lr=1e-2)
+                set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd, options=options)
+                full = StateDictOptions(full_state_dict=True)
+                ours = get_state_dict(other, other_optim, options=full)
+                theirs = get_state_dict(local_model, local_optim)
+                _assert_full_dicts_equal(ours[0], theirs[0], f"tied flatten={flatten} model")
+                _assert_full_dicts_equal(ours[1], theirs[1], f"tied flatten={flatten} optim")
+    with case("initial_lr from rank 0"):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        for layer in model:
+            fullshard.fully_shard(layer)
+        fullshard.fully_shard(model)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda=[lambda epoch: 0.95**epoch])
+        saved = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        assert "initial_lr" in saved["param_groups"][0] if dist.get_rank() == 0 else saved == {}
+        fresh = torch.optim.Adam(model.parameters(), lr=1e-2)
+        set_optimizer_state_dict(
+            model, fresh, saved, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+        assert "initial_lr" in fresh.param_groups[0] or dist.get_rank() != 0  # torch's API gives rank 0 the groups
+    with case("flattened optimizer dicts"):
+        for flatten_to_save, flatten_to_load in product([True, False], repeat=2):
+            model = fullshard.fully_shard(layered())
+            optim = torch.optim.AdamW(model.parameters())
+            _sharded_step(model, optim, torch.randn(2, 4))
+            osd = get_optimizer_state_dict(
+                model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten_to_save)
+            )
+            other = torch.optim.AdamW(model.parameters())
+            set_optimizer_state_dict(
+                model, other, osd, options=StateDictOptions(flatten_optimizer_state_dict=flatten_to_load)
+            )
+            _assert_full_dicts_equal(other.state_dict()["state"], optim.state_dict()["state"], "flattened")
+            assert other.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+    with case("get_model_state_dict is state_dict()"):
+        for reshard_after_forward, dims in product((True, False), ((4, 6, 3), (5, 7, 3))):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(dims[0], dims[1]), nn.ReLU(), nn.Linear(dims[1], dims[2]))
+            for layer in (model[0], model[2]):
+                fullshard.fully_shard(layer, reshard_after_forward=reshard_after_forward)
+            fullshard.fully_shard(model, reshard_after_forward=reshard_after_forward)
+            for _ in range(2):  # before any forward, then after one
+                ours, plain = get_model_state_dict(model), model.state_dict()
+                assert list(ours) == list(plain)
+                for key, value in plain.items():
+                    assert type(ours[key]) is type(value), key
+                    torch.testing.assert_close(full_value(ours[key]), full_value(value), rtol=0, atol=0)
+                model(torch.randn(2, dims[0]))
