@@ -3,6 +3,7 @@ each checked against torch's FSDP on gloo (the oracle) or a one-process referenc
 
 import copy
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -760,3 +761,114 @@ def test_optimizer_state_keys_with_checkpoint_wrappers_and_ignored_modules_are_t
         ours, theirs = keys[("fullshard", kind)], keys[(TorchFSDP.__module__, kind)]
         assert ours == theirs, kind
         assert ours[1] <= ours[0] and not any("_checkpoint_wrapped_module" in k for k in ours[1]), kind
+
+
+class NormedPair(nn.Module):
+    """Two layers and a root parameter that a user recomputes from them after materializing
+    (torch's test_reset_sharded_param_in_lazy_init)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+class NoInputs(nn.Module):
+    """A root whose forward takes no inputs (torch's test_root_no_forward_inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = nn.Parameter(torch.randn(4, 4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self) -> torch.Tensor:
+        return self.lin(self.start).sum()
+
+
+def _fully_shard_edge_cases(shard) -> dict[str, Any]:
+    """Values of several small fully_shard flows, to compare across libraries."""
+    out: dict[str, Any] = {}
+    with torch.device("meta"):
+        model = NormedPair()
+    shard(model.layer1)
+    shard(model.layer2)
+    shard(model)
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    with torch.no_grad():
+        for index, param in enumerate((model.layer1.weight, model.layer2.weight)):
+            full = torch.arange(9.0).view(3, 3) * (index + 1) / 10
+            param.to_local().copy_(full.chunk(dist.get_world_size())[dist.get_rank()])
+        norm = torch.linalg.norm(model.layer1.weight, dim=1) + torch.linalg.norm(model.layer2.weight, dim=1)
+    model.weight_norm = nn.Parameter(norm)  # a DTensor: the root's new sharded parameter
+    loss = model(torch.ones(3, 3))
+    loss.backward()
+    out["replaced root parameter"] = (loss.detach(), [full_value(p.grad) for p in model.parameters()])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        shard(layer)
+    shard(model)  # the root manages no parameter
+    states = [shard.state(m) for m in (model[0], model[1], model)]
+    assert len({id(s) for s in states}) == 3 and shard.state(model[0]) is states[0]
+    handle = model.unshard(async_op=True)
+    if handle is not None:
+        handle.wait()
+    out["unit without parameters"] = model(torch.ones(2, 4)).detach()
+    torch.manual_seed(0)
+    model = NoInputs()
+    shard(model.lin)
+    shard(model)
+    loss = model()
+    loss.backward()
+    out["no forward inputs"] = (loss.detach(), [full_value(p.grad) for p in model.parameters()])
+    return out
+
+
+@distributed(world_size=2)
+def test_fully_shard_edge_cases_like_torch():
+    """A root parameter replaced (by a DTensor) after sharding and before the first forward; a root
+    that manages no parameter gathered by unshard(async_op=True); a forward without inputs; one
+    state per unit: the values of torch's FSDP2."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fullshard
+
+    theirs = _fully_shard_edge_cases(torch_fully_shard)
+    ours = _fully_shard_edge_cases(fullshard.fully_shard)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+@distributed(world_size=2)
+def test_fully_shard_trains_what_torch_refuses_like_one_process():
+    """Deliberate differences (docs/api.md): a unit over several modules with no parent unit (a
+    root of several modules; torch raises RuntimeError at lazy init) and a non-contiguous
+    (channels_last) parameter (torch raises NotImplementedError) train as one process does."""
+    import fullshard
+
+    def steps(model: nn.Module, forward, shape, average: bool) -> list[torch.Tensor]:
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            ranks = range(dist.get_world_size()) if average else [dist.get_rank()]
+            xs = [torch.randn(*shape, generator=torch.Generator().manual_seed(10 * step + r)) for r in ranks]
+            (sum(forward(model, x).sum() for x in xs) / len(xs)).backward()
+            optim.step()
+            optim.zero_grad()
+        return [full_value(p) for p in model.parameters()]
+
+    torch.manual_seed(0)
+    pair = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = steps(copy.deepcopy(pair), lambda m, x: m[1](m[0](x)), (2, 4), average=True)
+    fullshard.fully_shard([pair[0], pair[1]])
+    torch.testing.assert_close(steps(pair, lambda m, x: m[1](m[0](x)), (2, 4), average=False), reference)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()
+    reference = steps(copy.deepcopy(conv), lambda m, x: m(x), (2, 3, 6, 6), average=True)
+    fullshard.fully_shard(conv)
+    torch.testing.assert_close(steps(conv, lambda m, x: m(x), (2, 3, 6, 6), average=False), reference)
