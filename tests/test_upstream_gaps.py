@@ -1,6 +1,7 @@
 """Behaviours torch's own FSDP tests assert that fullshard missed (issue 35, item 2),
 each checked against torch's FSDP on gloo (the oracle) or a one-process reference."""
 
+import contextlib
 import copy
 import types
 from typing import Any
@@ -872,3 +873,53 @@ def test_fully_shard_trains_what_torch_refuses_like_one_process():
     reference = steps(copy.deepcopy(conv), lambda m, x: m(x), (2, 3, 6, 6), average=True)
     fullshard.fully_shard(conv)
     torch.testing.assert_close(steps(conv, lambda m, x: m(x), (2, 3, 6, 6), average=False), reference)
+
+
+# torch's FSDP1 argument checks whose messages its own tests match (test_ignored_states_check,
+# test_bad_arg_meta): (case, the anchored regex both libraries' ValueError must match, the arguments).
+def _two_layer_block() -> nn.Sequential:
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4))
+
+
+def _ignored_children(model: nn.Sequential) -> list[nn.Module]:
+    return list(model[0].children())[1:]
+
+
+WRAPPER_ARGUMENT_ERRORS = (
+    (
+        "parameters as ignored_modules",
+        r"^ignored_modules expects nn.Module list elements but got types \[<class 'torch.nn.parameter.Parameter'>\]",
+        lambda m: {"ignored_modules": [p for c in _ignored_children(m) for p in c.parameters()]},
+    ),
+    (
+        "both ignored_modules and ignored_states",
+        r"^Cannot pass both ignored_modules and ignored_states at the same time",
+        lambda m: {"ignored_modules": _ignored_children(m), "ignored_states": list(_ignored_children(m)[0].parameters())},
+    ),
+    (
+        "modules and parameters in ignored_states",
+        r"^ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
+        r"\[<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.parameter.Parameter'>\]",
+        lambda m: {"ignored_states": [_ignored_children(m)[0], next(_ignored_children(m)[0].parameters())]},
+    ),
+    ("a param_init_fn that is not callable", r"to be callable", lambda m: {"param_init_fn": 42}),
+)
+
+
+@distributed(world_size=2)
+def test_wrapper_argument_errors_match_torchs_messages():
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    for label, pattern, arguments in WRAPPER_ARGUMENT_ERRORS:
+        for wrapper, extra in ((TorchFSDP, {"device_id": CPU}), (FSDP, {})):
+            with torch.device("meta") if "param_init_fn" in label else contextlib.nullcontext():
+                model = _two_layer_block()
+            with pytest.raises(ValueError, match=pattern):
+                wrapper(model, **arguments(model), **extra)
+    # Ignoring the wrapped module itself: torch's FSDP1 warns and ignores every parameter; ours
+    # refuses (docs/api.md, the wrapper's differences from torch).
+    model = _two_layer_block()
+    with pytest.warns(UserWarning, match="Trying to ignore the top-level module passed into the FSDP constructor"):
+        TorchFSDP(model, ignored_modules=[model], device_id=CPU)
+    with pytest.raises(ValueError, match=r"^FullyShardedDataParallel expects the wrapped module itself not to be ignored"):
+        FSDP(model, ignored_modules=[model])
