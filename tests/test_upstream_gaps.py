@@ -923,3 +923,31 @@ def test_wrapper_argument_errors_match_torchs_messages():
         TorchFSDP(model, ignored_modules=[model], device_id=CPU)
     with pytest.raises(ValueError, match=r"^FullyShardedDataParallel expects the wrapped module itself not to be ignored"):
         FSDP(model, ignored_modules=[model])
+
+
+@distributed(world_size=2)
+def test_shard_placement_fn_dims_like_torch():
+    """Shard(-1) counts from the end: the placements, local shapes and a training step of torch's
+    FSDP2 (test_init_1d_transformer_shard_dim_neg1). Shard(1) for a 1-D bias: torch fails its internal
+    AssertionError, ours raises ValueError naming the parameter (docs/api.md, test_invalid_shard_dim)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
+
+    import fullshard
+
+    runs = []
+    for shard in (torch_fully_shard, fullshard.fully_shard):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+        shard(model, shard_placement_fn=lambda param: Shard(-1))
+        layout = [(tuple(p.placements), tuple(p.to_local().shape)) for p in model.parameters()]
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+        optim.step()
+        runs.append((layout, [full_value(p) for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="Shard dim 1 is invalid for 1D tensor"):
+        torch_fully_shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)), shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(ValueError, match=r"^fully_shard expects shard_placement_fn to return a dim of 0.bias's 1D shape"):
+        fullshard.fully_shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)), shard_placement_fn=lambda p: Shard(1))
