@@ -951,3 +951,49 @@ def test_shard_placement_fn_dims_like_torch():
         torch_fully_shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)), shard_placement_fn=lambda p: Shard(1))
     with pytest.raises(ValueError, match=r"^fully_shard expects shard_placement_fn to return a dim of 0.bias's 1D shape"):
         fullshard.fully_shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)), shard_placement_fn=lambda p: Shard(1))
+
+
+class ListWithForward(nn.ModuleList):
+    """A ModuleList subclass with a forward of its own (torch's test_modulelist_subclass_with_forward)."""
+
+    def __init__(self) -> None:
+        super().__init__([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def _hsdp_step(shard, mesh) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(42)
+    model = ListWithForward()
+    for layer in model:
+        shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
+    loss = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))).sum()
+    loss.backward()
+    return loss.detach(), [full_value(p.grad) for p in model.parameters()]
+
+
+@distributed(world_size=4)
+def test_hybrid_meshes_built_other_ways_like_torch():
+    """A (replicate, shard) mesh built by DeviceMesh.from_group from two groups (torch's
+    test_2d_process_group_init), over a ModuleList subclass with a forward: torch's loss and
+    gradients. A 2-D mesh without mesh_dim_names: torch refuses it (AssertionError), ours takes its
+    dims as (replicate, shard) by position (docs/api.md) and gives the same values."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fullshard
+
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    groups = [named.get_group("replicate"), named.get_group("shard")]
+    from_groups = DeviceMesh.from_group(groups, "cpu", mesh_dim_names=("replicate", "shard"), mesh=torch.arange(4).view(2, 2))
+    expected = _hsdp_step(torch_fully_shard, named)
+    torch.testing.assert_close(_hsdp_step(torch_fully_shard, from_groups), expected, rtol=0, atol=0)
+    torch.testing.assert_close(_hsdp_step(fullshard.fully_shard, from_groups), expected, rtol=0, atol=0)
+    unnamed = init_device_mesh("cpu", (2, 2))
+    with pytest.raises(AssertionError, match="Please init the 2D mesh for HSDP with mesh_dim_names specified"):
+        torch_fully_shard(nn.Linear(8, 8), mesh=unnamed)
+    torch.testing.assert_close(_hsdp_step(fullshard.fully_shard, unnamed), expected, rtol=0, atol=0)
