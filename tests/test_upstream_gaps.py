@@ -997,3 +997,32 @@ def test_hybrid_meshes_built_other_ways_like_torch():
     with pytest.raises(AssertionError, match="Please init the 2D mesh for HSDP with mesh_dim_names specified"):
         torch_fully_shard(nn.Linear(8, 8), mesh=unnamed)
     torch.testing.assert_close(_hsdp_step(fullshard.fully_shard, unnamed), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed(world_size=2)
+def test_optimizer_states_that_are_not_tensors_survive_like_torch(use_orig_params):
+    """torch's test_state_dict_with_none_tensor_state: a float and a None added to each parameter's
+    optimizer state come back from optim_state_dict and optim_state_dict_to_load unchanged; with
+    load_directly=True the optimizer holds them (test_interface_arguments)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    for wrapper, kwargs in ((TorchFSDP, {"device_id": CPU}), (FSDP, {})):
+        for optim_class in (torch.optim.Adam, torch.optim.SGD):
+            torch.manual_seed(0)
+            model = wrapper(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)), use_orig_params=use_orig_params, **kwargs)
+            optim = optim_class(model.parameters(), lr=1e-2)
+            model(torch.randn(2, 4)).sum().backward()
+            optim.step()
+            original = copy.deepcopy(optim.state_dict())
+            for state in original["state"].values():
+                state["value1"], state["value2"] = 2.74, None
+            osd = wrapper.optim_state_dict(model, optim, optim_state_dict=original)
+            loadable = wrapper.optim_state_dict_to_load(model, optim, osd)
+            where = f"{wrapper.__module__} {optim_class.__name__}"
+            assert bool(loadable["state"]) == (optim_class is torch.optim.Adam), where
+            for state in loadable["state"].values():
+                assert state["value1"] == 2.74 and state["value2"] is None, where
+            wrapper.optim_state_dict_to_load(model, optim, osd, load_directly=True)
+            for state in optim.state_dict()["state"].values():
+                assert state["value1"] == 2.74 and state["value2"] is None, where
