@@ -1026,3 +1026,65 @@ def test_optimizer_states_that_are_not_tensors_survive_like_torch(use_orig_param
             wrapper.optim_state_dict_to_load(model, optim, osd, load_directly=True)
             for state in optim.state_dict()["state"].values():
                 assert state["value1"] == 2.74 and state["value2"] is None, where
+
+
+def _registration_and_dicts(shard) -> dict[str, Any]:
+    """What torch's test_param_registration_after_backward, test_dp_state_dict_save_load,
+    test_layer_by_layer_shard_no_false_positive and test_shard_placement_fn_contiguous_params_grads
+    look at, for one library."""
+    import gc
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    out: dict[str, Any] = {}
+    for reshard in (True, False, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 5))
+        shard(model[0], reshard_after_forward=reshard)
+        shard(model, reshard_after_forward=reshard)
+        model(torch.randn(2, 8)).sum().backward()
+        out[f"registered after backward, reshard {reshard}"] = [isinstance(p, DTensor) for p in model.parameters()]
+        # torch's values are the parameters' own storage; ours are copies (see UPSTREAM.md, test_dp_state_dict_save_load).
+        saved = model.state_dict()
+        pointers = [p.to_local().data_ptr() for p in model.parameters()]
+        new = {k: v.detach().clone().fill_(42.0 + dist.get_rank()) for k, v in saved.items()}
+        model.load_state_dict(new)
+        out[f"loaded in place, reshard {reshard}"] = (
+            [p.to_local().data_ptr() == ptr for p, ptr in zip(model.parameters(), pointers) if p.size(0) % 2 == 0],
+            [full_value(p) for p in model.parameters()],
+        )
+        before = {k: full_value(v) for k, v in model.state_dict().items()}
+        model(torch.randn(2, 8))  # the root keeps its parameters unsharded after this forward
+        out[f"dict after a forward, reshard {reshard}"] = (before, {k: full_value(v) for k, v in model.state_dict().items()})
+    for _ in range(4):  # object ids reused after garbage collection are not taken for shared parameters
+        blocks = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+        for block in blocks:
+            shard(block)
+        shard(blocks)
+        del blocks
+        gc.collect()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+    shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    model(torch.randn(2, 8)).sum().backward()
+    out["Shard(1) contiguity"] = [
+        (p.is_contiguous(), p.to_local().is_contiguous(), p.grad.is_contiguous(), p.grad.to_local().is_contiguous())
+        for p in model.parameters()
+    ]
+    return out
+
+
+@distributed(world_size=2)
+def test_registration_in_place_loads_and_contiguity_like_torch():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fullshard
+
+    theirs, ours = _registration_and_dicts(torch_fully_shard), _registration_and_dicts(fullshard.fully_shard)
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    assert all(all(flags) for flags in ours["Shard(1) contiguity"])
+    for key, value in ours.items():
+        if key.startswith("registered"):
+            assert all(value), key
