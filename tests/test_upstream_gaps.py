@@ -1088,3 +1088,98 @@ def test_registration_in_place_loads_and_contiguity_like_torch():
     for key, value in ours.items():
         if key.startswith("registered"):
             assert all(value), key
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(4, 4)
+        self.lin2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+def _blocks(wrapper, kwargs, checkpointed: bool) -> nn.Module:
+    """Two blocks, each wrapped by hand, around a checkpoint wrapper or not (torch's
+    test_state_dict_with_manual_ac_wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    for index, block in enumerate(model):
+        model[index] = wrapper(checkpoint_wrapper(block) if checkpointed else block, **kwargs)
+    return wrapper(model, **kwargs)
+
+
+@distributed(world_size=2)
+def test_wrapper_state_dicts_names_and_legacy_warnings_like_torch():
+    """Several FSDP1 behaviours, each against torch's FSDP1: a model with FSDP(checkpoint_wrapper(block))
+    units saves the keys of the same model without checkpointing and loads its dict (full and sharded);
+    named_parameters() inside forward gives clean names and full shapes (use_orig_params=True); a local
+    state dict survives torch.save / torch.load into a new wrapper; every legacy optimizer call given
+    optim_input warns FutureWarning (full, shard and scatter)."""
+    import io
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    from fullshard import StateDictType
+
+    for wrapper, kinds, kwargs in (
+        (TorchFSDP, TorchStateDictType, {"device_id": CPU}),
+        (FSDP, StateDictType, {}),
+    ):
+        where = wrapper.__module__
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            plain, checkpointed = _blocks(wrapper, kwargs, False), _blocks(wrapper, kwargs, True)
+            with torch.no_grad():
+                for param in plain.parameters():
+                    param.add_(1.0)
+            with wrapper.state_dict_type(plain, kinds[kind]), wrapper.state_dict_type(checkpointed, kinds[kind]):
+                saved = plain.state_dict()
+                assert list(checkpointed.state_dict()) == list(saved), (where, kind)
+                checkpointed.load_state_dict(saved, strict=True)
+            with wrapper.summon_full_params(plain), wrapper.summon_full_params(checkpointed):
+                for ours, theirs in zip(checkpointed.parameters(), plain.parameters()):
+                    torch.testing.assert_close(ours, theirs, msg=lambda m: f"{where} {kind}: {m}")
+
+        seen = []
+
+        class Named(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(5, 5)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                seen.append([(n.replace("_fsdp_wrapped_module.", ""), tuple(p.shape)) for n, p in self.named_parameters()])
+                return self.lin(x)
+
+        wrapper(Named(), use_orig_params=True, **kwargs)(torch.randn(2, 5))
+        assert seen == [[("lin.weight", (5, 5)), ("lin.bias", (5,))]], (where, seen)
+
+        model = _blocks(wrapper, kwargs, False)
+        with wrapper.state_dict_type(model, kinds["LOCAL_STATE_DICT"]):
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            buffer.seek(0)
+            other = _blocks(wrapper, kwargs, False)
+            with torch.no_grad():
+                for param in other.parameters():
+                    param.zero_()
+            with wrapper.state_dict_type(other, kinds["LOCAL_STATE_DICT"]):
+                other.load_state_dict(torch.load(buffer, weights_only=False))
+        with wrapper.summon_full_params(model), wrapper.summon_full_params(other):
+            for ours, theirs in zip(other.parameters(), model.parameters()):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=lambda m: f"{where} local: {m}")
+
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        params = list(model.parameters())
+        with pytest.warns(FutureWarning, match="optim_input"):
+            full = wrapper.full_optim_state_dict(model, optim, optim_input=params, rank0_only=False)
+        with pytest.warns(FutureWarning, match="optim_input"):
+            wrapper.shard_full_optim_state_dict(full, model, optim_input=params)
+        with pytest.warns(FutureWarning, match="optim_input"):
+            wrapper.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, model, optim_input=params)
