@@ -1183,3 +1183,38 @@ def test_wrapper_state_dicts_names_and_legacy_warnings_like_torch():
             wrapper.shard_full_optim_state_dict(full, model, optim_input=params)
         with pytest.warns(FutureWarning, match="optim_input"):
             wrapper.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, model, optim_input=params)
+
+
+@distributed(world_size=2)
+def test_optimizer_in_backward_on_flat_parameters_trains_like_one_process():
+    """Deliberate difference (docs/api.md): torch's FSDP1 refuses an optimizer applied in backward
+    with use_orig_params=False (RuntimeError at forward); ours steps the flat parameter once its
+    reduced gradient lands, which for an elementwise optimizer is the step of each parameter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import always_wrap_policy as torch_always_wrap
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from fullshard.wrap import always_wrap_policy
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+    theirs = TorchFSDP(build(), auto_wrap_policy=torch_always_wrap, use_orig_params=False, device_id=CPU)
+    _apply_optimizer_in_backward(torch.optim.SGD, theirs.parameters(), {"lr": 0.1}, register_hook=False)
+    with pytest.raises(RuntimeError, match="only supported with use_orig_params=True"):
+        theirs(torch.randn(2, 4))
+    reference = build()
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ours = FSDP(build(), auto_wrap_policy=always_wrap_policy, use_orig_params=False)
+    _apply_optimizer_in_backward(torch.optim.SGD, ours.parameters(), {"lr": 0.1})
+    for step in range(3):
+        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)]
+        ours(xs[dist.get_rank()]).sum().backward()
+        assert all(p.grad is None for p in ours.parameters())  # stepped and dropped in backward
+        (sum(reference(x).sum() for x in xs) / 2).backward()
+        reference_optim.step()
+        reference_optim.zero_grad()
+    with FSDP.summon_full_params(ours):
+        for param, expected in zip(ours.parameters(), reference.parameters()):
+            torch.testing.assert_close(param, expected)
