@@ -1218,3 +1218,34 @@ def test_optimizer_in_backward_on_flat_parameters_trains_like_one_process():
     with FSDP.summon_full_params(ours):
         for param, expected in zip(ours.parameters(), reference.parameters()):
             torch.testing.assert_close(param, expected)
+
+
+@distributed(world_size=2)
+def test_units_may_differ_in_settings_torch_requires_equal():
+    """torch's test_homogeneous_attributes: FSDP1 refuses, at lazy init, units that differ in
+    limit_all_gathers or in FSDP_USE_FULL_PREC_IN_EVAL. Ours accepts both (docs/api.md): the limit has
+    no effect here, and each unit follows its own eval precision; the outputs are the plain model's."""
+    import os
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    def build(wrapper, kwargs, how: str) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if how == "limit_all_gathers":
+            model[0] = wrapper(model[0], limit_all_gathers=False, **kwargs)
+            return wrapper(model, limit_all_gathers=True, **kwargs)
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+        try:
+            model[0] = wrapper(model[0], **kwargs)
+        finally:
+            del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+        return wrapper(model, **kwargs)
+
+    x = torch.randn(2, 4)
+    for how, name in (("limit_all_gathers", "limit_all_gathers"), ("full precision in eval", "_use_full_prec_in_eval")):
+        with pytest.raises(ValueError, match=f"Expects one homogeneous value for {name}"):
+            build(TorchFSDP, {"device_id": CPU}, how)(x)
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        torch.testing.assert_close(build(FSDP, {}, how)(x), plain(x))
