@@ -1249,3 +1249,55 @@ def test_units_may_differ_in_settings_torch_requires_equal():
         torch.manual_seed(0)
         plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         torch.testing.assert_close(build(FSDP, {}, how)(x), plain(x))
+
+
+class IgnoredBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 5) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class RankDependentIgnored(nn.Module):
+    """layer1 holds rank + 1 ignored blocks, so the units after it see different module
+    enumerations on each rank (torch's ModelWithIgnoredModules)."""
+
+    def __init__(self, num_ignored: int) -> None:
+        super().__init__()
+        self.layer0 = nn.Linear(5, 5)
+        self.layer1 = nn.Sequential(nn.Linear(5, 5), *(IgnoredBlock() for _ in range(num_ignored)))
+        self.layer2 = nn.Linear(5, 5)
+        self.layer3 = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer3(self.layer2(self.layer1(self.layer0(x))))
+
+
+@pytest.mark.parametrize("ignore_at_root", [False, True])
+@distributed(world_size=2)
+def test_rank_dependent_ignored_modules_train_like_torch(ignore_at_root):
+    """torch's test_diff_ignored_modules_across_ranks: a different number of ignored modules on each
+    rank (passed to the root too, or not), 3 Adam steps: torch's losses and parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    runs = []
+    for wrapper, kwargs in ((TorchFSDP, {"device_id": CPU}), (FSDP, {})):
+        torch.manual_seed(0)
+        model = RankDependentIgnored(num_ignored=dist.get_rank() + 1)
+        ignored = [m for m in model.layer1.modules() if isinstance(m, IgnoredBlock)]
+        model.layer1 = wrapper(model.layer1, ignored_modules=ignored, **kwargs)
+        model.layer3 = wrapper(model.layer3, **kwargs)
+        model = wrapper(model, ignored_modules=ignored if ignore_at_root else None, **kwargs)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = torch.randn(2, 5, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = model(x).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        runs.append((losses, model.state_dict()))  # both default to full state dicts
+    torch.testing.assert_close(runs[1], runs[0])
