@@ -1301,3 +1301,36 @@ def test_rank_dependent_ignored_modules_train_like_torch(ignore_at_root):
             losses.append(loss.detach())
         runs.append((losses, model.state_dict()))  # both default to full state dicts
     torch.testing.assert_close(runs[1], runs[0])
+
+
+@distributed(world_size=2)
+def test_rank0_saved_state_dict_reaches_every_rank_through_sync_module_states():
+    """torch's test_state_dict_rank0_offload_save_load_flow: a trained wrapper's full state dict,
+    saved on rank 0 only (offloaded to the CPU), loaded into a plain model on rank 0; every rank then
+    wraps its own model with sync_module_states=True and holds rank 0's values. (torch's FSDP1 cannot
+    sync CPU modules: the saved values are the reference.)"""
+    from fullshard import FullStateDictConfig, StateDictType
+
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), FSDP(nn.Linear(6, 3))))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+    optim.step()
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        saved = model.state_dict()
+    assert (saved == {}) == (dist.get_rank() != 0)
+    assert all(v.device.type == "cpu" and type(v) is torch.Tensor for v in saved.values())
+    torch.manual_seed(1 + dist.get_rank())  # each rank's fresh model differs
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    if dist.get_rank() == 0:
+        fresh.load_state_dict(saved)
+    fresh[2] = FSDP(fresh[2], sync_module_states=True)
+    fresh = FSDP(fresh, sync_module_states=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        expected = model.state_dict()
+    with FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+        loaded = fresh.state_dict()
+    assert list(loaded) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
