@@ -24,6 +24,19 @@ pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
 
 
+def adam_steps(model: nn.Module, x: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """``steps`` Adam steps (lr 1e-2) on the loss ``model(x).sum()``; the losses."""
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(x).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 class NormedMLP(nn.Module):
     """A plain LayerNorm before a tensor-parallel MLP: DTensor and plain parameters in one unit."""
 
@@ -602,16 +615,8 @@ def test_async_unshard_inside_the_roots_forward_trains_like_torch():
         for mlp in model.mlps:
             shard(mlp, reshard_after_forward=False)
         replicate(model)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(43 + dist.get_rank())
-        x = torch.randn(2, 8)
-        losses = []
-        for _ in range(10):
-            loss = model(x).sum()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach())
+        losses = adam_steps(model, torch.randn(2, 8), 10)
         runs.append((losses, [full_value(p) for p in model.parameters()]))
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
 
@@ -662,16 +667,8 @@ def test_gather_hooks_patched_onto_local_shards_after_to_empty_are_used_like_tor
         for name, param in model.named_parameters():
             if name.endswith("weight"):
                 _patch_bf16_gather(param._local_tensor, calls)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(42 + dist.get_rank())
-        x = torch.randn(2, 8)
-        losses = []
-        for _ in range(3):
-            loss = model(x).sum()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach())
+        losses = adam_steps(model, torch.randn(2, 8), 3)
         assert calls, shard.__module__
         runs.append((losses, [full_value(p) for p in model.parameters()], len(calls)))
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
@@ -713,14 +710,7 @@ def test_meta_model_under_cpu_offload_loaded_piece_by_piece_like_torch():
         assert all(v.device.type == "cpu" for v in saved.values()), shard.__module__
         for value, expected in zip(saved.values(), full):
             torch.testing.assert_close(value.full_tensor(), expected, rtol=0, atol=0)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            loss = model(x).sum()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach())
+        losses = adam_steps(model, x, 3)
         assert all(v.device.type == "cpu" for v in model.state_dict().values()), shard.__module__
         runs.append((losses, [full_value(p) for p in model.parameters()]))
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
