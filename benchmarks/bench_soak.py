@@ -67,9 +67,15 @@ def one_cycle(framework: str, config: str) -> None:
         optim.zero_grad()
     if framework == "fullshard":
         after_step(config, sharded, optim)
+    import contextlib
+
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    get_state_dict(sharded, optim)
+    import fullshard
+
+    # torch's state-dict API knows fullshard's FSDP1 wrapper once pointed at it (docs/api.md).
+    with fullshard.use_in_place_of_torch() if framework == "fullshard" else contextlib.nullcontext():
+        get_state_dict(sharded, optim)
     del model, sharded, optim
 
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 from ._core import compat
 from ._core.presentation import DTensorShards, PresentedParam
 from ._core.unit import ParamGroup, register_param_unit
+from ._names import state_dict_name
 
 FLAT_PARAM = "_flat_param"
 
@@ -35,6 +36,17 @@ class FlatPieces(DTensorShards):
 
 
 FLAT_PIECES = FlatPieces()
+
+
+def _names_from(module: nn.Module, unit: ParamGroup) -> tuple[str, ...]:
+    """Each of ``unit``'s parameters named from ``module``, without checkpoint wrappers' prefixes."""
+    paths = {m: path for path, m in module.named_modules()}
+    names = []
+    for param in unit.spec.params:
+        path = paths[param.module_info.module]
+        name = f"{path}.{param.module_info.param_name}" if path else param.module_info.param_name
+        names.append(state_dict_name(name))
+    return tuple(names)
 
 
 class FlatParamView:
@@ -66,6 +78,9 @@ class FlatParamView:
         self.module = module  # where the flat parameter is registered, as ``name``
         self.name = name
         self.param = nn.Parameter(unit.buffers.shard_buffer, requires_grad=requires_grad.pop())
+        # The parameters it holds, named from ``module`` as its state dict names them: torch's
+        # state-dict API reads this (FSDP1's attribute) to name a flat parameter's optimizer states.
+        setattr(self.param, "_fqns", _names_from(module, unit))  # noqa: B010 - an attribute nn.Parameter lacks
         register_param_unit(self.param, unit)  # clip_grad_norm_ and the scaler find its replicas
         if unit.spec.keep_low_precision_grads:
             compat.set_grad_dtype(self.param, unit.buffers.reduce_dtype, unit.spec.name)

@@ -16,3 +16,13 @@ WRAPPER_PREFIX = WRAPPED_MODULE + "."
 def model_name(name: str) -> str:
     """``name`` without the wrapper's segments: as in the unwrapped model."""
     return name.replace(WRAPPER_PREFIX, "")
+
+
+# torch's checkpoint_wrapper holds the module it wraps under this name; state dicts leave it out.
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def state_dict_name(name: str) -> str:
+    """``name`` as state dicts key it: without the wrapper's segments nor checkpoint wrappers'
+    (whose own state-dict hook drops theirs from model state dicts; optimizer state dicts follow)."""
+    return model_name(name).replace(CHECKPOINT_PREFIX, "")

@@ -16,6 +16,15 @@ object in place of torch's; the private paths libraries import from
 are among them. Names fullshard lacks (``FlatParameter``) stay torch's.
 Nothing of torch's FSDP is called: its modules are imported to rebind names
 in them, and the originals are kept to be put back.
+
+torch's own state-dict API (``torch.distributed.checkpoint.state_dict``:
+``get_state_dict``, ``set_state_dict`` and friends) is such a library: it finds
+FSDP1 wrappers by torch's class, which it imported as ``FSDP``, and asks torch's
+private helpers about them. Its names are rebound too (``STATE_DICT_API``), so that
+it treats fullshard's wrapper as FSDP1: optimizer states keyed by the parameters'
+own names, shards saved as shards. Without the rebinding the wrapper refuses that
+API (``FullyShardedDataParallel._fqn_modifiers``) rather than be taken for a plain
+module.
 """
 
 # clean-room: rebinds torch's names only
@@ -28,7 +37,14 @@ from typing import Any
 
 from . import wrap
 
-__all__ = ["TORCH_MODULES", "restore_torch_names", "use_in_place_of_torch", "TorchNamesRebound"]
+__all__ = [
+    "STATE_DICT_API",
+    "TORCH_MODULES",
+    "TorchNamesRebound",
+    "restore_torch_names",
+    "state_dict_api_rebound",
+    "use_in_place_of_torch",
+]
 
 # The paths libraries import torch's FSDP names from. torch's implementation
 # modules (``_fully_shard._fully_shard``) are left alone: their own code reads
@@ -42,7 +58,9 @@ TORCH_MODULES = (
     "torch.distributed.fsdp._fully_shard",
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
+    "torch.distributed.checkpoint.state_dict",
 )
+STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 
 # (module, name, torch's object), in the order rebound; undone in reverse.
 _replaced: list[tuple[ModuleType, str, Any]] = []
@@ -59,6 +77,33 @@ def _ours() -> dict[str, Any]:
 
 # fullshard's names that are not torch's FSDP names (or not the same object there).
 _NOT_TORCHS = {"FSDP", "use_in_place_of_torch", "restore_torch_names", "hybrid_mesh", "full_state_dict"}
+
+
+def _extra(module: ModuleType) -> dict[str, Any]:
+    """Names a module bound to torch's FSDP under names of its own: the state-dict API's alias
+    of the wrapper class, and the private helpers and constants it asks about wrappers."""
+    if module.__name__ != STATE_DICT_API:
+        return {}
+    from .api import HYBRID_STRATEGIES
+    from .wrapper import FullyShardedDataParallel
+
+    return {
+        "FSDP": FullyShardedDataParallel,
+        "_get_module_fsdp_state_if_fully_sharded_module": _wrapper_or_none,
+        "HYBRID_SHARDING_STRATEGIES": set(HYBRID_STRATEGIES),
+    }
+
+
+def _wrapper_or_none(module: Any) -> Any:
+    """The state of ``module`` if it is a wrapper (which is its own state, as in FSDP1), else None."""
+    from .wrapper import FullyShardedDataParallel
+
+    return module if isinstance(module, FullyShardedDataParallel) else None
+
+
+def state_dict_api_rebound() -> bool:
+    """Whether torch's state-dict API now finds fullshard's wrapper as FSDP1."""
+    return any(module.__name__ == STATE_DICT_API and name == "FSDP" for module, name, _ in _replaced)
 
 
 class TorchNamesRebound:
@@ -92,7 +137,7 @@ def use_in_place_of_torch() -> TorchNamesRebound:
     start = len(_replaced)
     ours = _ours()
     for module in _torch_modules():
-        for name, obj in ours.items():
+        for name, obj in {**ours, **_extra(module)}.items():
             current = getattr(module, name, None)
             # A submodule of that name (``torch.distributed.fsdp.wrap``) is not a name to rebind.
             if current is not None and current is not obj and not isinstance(current, ModuleType):

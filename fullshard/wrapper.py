@@ -49,6 +49,7 @@ from .clip import clip_grad_norm_
 from .state_dict.flat_param_hooks import install_flat_param_hooks
 from .state_dict.model_hooks import install_prefix_hooks, install_state_dict_hooks
 from .state_dict.settings import default_settings
+from .torch_names import state_dict_api_rebound
 from .wrap import Policy, PolicyFn, select_modules
 from .wrapper_arguments import (
     WrapperSettings,
@@ -194,6 +195,25 @@ class FullyShardedDataParallel(nn.Module):
             warn_no_shard_on_one_rank(requested)
 
     # -- FSDP1 members -----------------------------------------------------------------
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Asked of every module by torch's state-dict API (``get_state_dict``, ``set_state_dict``, ...):
+        no name of ours is left out of the keys. That API knows FSDP1 wrappers by torch's class only,
+        unless ``fullshard.use_in_place_of_torch()`` pointed it at ours (see torch_names.py): as a
+        plain module, ours would have its optimizer states keyed by internal names and its shards
+        saved as if replicated, so it refuses instead.
+
+        Raises:
+            RuntimeError: torch's state-dict API does not know this wrapper.
+        """
+        if not state_dict_api_rebound():
+            raise RuntimeError(
+                "torch.distributed.checkpoint.state_dict (get_state_dict, set_state_dict, ...) finds FSDP1 "
+                "wrappers by torch's class and would take fullshard's FullyShardedDataParallel (over "
+                f"{module_class_name(self.module)}) for a plain module; call fullshard.use_in_place_of_torch() "
+                "first, or use FSDP.state_dict_type with model.state_dict() and FSDP.optim_state_dict"
+            )
+        return {}
+
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""
@@ -452,8 +472,8 @@ def _check_nothing_wrapped(module: nn.Module) -> None:
         if get_state(submodule) is not None:
             raise ValueError(
                 "FSDP auto wrapping requires modules to not already have FSDP applied but found "
-                f"{name or type(module).__name__} ({type(submodule).__name__}); wrap it with the policy alone, "
-                "or without auto_wrap_policy"
+                f"{name or type(module).__name__} in {type(module).__name__} (a {type(submodule).__name__} unit); "
+                "wrap the plain model with the policy alone, or nest units without auto_wrap_policy"
             )
 
 

@@ -82,15 +82,21 @@ def resolve_ignored(
     """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            "FullyShardedDataParallel expects ignored_modules or ignored_states, not both; pass all "
-            "of them as ignored_states"
+            "Cannot pass both ignored_modules and ignored_states at the same time (FullyShardedDataParallel); "
+            "pass all of them as ignored_states"
         )
     items = list(ignored_modules or ignored_states or ())
+    types = sorted({type(item) for item in items}, key=lambda kind: kind.__name__)
+    if ignored_modules is not None and any(not isinstance(item, nn.Module) for item in items):
+        # FSDP1's wording (its own tests match it), then the fix.
+        raise ValueError(
+            f"ignored_modules expects nn.Module list elements but got types {types}; pass parameters as ignored_states"
+        )
     kinds = {nn.Module if isinstance(item, nn.Module) else nn.Parameter for item in items}
     if len(kinds) > 1:
         raise ValueError(
-            "FullyShardedDataParallel expects ignored_states to be all parameters or all modules, but got "
-            f"{sorted(type(item).__name__ for item in items)}; ignore the modules' parameters instead"
+            f"ignored_states expects all nn.Parameter or all nn.Module list elements but got types {types}; "
+            "ignore the modules' parameters instead"
         )
     for item in items:
         if not isinstance(item, (nn.Module, nn.Parameter)):
@@ -290,7 +296,10 @@ def materialize_meta(
     if not any(t.is_meta for t in tensors):
         return
     if param_init_fn is not None and not callable(param_init_fn):
-        raise ValueError(f"FullyShardedDataParallel expects a callable param_init_fn but got {param_init_fn!r}")
+        raise ValueError(
+            f"FullyShardedDataParallel expects param_init_fn {param_init_fn!r} to be callable but got "
+            f"{type(param_init_fn)}"
+        )
     with torch.no_grad():
         for submodule in managed:
             if param_init_fn is not None:

@@ -33,7 +33,7 @@ def optim_state_dict(
     """``optim``'s state keyed by parameter FQN, full or sharded like the model's
     state dict (see ``fullshard.state_dict.optim_state_dict``). ``optim_state_dict``:
     the index-keyed dict to convert instead of ``optim.state_dict()``."""
-    _warn_if_group_given(group, "FSDP.optim_state_dict")
+    _warn_if_group_given(group, "FSDP.optim_state_dict", model)
     return state_dicts.optim_state_dict(model, optim, optim_state_dict, whole_units=True)
 
 
@@ -56,7 +56,7 @@ def optim_state_dict_to_load(
             "FSDP.optim_state_dict_to_load supports torch.optim optimizers, not NamedOptimizer: "
             "pass is_named_optimizer=False"
         )
-    _warn_if_group_given(group, "FSDP.optim_state_dict_to_load")
+    _warn_if_group_given(group, "FSDP.optim_state_dict_to_load", model)
     result = state_dicts.optim_state_dict_to_load(model, optim, optim_state_dict)
     if load_directly:
         optim.load_state_dict(result)
@@ -76,7 +76,7 @@ def full_optim_state_dict(
     ``optim_input`` is deprecated (a FutureWarning, as in PyTorch): ``optim`` lists its parameters.
     """
     _param_groups(optim, optim_input, "FSDP.full_optim_state_dict")
-    _warn_if_group_given(group, "FSDP.full_optim_state_dict")
+    _warn_if_group_given(group, "FSDP.full_optim_state_dict", model)
     config = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)
     with state_dicts.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=config):
         return state_dicts.optim_state_dict(model, optim, whole_units=True)
@@ -87,7 +87,7 @@ def sharded_optim_state_dict(
 ) -> dict[str, Any]:
     """``optim_state_dict`` under SHARDED_STATE_DICT: states as ShardedTensors (DTensors
     for wrappers given a device mesh), whatever the model's state-dict type (load with ``optim_state_dict_to_load``)."""
-    _warn_if_group_given(group, "FSDP.sharded_optim_state_dict")
+    _warn_if_group_given(group, "FSDP.sharded_optim_state_dict", model)
     with state_dicts.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         return state_dicts.optim_state_dict(model, optim, whole_units=True)
 
@@ -197,8 +197,10 @@ def _param_groups(
     return [items]
 
 
-def _warn_if_group_given(group: dist.ProcessGroup | None, caller: str) -> None:
-    if group is not None:
+def _warn_if_group_given(group: dist.ProcessGroup | None, caller: str, model: nn.Module) -> None:
+    """A group other than the model's own is ignored, with a warning (torch's state-dict API
+    passes the root wrapper's own group: nothing to say then)."""
+    if group is not None and group is not getattr(model, "process_group", None):
         warnings.warn(
             f"{caller} ignores group: every unit communicates over its own process group", UserWarning, stacklevel=3
         )

@@ -185,7 +185,8 @@ TORCH_FSDP = ("torch.distributed.fsdp", "torch.distributed._composable")
 CLEAN_ROOM_MARK = "# clean-room: rebinds torch's names only"
 # What the rebinding module may call: builtins, importlib, its own functions and list/dict methods.
 REBINDER_CALLS = {
-    "getattr", "setattr", "isinstance", "len", "import_module", "TorchNamesRebound", "_ours", "_torch_modules", "undo",
+    "getattr", "setattr", "isinstance", "len", "any", "set", "import_module", "TorchNamesRebound", "_ours", "_extra",
+    "_torch_modules", "undo",
     "pop", "append", "update", "items",
 }  # fmt: skip
 

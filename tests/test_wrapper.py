@@ -1,6 +1,7 @@
 """The FSDP1-compatible wrapper: parity for every strategy, its members, and bad input."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -317,8 +318,12 @@ def test_apply_sees_full_parameters_and_writes_them_back(use_orig_params):
 def test_optim_state_dict_arguments_it_cannot_honour():
     model, _ = wrapped(use_orig_params=True)
     optim = torch.optim.Adam(model.parameters())
+    other_group = dist.new_group(list(range(dist.get_world_size())))  # the model's own group is not warned of
     with pytest.warns(UserWarning, match="FSDP.optim_state_dict ignores group"):
-        osd = FSDP.optim_state_dict(model, optim, group=dist.group.WORLD)
+        osd = FSDP.optim_state_dict(model, optim, group=other_group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FSDP.optim_state_dict(model, optim, group=model.process_group)  # as torch's state-dict API passes it
     with pytest.raises(NotImplementedError, match="not NamedOptimizer"):
         FSDP.optim_state_dict_to_load(model, optim, osd, is_named_optimizer=True)
 

@@ -120,8 +120,9 @@ def test_full_optim_state_dict_matches_torch(use_orig_params, optimizer):
     assert FSDP.get_state_dict_type(model).state_dict_type.name == "FULL_STATE_DICT"
     with pytest.warns(FutureWarning, match="optim_input"):
         FSDP.full_optim_state_dict(model, optim, optim_input=list(model.parameters()))
+    other_group = dist.new_group(list(range(dist.get_world_size())))  # not the model's own (which is not warned of)
     with pytest.warns(UserWarning, match="full_optim_state_dict ignores group"):
-        FSDP.full_optim_state_dict(model, optim, group=dist.group.WORLD)
+        FSDP.full_optim_state_dict(model, optim, group=other_group)
 
 
 @pytest.mark.parametrize("how", ["shard", "shard-no-optim", "shard-optim-input", "scatter", "scatter-group"])

@@ -28,7 +28,7 @@ from .._core import comm
 from .._core.gather import ShardParam
 from .._core.manage import states_below
 from .._core.unit import ParamGroup, buffer_param, full_params
-from .._names import model_name
+from .._names import state_dict_name
 from ..api import StateDictType
 from .settings import default_settings, get_state_dict_type, rank0_only, unit_record
 from .sharded_tensor import as_fsdp1_optim_state, loadable
@@ -60,12 +60,16 @@ def _param_entries(model: nn.Module) -> dict[int, list[Entry]]:
         unit = flat_units.get(id(param))
         if unit is not None:
             entries[id(param)] = [
-                (model_name(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)), p, unit)
+                (
+                    state_dict_name(_join(module_paths.get(id(p.module_info.module), ""), p.module_info.param_name)),
+                    p,
+                    unit,
+                )
                 for p in unit.spec.params
             ]
         else:
             found = by_sharded.get(id(param))
-            entries[id(param)] = [(model_name(name), *found) if found else (model_name(name), None, None)]
+            entries[id(param)] = [(state_dict_name(name), *found) if found else (state_dict_name(name), None, None)]
     return entries
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..presentation import BufferView
+from .extension import has_gather_hooks
 from .layout import Layout
 from .param import ShardParam
 from .spec import UnitSpec
@@ -116,6 +117,38 @@ class UnitBuffers:
             isinstance(r, DTensor) and r is not p.sharded_param for p, r in zip(self.params, registered)
         ):
             self.rebind(owner)
+
+    def adopt_gather_hooks(self, owner: str, reshards_to_smaller_group: bool) -> None:
+        """Plain parameters whose local shard was given ``fsdp_pre_all_gather`` /
+        ``fsdp_post_all_gather`` after sharding (patched on the tensor, or on its class, after
+        ``to_empty``) gather through them from the root's lazy init on, as torch's FSDP2
+        looks for them there too; the buffer is re-packed without them (see
+        [Note: Gather extensions]). ``owner`` names the unit in errors."""
+        if self.view is not None or self.params[0].presentation.keeps_user_param:
+            return  # the FSDP1 wrapper's parameters have no gather hooks (nor has torch's FSDP1)
+        found = [
+            p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.local_shard)
+        ]
+        if not found:
+            return
+        unsupported = (
+            "CPU offload"
+            if self.offload
+            else "an int reshard_after_forward"
+            if reshards_to_smaller_group
+            else "Shard(dim != 0)"
+            if any(p.shard_dim != 0 for p in found)
+            else None
+        )
+        if unsupported:
+            raise NotImplementedError(
+                f"{unsupported} is not yet supported with parameters that gather through fsdp_pre_all_gather "
+                f"({found[0].fqn} in {owner})"
+            )
+        for param in found:
+            param.adopt_gather_hooks()
+        self.extended = tuple(p for p in self.params if p.extension is not None)
+        self.build([p.local_shard for p in self.params])
 
     def _bind(self, buffer: torch.Tensor, dtypes: list[torch.dtype] | None = None) -> None:
         """Makes ``buffer`` (storage layout) the home of every parameter's shard,

@@ -24,7 +24,12 @@ be plain numbers at all (packed 4-bit data and scales). Its gradient, a plain
 tensor, is reduced like any other. A subclass without the hooks has no way to
 say what its shard's bytes are, so its first all-gather refuses it with the
 parameter's name; the hooks are looked up at each gather, so a class patched
-with them after sharding (torch's tests do this) gathers with them.
+with them after sharding (torch's tests do this) gathers with them. A plain
+parameter whose local shard gets the hooks after sharding (patched on that
+tensor object after ``to_empty``, as torch's tests also do) is found at the
+root's lazy init, where torch's FSDP2 looks too: it leaves the unit's buffer
+for storage of its own and gathers through them from then on
+(``UnitBuffers.adopt_gather_hooks``).
 """
 
 from __future__ import annotations

@@ -167,6 +167,20 @@ class ShardParam:
         )
         return rows
 
+    def adopt_gather_hooks(self) -> None:
+        """Gathers through the hooks the local shard was given after sharding (see
+        [Note: Gather extensions]): the shard leaves the unit's buffer for storage of its
+        own, the tensor object (which may carry the hooks itself) kept."""
+        local = self.local_shard
+        own = local.clone()
+        with torch.no_grad():
+            local.set_(own.untyped_storage(), 0, own.size(), own.stride())
+        self.bound_rows = local
+        self.forget_unsharded()
+        self.extension = TensorHooks(
+            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows
+        )
+
     @property
     def buffer_numel(self) -> int:
         """Elements this parameter takes in the unit's shard buffer (none with an extension)."""

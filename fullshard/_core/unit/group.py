@@ -166,6 +166,7 @@ class ParamGroup:
         self.grads.queue = queue
         self.reduction_gate = gate
         self.adopt_registered()
+        self.buffers.adopt_gather_hooks(self.spec.name, self.settings.post_forward_group is not None)
 
     def adopt_registered(self, whole_only: bool = False) -> None:
         """Parameters the user registered in place of the shards (``load_state_dict(...,
