@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -10,6 +11,35 @@ from .._core.bucket import DEFAULT_ALL_GATHER_BUCKET_BYTES
 from ..models.transformer import ModelArgs
 
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
+
+
+class EngineSetup(Protocol):
+    """What the engine's side of a step replay reads (``PlanConfig``, ``fullshard.plan.Choice``)."""
+
+    @property
+    def shard_size(self) -> int: ...
+    @property
+    def replicate_size(self) -> int: ...
+    @property
+    def reshard_after_forward(self) -> bool: ...
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def cpu_offload(self) -> bool: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def optimizer_states(self) -> int: ...
+    @property
+    def all_gather_dtype(self) -> torch.dtype | None: ...
+    @property
+    def all_gather_block_size(self) -> int: ...
+    @property
+    def all_gather_bucket_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
