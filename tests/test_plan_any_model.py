@@ -1,0 +1,269 @@
+"""``fullshard.plan.plan`` for models that are not ours, against the real engine.
+
+Three models: a tiny Llama and a tiny GPT-2 built from transformers configs
+(their own loss through ``labels``), and a user-style convolutional network
+written here (residual blocks with BatchNorm, the default loss: the output's
+mean). Each is traced on fake tensors, then each choice is run for real on
+2 and 4 gloo ranks (rank pool) and on torch's fake process group at 8 and 64
+ranks; the predicted per-rank peak must be within 5% of the measured one and
+the bytes per step equal. The order of predicted step times against measured
+ones is a benchmark (benchmarks/bench_plan_any_model.py), not a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import transformers
+
+from fullshard.cli.__main__ import main
+from fullshard.plan import Choice, plan, select_blocks, trace_step
+from fullshard.plan.apply import choice_code
+from fullshard.plan.measure import measure_choice
+from fullshard.plan.playback import predict
+from fullshard.plan.profiles import PROFILES, load_profile
+from fullshard.plan.step_time import StepClock
+from fullshard.testing import run_distributed
+from fullshard.testing.fake_group import fake_world
+
+VOCAB, SEQ = 67, 16  # 67 rows: padded at every world size
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tokens(n: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(VOCAB, (n, SEQ))
+    return {"input_ids": ids, "labels": ids}
+
+
+class Residual(nn.Module):
+    """A ResNet-style block: conv, BatchNorm, ReLU twice, plus the input."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels: int = 18, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*[Residual(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.stem(images))).mean((2, 3)))
+
+
+def convnet() -> nn.Module:
+    return ConvNet()
+
+
+def images(n: int) -> torch.Tensor:
+    return torch.randn(n, 3, 12, 12)
+
+
+MODELS = {"llama": (llama, tokens), "gpt2": (gpt2, tokens), "convnet": (convnet, images)}
+
+
+# -- no ranks -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, block", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block"), ("convnet", "Residual")]
+)
+def test_units_are_the_repeated_blocks(name, block):
+    model_fn, batch_fn = MODELS[name]
+    model = model_fn()
+    chosen = select_blocks(model)
+    assert [type(m).__name__ for _, m in chosen] == [block] * (3 if name == "convnet" else 2)
+    trace = trace_step(model_fn, batch_fn, 2)
+    assert [u.name for u in trace.units] == ["", *(n for n, _ in chosen)]
+    assert sum(r * row for u in trace.units for r, row in u.shapes) == sum(p.numel() for p in model.parameters())
+
+
+def test_trace_flops_are_torchs_flop_counter():
+    """The trace counts what torch's FLOP counter counts for a real step (forward and backward)."""
+    model = convnet()
+    batch = images(2)
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        model(batch).mean().backward()
+    trace = trace_step(convnet, images, 2)
+    assert trace.flops == counter.get_total_flops() > 0
+    assert trace.backward_flops > trace.forward_flops
+
+
+def test_trace_allocates_nothing():
+    """A 1.1B-parameter Llama is traced without the memory it would take (fake tensors)."""
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=64,
+    )
+
+    def model_fn() -> nn.Module:
+        return transformers.LlamaForCausalLM(config)
+
+    def batch_fn(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(32000, (n, 64))
+        return {"input_ids": ids, "labels": ids}
+
+    trace = trace_step(model_fn, batch_fn, 1)
+    assert sum(r * row for u in trace.units for r, row in u.shapes) > 2e8  # 800 MB of fp32 never allocated
+
+
+def test_plan_picks_a_choice_that_fits_and_explains():
+    unlimited = plan(llama, tokens, world_size=8, global_batch=16, ranks_per_node=4)
+    peaks = sorted(p.peak for p in unlimited.predictions)
+    limit = peaks[len(peaks) // 2] / 2**30  # half of the choices fit
+    choices = [p.choice for p in unlimited.predictions]
+    result = plan(llama, tokens, world_size=8, global_batch=16, memory_limit_gib=limit, ranks_per_node=4,
+                  choices=choices)
+    assert result.best is not None and result.best.time.total > unlimited.best.time.total  # the fastest did not fit
+    best = result.best
+    assert best is not None and best.peak <= result.memory_limit
+    assert [p.choice for p in result.fitting][:1] == [best.choice]
+    fitting_times = [p.time.total for p in result.fitting]
+    assert fitting_times == sorted(fitting_times)
+    assert any(not result.fits(p) for p in result.predictions)  # the limit bites
+    report = result.report()
+    assert "first choice: " + best.choice.label() in report and "for block in model.model.layers:" in report
+    assert "does not fit" in report or "slower by" in report
+
+
+def test_the_choices_code_runs():
+    """The printed lines shard the model (on a fake group of 8, on CPU)."""
+    choice = Choice(8, "hybrid", hybrid_shard_size=4, mixed_precision=torch.bfloat16, checkpointing=True)
+    code = choice_code(choice, ["model.layers.0", "model.layers.1"], device_type="cpu")
+    with fake_world(8):
+        model = llama()
+        exec(code, {"model": model})
+        assert type(model).__name__.startswith("FSDP")
+
+
+def test_nothing_fits():
+    result = plan(convnet, images, world_size=2, memory_limit_gib=1e-6)
+    assert result.best is None and "no choice fits" in result.report()
+
+
+def test_profiles():
+    assert PROFILES["h200"].memory_bandwidth > PROFILES["h100"].memory_bandwidth
+    assert load_profile("H100") is PROFILES["h100"]
+    with pytest.raises(ValueError, match="plan expects a device profile named h100 or h200"):
+        load_profile("a100")
+
+
+def test_bucket_default_is_the_engines():
+    from fullshard._core.bucket import DEFAULT_ALL_GATHER_BUCKET_BYTES
+    from fullshard.plan.choice import DEFAULT_BUCKET_BYTES
+
+    assert DEFAULT_BUCKET_BYTES == DEFAULT_ALL_GATHER_BUCKET_BYTES
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--hf-config", "meta-llama/Llama-2-7b"], "--hf-config meta-llama/Llama-2-7b: no such local file or folder"),
+        (["--module", "nocolon"], "--module expects PKG.MOD:FACTORY but got 'nocolon'"),
+        (["--module", "a:b", "--world-size", "2", "4"], "--world-size expects one value with --module"),
+        (["--module", "a:b", "--profile", "tpu"], "--profile expects one of h100, h200 or a profile JSON"),
+    ],
+)
+def test_cli_bad_flags(flags, line, capsys):
+    assert main(["plan", *flags]) == 2
+    assert capsys.readouterr().err.startswith("fullshard plan: " + line)
+
+
+def test_cli_module_that_does_not_import(capsys):
+    assert main(["plan", "--module", "no_such_package.models:build"]) == 2
+    assert "fullshard plan: --module no_such_package.models:build: cannot import" in capsys.readouterr().err
+
+
+def test_cli_hf_config(tmp_path, capsys):
+    llama().config.to_json_file(tmp_path / "config.json")
+    code = main(["plan", "--hf-config", str(tmp_path), "--seq", "16", "--world-size", "4", "--batch", "8",
+                 "--micro-batch", "2", "--memory-limit", "1", "--ranks-per-node", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "first choice:" in out and "fully_shard(model, mesh=mesh" in out
+
+
+# -- against the engine -----------------------------------------------------------------------------
+GLOO_CHOICES = {
+    2: [
+        Choice(2, "full", micro_batch=2),
+        Choice(2, "grad-op", micro_batch=2, mixed_precision=torch.bfloat16),
+        Choice(2, "no-shard", micro_batch=2),
+        Choice(2, "full", micro_batch=2, checkpointing=True),
+        Choice(2, "full", micro_batch=1, accumulation=2, cpu_offload=True),
+    ],
+    4: [
+        Choice(4, "full", micro_batch=2),
+        Choice(4, "hybrid", hybrid_shard_size=2, micro_batch=2, ranks_per_node=2),
+        Choice(4, "full", reshard_to=2, micro_batch=2, ranks_per_node=2),
+        Choice(4, "full", micro_batch=2, all_gather_dtype=torch.int8, mixed_precision=torch.bfloat16),
+    ],
+}
+FAKE_CHOICES = {
+    8: [Choice(8, "full", micro_batch=2), Choice(8, "hybrid", hybrid_shard_size=4, micro_batch=2)],
+    64: [Choice(64, "full", micro_batch=2, mixed_precision=torch.bfloat16)],
+}
+TOLERANCE = 0.05
+
+
+def predicted(name: str, choice: Choice):
+    model_fn, batch_fn = MODELS[name]
+    choice = Choice(**{**choice.__dict__, "device": "cpu"})
+    trace = trace_step(model_fn, batch_fn, choice.micro_batch, choice.mixed_precision, choice.checkpointing)
+    return predict(trace, choice, StepClock(PROFILES["h100"], choice))
+
+
+def measure_all(name: str, choices: list[Choice]) -> list[dict]:
+    model_fn, batch_fn = MODELS[name]
+    return [measure_choice(model_fn, batch_fn, choice) for choice in choices]
+
+
+def check(name: str, choices: list[Choice], measured: list[list[dict]]) -> None:
+    for index, choice in enumerate(choices):
+        peak = max(rank[index]["peak"] for rank in measured)
+        plan_ = predicted(name, choice)
+        print(f"{name} {choice.label()} at {choice.world_size}: predicted {plan_.peak}, measured {peak} "
+              f"({plan_.peak / peak - 1:+.2%})")
+        assert plan_.peak == pytest.approx(peak, rel=TOLERANCE), choice.label()
+        if not choice.all_gather_dtype:
+            assert measured[0][index]["comm"] == plan_.comm, choice.label()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predicted_peak_matches_gloo_ranks(name, world_size):
+    measured = run_distributed(measure_all, world_size, name, GLOO_CHOICES[world_size], timeout=600)
+    check(name, GLOO_CHOICES[world_size], measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [8, 64])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predicted_peak_matches_fake_group(name, world_size):
+    with fake_world(world_size):
+        measured = [measure_all(name, FAKE_CHOICES[world_size])]
+    check(name, FAKE_CHOICES[world_size], measured)
