@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -36,16 +35,30 @@ __all__ = ["add_arguments", "model_problems", "run_model_search", "wants_model_s
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("your own model: search the configuration that fits and runs fastest")
     group.add_argument("--module", metavar="PKG.MOD:FACTORY", help="a function that returns your nn.Module")
-    group.add_argument("--batch-fn", metavar="PKG.MOD:FN", help="fn(n) -> a batch of n samples (default: "
-                       "the --module's example_batch)")
+    group.add_argument(
+        "--batch-fn", metavar="PKG.MOD:FN", help="fn(n) -> a batch of n samples (default: the --module's example_batch)"
+    )
     group.add_argument("--hf-config", metavar="PATH", help="a local transformers config (folder or JSON file)")
-    group.add_argument("--profile", default="h100", metavar="NAME|JSON",
-                       help=f"device profile: {', '.join(PROFILES)} or a --calibrate file (default h100)")
-    group.add_argument("--micro-batch", type=int, nargs="+", metavar="N", help="micro-batch sizes to try "
-                       "(default: every divisor of the per-rank batch)")
+    group.add_argument(
+        "--profile",
+        default="h100",
+        metavar="NAME|JSON",
+        help=f"device profile: {', '.join(PROFILES)} or a --calibrate file (default h100)",
+    )
+    group.add_argument(
+        "--micro-batch",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="micro-batch sizes to try (default: every divisor of the per-rank batch)",
+    )
     group.add_argument("--top", type=int, default=12, metavar="N", help="rows of the table (default 12)")
-    group.add_argument("--calibrate", metavar="PATH", help="measure this machine's matmuls, memory and gloo/NCCL "
-                       "collectives (a few seconds) and save a profile to PATH")
+    group.add_argument(
+        "--calibrate",
+        metavar="PATH",
+        help="measure this machine's matmuls, memory and gloo/NCCL "
+        "collectives (a few seconds) and save a profile to PATH",
+    )
 
 
 def wants_model_search(args: argparse.Namespace) -> bool:
@@ -95,7 +108,9 @@ def _module_model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], Ca
     module_name = args.module.partition(":")[0]
     batch_fn = getattr(importlib.import_module(module_name), "example_batch", None)
     if not callable(batch_fn):
-        raise ValueError(f"--module {args.module}: pass --batch-fn PKG.MOD:FN, or define example_batch(n) in {module_name}")
+        raise ValueError(
+            f"--module {args.module}: pass --batch-fn PKG.MOD:FN, or define example_batch(n) in {module_name}"
+        )
     return factory, batch_fn
 
 
@@ -193,4 +208,3 @@ def frontier_plot(result: ModelPlan, path: str) -> None:
     axes.legend()
     figure.savefig(path, dpi=120, bbox_inches="tight")
     pyplot.close(figure)
-

@@ -36,12 +36,20 @@ _DTYPE_FLAGS = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16", tor
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--auto: fullshard plan picks the configuration")
-    group.add_argument("--auto", action="store_true", help="let fullshard plan choose strategy, shard size, mixed "
-                       "precision, offload and all-gather codes for --nproc ranks (flags for those are replaced)")
-    group.add_argument("--memory-limit", type=float, metavar="GIB", help="--auto: per-rank memory to fit "
-                       "(default: the device's)")
-    group.add_argument("--profile", metavar="NAME|JSON", help="--auto: device profile (default: h100 on CUDA, "
-                       "a calibration of this machine on CPU)")
+    group.add_argument(
+        "--auto",
+        action="store_true",
+        help="let fullshard plan choose strategy, shard size, mixed "
+        "precision, offload and all-gather codes for --nproc ranks (flags for those are replaced)",
+    )
+    group.add_argument(
+        "--memory-limit", type=float, metavar="GIB", help="--auto: per-rank memory to fit (default: the device's)"
+    )
+    group.add_argument(
+        "--profile",
+        metavar="NAME|JSON",
+        help="--auto: device profile (default: h100 on CUDA, a calibration of this machine on CPU)",
+    )
 
 
 def choose(config: TrainConfig, nproc: int, device: str, args: argparse.Namespace) -> tuple[TrainConfig, Prediction]:
@@ -117,9 +125,17 @@ def compare(prediction: Prediction, path: str) -> str:
     measured_peak = max(summary["peak_memory"] or [0])
     rows = [
         ["", "plan", "measured", "plan / measured"],
-        ["peak per rank", human_bytes(prediction.peak), human_bytes(measured_peak),
-         f"{prediction.peak / measured_peak:.3f}" if measured_peak else "-"],
-        ["step time", f"{prediction.time.total * 1e3:.1f} ms", f"{measured_time * 1e3:.1f} ms",
-         f"{prediction.time.total / measured_time:.2f}"],
+        [
+            "peak per rank",
+            human_bytes(prediction.peak),
+            human_bytes(measured_peak),
+            f"{prediction.peak / measured_peak:.3f}" if measured_peak else "-",
+        ],
+        [
+            "step time",
+            f"{prediction.time.total * 1e3:.1f} ms",
+            f"{measured_time * 1e3:.1f} ms",
+            f"{prediction.time.total / measured_time:.2f}",
+        ],
     ]
     return f"\nfullshard train --auto: {prediction.choice.label()}\n" + align(rows)

@@ -1,4 +1,4 @@
-"""A ``Choice`` applied to a model (``apply_choice``), and the same as the few lines of code a user keeps (``choice_code``)."""
+"""A ``Choice`` applied to a model (``apply_choice``), and as the lines of code a user keeps (``choice_code``)."""
 
 from __future__ import annotations
 
@@ -115,12 +115,12 @@ def choice_code(choice: Choice, block_names: list[str], device_type: str = "cuda
     if choice.all_gather_dtype is not None and choice.shard_size > 1:
         imports += ["AllGatherQuantization", "set_all_gather_quantization"]
         lines.append(
-            "set_all_gather_quantization(model, AllGatherQuantization(dtype="
-            f"{_DTYPE_NAMES[choice.all_gather_dtype]}))"
+            f"set_all_gather_quantization(model, AllGatherQuantization(dtype={_DTYPE_NAMES[choice.all_gather_dtype]}))"
         )
     if choice.accumulation > 1:
         lines.append(
-            f"# {choice.accumulation} micro-batches of {choice.micro_batch} per optimizer step (backward each, then step)"
+            f"# {choice.accumulation} micro-batches of {choice.micro_batch} per optimizer step "
+            "(backward each, then step)"
         )
     header = ["import torch"]
     if choice.checkpointing:

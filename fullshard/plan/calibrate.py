@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,12 @@ from .profiles import PROFILES, DeviceProfile
 __all__ = ["calibrate"]
 
 
-def _rate(work: float, run: object, seconds: float = 0.5) -> float:
+def _rate(work: float, run: Callable[[], object], seconds: float = 0.5) -> float:
     """``work`` units per second of ``run()``, over about ``seconds``."""
-    run()  # type: ignore[operator]
+    run()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        run()  # type: ignore[operator]
+        run()
         count += 1
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -50,7 +51,7 @@ def _memory_bandwidth(device: str) -> float:
 def collective_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5) -> dict[str, float]:
     """On every rank: bus bytes per second of the engine's all-gather and reduce-scatter (ring
     convention: (n-1)/n of the gathered bytes per rank)."""
-    world, group = dist.get_world_size(), dist.group.WORLD
+    world, group = dist.get_world_size(), comm.default_group()
     numel = nbytes // 4 // world * world
     output, shard = torch.empty(numel), torch.ones(numel // world)
     full, reduced = torch.ones(numel), torch.empty(numel // world)

@@ -55,9 +55,7 @@ class Choice:
     def __post_init__(self) -> None:
         if self.strategy not in CHOICE_STRATEGIES:
             raise ValueError(f"Choice expects strategy in {CHOICE_STRATEGIES} but got {self.strategy!r}")
-        if self.strategy == "hybrid" and (
-            self.hybrid_shard_size is None or self.world_size % self.hybrid_shard_size
-        ):
+        if self.strategy == "hybrid" and (self.hybrid_shard_size is None or self.world_size % self.hybrid_shard_size):
             raise ValueError(
                 f"Choice expects a hybrid_shard_size that divides world_size {self.world_size} but got "
                 f"{self.hybrid_shard_size}"

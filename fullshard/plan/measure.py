@@ -1,4 +1,4 @@
-"""A choice run for real on this rank: its peak memory, bytes moved and step time, to hold ``plan``'s prediction against.
+"""A choice run for real on this rank: peak memory, bytes moved and step time, to hold ``plan``'s prediction against.
 
 Run on every rank of a process group (the rank pool's gloo ranks, or torch's
 fake group for world sizes no machine here spawns): the model is built on

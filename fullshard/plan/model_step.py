@@ -73,6 +73,6 @@ def checkpoint_blocks(blocks: Iterable[nn.Module], preserve_rng_state: bool = Tr
     (non-reentrant), keeping only its inputs; backward runs it again. The module's hooks (a unit's)
     stay outside, so the unit gathers once for both."""
     for block in blocks:
-        block.forward = functools.partial(  # type: ignore[method-assign]
+        block.forward = functools.partial(
             checkpoint, block.forward, use_reentrant=False, preserve_rng_state=preserve_rng_state
         )

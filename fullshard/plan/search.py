@@ -110,8 +110,10 @@ class ModelPlan:
                 "checkpointing would be needed"
             )
             return "\n".join(out)
-        out.append(f"\nfirst choice: {best.choice.label()}: peak {human_bytes(best.peak)} per rank, "
-                   f"{_seconds(best.time.total)} a step ({_breakdown(best)})")
+        out.append(
+            f"\nfirst choice: {best.choice.label()}: peak {human_bytes(best.peak)} per rank, "
+            f"{_seconds(best.time.total)} a step ({_breakdown(best)})"
+        )
         out.append("\n" + choice_code(best.choice, self.block_names, self.profile.device))
         out.append("\nwhy not the others:")
         out += [f"  {line}" for line in self.why_others_lost()]
@@ -130,7 +132,10 @@ def _breakdown(p: Prediction) -> str:
 
 
 _SETTINGS: list[tuple[str, Callable[[Choice, Choice], bool]]] = [
-    ("strategy", lambda a, b: (a.strategy, a.hybrid_shard_size, a.reshard_to) == (b.strategy, b.hybrid_shard_size, b.reshard_to)),
+    (
+        "strategy",
+        lambda a, b: (a.strategy, a.hybrid_shard_size, a.reshard_to) == (b.strategy, b.hybrid_shard_size, b.reshard_to),
+    ),
     ("micro-batch", lambda a, b: a.micro_batch == b.micro_batch),
     ("mixed precision", lambda a, b: a.mixed_precision == b.mixed_precision),
     ("checkpointing", lambda a, b: a.checkpointing == b.checkpointing),
@@ -150,7 +155,11 @@ def _setting_label(setting: str, choice: Choice) -> str:
         return "activation checkpointing" if choice.checkpointing else "no checkpointing"
     if setting == "CPU offload":
         return "CPU offload" if choice.cpu_offload else "no offload"
-    return f"all-gather as {choice.all_gather_dtype}".replace("torch.", "") if choice.all_gather_dtype else "exact all-gather"
+    return (
+        f"all-gather as {choice.all_gather_dtype}".replace("torch.", "")
+        if choice.all_gather_dtype
+        else "exact all-gather"
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -188,9 +197,17 @@ def candidates(
         layouts, micro, mixed_precision, cpu_offload, checkpointing, all_gather_dtypes
     ):
         choice = Choice(
-            world_size=world_size, micro_batch=m, accumulation=samples_per_rank // m, mixed_precision=mp,
-            cpu_offload=offload, checkpointing=ac, all_gather_dtype=codes, ranks_per_node=ranks_per_node,
-            device=device, dtype=dtype, **layout,
+            world_size=world_size,
+            micro_batch=m,
+            accumulation=samples_per_rank // m,
+            mixed_precision=mp,
+            cpu_offload=offload,
+            checkpointing=ac,
+            all_gather_dtype=codes,
+            ranks_per_node=ranks_per_node,
+            device=device,
+            dtype=dtype,
+            **layout,
         )
         if codes is not None and choice.shard_size == 1:
             continue  # no all-gather runs
@@ -241,8 +258,14 @@ def plan(
         key = (choice.micro_batch, choice.mixed_precision, choice.checkpointing)
         if key not in traces:
             traces[key] = trace_step(
-                model_fn, example_batch_fn, choice.micro_batch, choice.mixed_precision, choice.checkpointing,
-                loss_fn, policy, unit_classes,
+                model_fn,
+                example_batch_fn,
+                choice.micro_batch,
+                choice.mixed_precision,
+                choice.checkpointing,
+                loss_fn,
+                policy,
+                unit_classes,
             )
         return traces[key]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .._core.layout import flat_pieces
 from .._core.quantize import BlockQuantizer
 from ..models.transformer import ModelArgs
-from .config import EngineSetup, PlanConfig
+from .config import EngineSetup
 
 
 @dataclass(frozen=True)
