@@ -27,6 +27,7 @@ from .playback import Prediction, predict
 from .profiles import DeviceProfile, load_profile
 from .step_time import StepClock
 from .trace import StepTrace, trace_step
+from .workspace import WorkspaceProbe
 
 __all__ = ["ModelPlan", "candidates", "plan"]
 
@@ -41,6 +42,7 @@ class ModelPlan:
     num_params: int
     block_names: list[str]
     tokens_per_sample: float
+    skipped: dict[str, str]  # settings whose step fails on this model -> why (the first line of the error)
 
     @property
     def fitting(self) -> list[Prediction]:
@@ -117,6 +119,7 @@ class ModelPlan:
         out.append("\n" + choice_code(best.choice, self.block_names, self.profile.device))
         out.append("\nwhy not the others:")
         out += [f"  {line}" for line in self.why_others_lost()]
+        out += [f"  {setting}: the step fails on this model: {why}" for setting, why in self.skipped.items()]
         return "\n".join(out)
 
 
@@ -252,24 +255,37 @@ def plan(
     batch = global_batch if global_batch is not None else world_size
     if batch % world_size:
         raise ValueError(f"plan expects a global_batch divisible by world_size {world_size} but got {batch}")
-    traces: dict[tuple[int, torch.dtype | None, bool], StepTrace] = {}
+    traces: dict[tuple[int, torch.dtype | None, bool], StepTrace | None] = {}
+    skipped: dict[str, str] = {}
+    workspaces = WorkspaceProbe()
 
-    def trace_of(choice: Choice) -> StepTrace:
+    def trace_of(choice: Choice) -> StepTrace | None:
         key = (choice.micro_batch, choice.mixed_precision, choice.checkpointing)
         if key not in traces:
-            traces[key] = trace_step(
-                model_fn,
-                example_batch_fn,
-                choice.micro_batch,
-                choice.mixed_precision,
-                choice.checkpointing,
-                loss_fn,
-                policy,
-                unit_classes,
-            )
+            try:
+                traces[key] = trace_step(
+                    model_fn,
+                    example_batch_fn,
+                    choice.micro_batch,
+                    choice.mixed_precision,
+                    choice.checkpointing,
+                    loss_fn,
+                    policy,
+                    unit_classes,
+                    device_profile.device,
+                    workspaces,
+                )
+            except (RuntimeError, TypeError, ValueError) as exc:  # e.g. BatchNorm's fp32 buffers under bf16
+                traces[key] = None
+                skipped[_setting_of(choice)] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return traces[key]
 
-    first = trace_step(model_fn, example_batch_fn, 1, None, False, loss_fn, policy, unit_classes)
+    try:
+        first = trace_step(
+            model_fn, example_batch_fn, 1, None, False, loss_fn, policy, unit_classes, device_profile.device, workspaces
+        )
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"plan could not run one step of the model on fake tensors: {exc}") from exc
     traces[(1, None, False)] = first
     if choices is None:
         choices = candidates(
@@ -278,7 +294,11 @@ def plan(
     predictions = []
     for choice in choices:
         choice = replace(choice, device=device_profile.device, dtype=first.param_dtype)
-        predictions.append(predict(trace_of(choice), choice, StepClock(device_profile, choice)))
+        trace = trace_of(choice)
+        if trace is not None:
+            predictions.append(predict(trace, choice, StepClock(device_profile, choice)))
+    if not predictions:
+        raise ValueError(f"plan could not trace any choice: {skipped}")
     limit = int((memory_limit_gib if memory_limit_gib is not None else device_profile.memory_gib) * 2**30)
     predictions.sort(key=lambda p: (p.peak > limit, p.time.total if p.peak <= limit else p.peak))
     return ModelPlan(
@@ -288,4 +308,15 @@ def plan(
         num_params=sum(n * row for u in first.units for n, row in u.shapes),
         block_names=[u.name for u in first.units[1:]],
         tokens_per_sample=first.tokens,
+        skipped=skipped,
     )
+
+
+def _setting_of(choice: Choice) -> str:
+    """The traced setting that failed, in words."""
+    parts = [f"micro-batch {choice.micro_batch}"]
+    if choice.mixed_precision is not None:
+        parts.append(str(choice.mixed_precision).removeprefix("torch.") + " compute")
+    if choice.checkpointing:
+        parts.append("activation checkpointing")
+    return ", ".join(parts)

@@ -46,6 +46,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .blocks import select_blocks
 from .model_step import checkpoint_blocks, step_loss
+from .workspace import WorkspaceProbe
 
 __all__ = ["StepTrace", "TracedUnit", "trace_step"]
 
@@ -87,8 +88,9 @@ class StepTrace:
 class _Recorder(TorchDispatchMode):
     """The dispatch mode that sees each operator: its new storages and its FLOPs."""
 
-    def __init__(self) -> None:
+    def __init__(self, workspaces: WorkspaceProbe | None) -> None:
         super().__init__()
+        self.workspaces = workspaces
         self.events: list[Event] = []
         self.live: dict[int, int] = {}  # id(storage) -> bytes, for storages created during the step
         self.grads: dict[int, int] = {}  # id(storage) -> unit, for storages that became a parameter's gradient
@@ -102,10 +104,17 @@ class _Recorder(TorchDispatchMode):
             flops = int(formula(*args, **kwargs, out_val=out))
             self.flops += flops
             self.events.append(("flops", -1, flops))
+        scratch = 0
+        if self.workspaces is not None and self.workspaces.wants(func, args):
+            scratch = self.workspaces.bytes(func, args, kwargs)
+        if scratch:
+            self.events.append(("alloc", -1, scratch))  # held while the kernel runs, its outputs made
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._track(tensor, inputs)
+        if scratch:
+            self.events.append(("free", -1, scratch))
         return out
 
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
@@ -241,6 +250,8 @@ def trace_step(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     policy: Callable[[nn.Module], bool] | None = None,
     unit_classes: tuple[type[nn.Module], ...] | None = None,
+    device: str = "cuda",
+    workspaces: WorkspaceProbe | None = None,
 ) -> StepTrace:
     """Traces one step on fake tensors (see [Note: Traced step]); nothing is allocated.
 
@@ -253,11 +264,19 @@ def trace_step(
         checkpointing: activation checkpointing on every block.
         loss_fn: ``loss_fn(model, batch)`` -> scalar (default: see ``model_step.step_loss``).
         policy / unit_classes: which modules are units (default: the repeated blocks).
+        device: where the step will run; on ``cpu`` the kernels' workspaces are probed (see
+            [Note: Kernel workspaces]; ``workspaces`` shares one probe's cache between traces).
     """
+    if device != "cpu":
+        workspaces = None
+    elif workspaces is None:
+        workspaces = WorkspaceProbe()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
         batch = batch_fn(micro_batch)
-        return _trace(model, batch, micro_batch, compute_dtype, checkpointing, loss_fn, policy, unit_classes)
+        return _trace(
+            model, batch, micro_batch, compute_dtype, checkpointing, loss_fn, policy, unit_classes, workspaces
+        )
 
 
 def _trace(
@@ -269,6 +288,7 @@ def _trace(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
     policy: Callable[[nn.Module], bool] | None,
     unit_classes: tuple[type[nn.Module], ...] | None,
+    workspaces: WorkspaceProbe | None,
 ) -> StepTrace:
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan expects model_fn to return an nn.Module but got {type(model).__name__}")
@@ -288,7 +308,7 @@ def _trace(
         batch = tree_map_only(torch.Tensor, lambda t: t.to(compute_dtype) if t.is_floating_point() else t, batch)
     if checkpointing:
         checkpoint_blocks([block for _, block in blocks], preserve_rng_state=False)
-    recorder = _Recorder()
+    recorder = _Recorder(workspaces)
     hooks = [_UnitHooks(recorder, i, params) for i, (_, _, params) in enumerate(unit_list)]
     with _recording(recorder, hooks, [module for _, module, _ in unit_list]):
         recorder.events.append(("forward_pre", 0, 0))
