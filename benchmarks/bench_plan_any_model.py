@@ -28,11 +28,12 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_plan_any_model import ConvNet  # noqa: E402
 
-from fullshard.plan import Choice, trace_step  # noqa: E402
+from fullshard.plan import Choice  # noqa: E402
 from fullshard.plan.calibrate import calibrate  # noqa: E402
 from fullshard.plan.measure import measure_choice  # noqa: E402
 from fullshard.plan.playback import predict  # noqa: E402
 from fullshard.plan.step_time import StepClock  # noqa: E402
+from fullshard.plan.trace import trace_step  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 VOCAB, SEQ = 512, 64

@@ -32,22 +32,9 @@ Any model (``plan()``: the configuration that fits and runs fastest):
 - ``apply.py``      a choice applied to a model, or printed as code; ``measure.py`` a choice run for real
 """
 
-from .blocks import select_blocks
 from .choice import Choice
 from .config import STRATEGIES, Plan, PlanConfig
 from .estimate import estimate
 from .search import ModelPlan, plan
-from .trace import StepTrace, trace_step
 
-__all__ = [
-    "STRATEGIES",
-    "Choice",
-    "ModelPlan",
-    "Plan",
-    "PlanConfig",
-    "StepTrace",
-    "estimate",
-    "plan",
-    "select_blocks",
-    "trace_step",
-]
+__all__ = ["STRATEGIES", "Choice", "ModelPlan", "Plan", "PlanConfig", "estimate", "plan"]
