@@ -32,17 +32,18 @@ from fullshard.testing.fake_group import fake_world
 VOCAB, SEQ = 67, 16  # 67 rows: padded at every world size
 
 
-def llama() -> nn.Module:
+def llama(width: int = 32, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None,
     )
     return transformers.LlamaForCausalLM(config)
 
 
-def gpt2() -> nn.Module:
+def gpt2(width: int = 32, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> nn.Module:
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
@@ -183,7 +184,8 @@ def test_a_setting_the_model_cannot_run_is_skipped_and_said():
     result = plan(Fp32Only, lambda n: torch.randn(n, 8), world_size=2, micro_batches=[1], checkpointing=(False,),
                   cpu_offload=(False,))
     assert result.predictions and all(p.choice.mixed_precision is None for p in result.predictions)
-    assert "micro-batch 1, bfloat16 compute: the step fails on this model: Fp32Only runs in fp32 only" in result.report()
+    said = "micro-batch 1, bfloat16 compute: the step fails on this model: Fp32Only runs in fp32 only"
+    assert said in result.report()
 
 
 def test_nothing_fits():

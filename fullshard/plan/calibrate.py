@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import comm  # the engine's collectives, timed as the engine runs them
 from .profiles import PROFILES, DeviceProfile
@@ -50,7 +52,8 @@ def _memory_bandwidth(device: str) -> float:
 
 def collective_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5) -> dict[str, float]:
     """On every rank: bus bytes per second of the engine's all-gather and reduce-scatter (ring
-    convention: (n-1)/n of the gathered bytes per rank)."""
+    convention: (n-1)/n of the gathered bytes per rank), and ``latency``: seconds per ring step
+    of a tiny all-gather."""
     world, group = dist.get_world_size(), comm.default_group()
     numel = nbytes // 4 // world * world
     output, shard = torch.empty(numel), torch.ones(numel // world)
@@ -66,7 +69,38 @@ def collective_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5) -> dict[str
             run()
         seconds = (time.perf_counter() - start) / repeats
         rates[op] = numel * 4 * (world - 1) / world / seconds
+    tiny, piece = torch.empty(256 * world), torch.ones(256)
+    start = time.perf_counter()
+    for _ in range(4 * repeats):
+        comm.all_gather(tiny, piece, group, async_op=False)
+    rates["latency"] = (time.perf_counter() - start) / (4 * repeats) / max(1, world - 1)
     return rates
+
+
+def _op_overhead(device: str) -> float:
+    """Seconds per operator of a small model's training step (dispatch, autograd, launch): the step's
+    time over its operator count, its FLOPs negligible."""
+    layers = [torch.nn.Linear(16, 16, device=device) for _ in range(8)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())])
+    batch = torch.randn(4, 16, device=device)
+
+    def step() -> None:
+        model(batch).sum().backward()
+
+    counter = _OperatorCount()
+    with counter:
+        step()
+    return 1 / _rate(counter.count, step)
+
+
+class _OperatorCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def calibrate(base: str = "h100", ranks: int = 2) -> DeviceProfile:
@@ -87,18 +121,19 @@ def calibrate(base: str = "h100", ranks: int = 2) -> DeviceProfile:
         matmul_efficiency=1.0,
         memory_bandwidth=memory,
         source=f"fullshard plan --calibrate, torch {torch.__version__}",
+        op_overhead=_op_overhead(device),
     )
     if device == "cpu":
         from ..testing import run_distributed
 
         rates = run_distributed(collective_bandwidth, ranks)[0]
-        link = min(rates.values())
+        link = min(rates["all_gather"], rates["reduce_scatter"])
         fields.update(
             memory_gib=_host_memory_gib(),
             intra_node_bandwidth=link,
             inter_node_bandwidth=link,
             link_efficiency=1.0,
-            collective_latency=0.0,
+            collective_latency=rates["latency"],
             host_bandwidth=memory,
             host_memory_bandwidth=memory,
         )

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import shard_group_size
+
 # The engine's default bucket limit, repeated here so the plan package reads no engine internals for it
 # (checked equal to fullshard._core.bucket's in tests/test_plan_any_model.py).
 DEFAULT_BUCKET_BYTES = 2**20
@@ -68,11 +70,7 @@ class Choice:
 
     @property
     def shard_size(self) -> int:
-        if self.strategy == "no-shard":
-            return 1
-        if self.strategy == "hybrid":
-            return self.hybrid_shard_size or self.world_size
-        return self.world_size
+        return shard_group_size(self.strategy, self.world_size, self.hybrid_shard_size or self.world_size)
 
     @property
     def replicate_size(self) -> int:

@@ -13,6 +13,13 @@ from ..models.transformer import ModelArgs
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
 
 
+def shard_group_size(strategy: str, world_size: int, hybrid_size: int) -> int:
+    """Ranks a parameter is split across under ``strategy`` (hybrid: ``hybrid_size``)."""
+    if strategy == "no-shard":
+        return 1
+    return hybrid_size if strategy == "hybrid" else world_size
+
+
 class EngineSetup(Protocol):
     """What the engine's side of a step replay reads (``PlanConfig``, ``fullshard.plan.Choice``)."""
 
@@ -119,11 +126,7 @@ class PlanConfig:
     @property
     def shard_size(self) -> int:
         """Ranks a parameter is split across."""
-        if self.strategy == "no-shard":
-            return 1
-        if self.strategy == "hybrid":
-            return min(self.ranks_per_node, self.world_size)
-        return self.world_size
+        return shard_group_size(self.strategy, self.world_size, min(self.ranks_per_node, self.world_size))
 
     @property
     def replicate_size(self) -> int:

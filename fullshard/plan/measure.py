@@ -20,22 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._core import comm  # its spy counts each collective's bytes (comm.record_comms)
-from ..training.tensor_peak import TensorPeak
+from ..testing.memory import profiled_step_peak, storage_bytes
 from .apply import apply_choice
 from .blocks import select_blocks
 from .choice import Choice
 from .model_step import step_loss
 
 __all__ = ["measure_choice"]
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    storages = {}
-    for tensor in tensors:
-        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def measure_choice(
@@ -67,12 +58,9 @@ def measure_choice(
     step()
     gc.collect()
     states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    before = _storage_bytes([*model.parameters(), *model.buffers(), *states])
-    peaks = []
-    for _ in range(3):
-        with comm.record_comms() as records, TensorPeak() as peak:
-            step()
-        peaks.append(peak.rise)
+    before = storage_bytes([*model.parameters(), *model.buffers(), *states])
+    peaks, all_records = zip(*(profiled_step_peak(step) for _ in range(3)))
+    records = all_records[-1]
     nbytes: dict[str, int] = {}
     for record in records:
         nbytes[record.op] = nbytes.get(record.op, 0) + record.nbytes

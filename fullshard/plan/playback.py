@@ -93,11 +93,11 @@ class TracedReplay(EngineReplay):
             if kind == until:
                 break
             self.position += 1
-            if kind == "flops":
-                self.clock.compute(value, 0)
+            if kind == "op":
+                self.clock.operator(value)
             elif kind == "alloc":
                 self.tape.alloc(ACTIVATIONS, value)
-                self.clock.compute(0, value)
+                self.clock.memory_traffic(value)
             elif kind == "free":
                 self.tape.free(ACTIVATIONS, value)
             elif kind == "grad":

@@ -43,6 +43,7 @@ class DeviceProfile:
         inter_node_bandwidth: bytes/s one rank sends to another node.
         link_efficiency: the fraction of those a ring collective reaches.
         collective_latency: seconds per ring step.
+        op_overhead: seconds of host work per operator (eager dispatch, autograd, kernel launch).
         host_bandwidth: host-device copy bytes/s (CPU offload).
         host_memory_bandwidth: host memory bytes/s (the optimizer under CPU offload).
         source: where the numbers come from.
@@ -58,6 +59,7 @@ class DeviceProfile:
     inter_node_bandwidth: float
     link_efficiency: float
     collective_latency: float
+    op_overhead: float
     host_bandwidth: float
     host_memory_bandwidth: float
     source: str
@@ -99,27 +101,29 @@ _HOPPER = dict(
     inter_node_bandwidth=50 * _GB,
     link_efficiency=0.8,
     collective_latency=10e-6,
+    op_overhead=6e-6,
     host_bandwidth=64 * _GB * 0.8,
     host_memory_bandwidth=100 * _GB,
 )
 
+_H100 = DeviceProfile(
+    name="H100 SXM5 80GB",
+    memory_gib=80 * 1e9 / 2**30,
+    matmul_flops={"float32": 66.9 * _TFLOPS, "bfloat16": 989.4 * _TFLOPS, "float16": 989.4 * _TFLOPS},
+    memory_bandwidth=3.35e12,
+    source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 3.35 TB/s HBM3, "
+    "NVLink 900 GB/s, NDR 400 Gb/s per GPU, PCIe Gen5",
+    **_HOPPER,  # type: ignore[arg-type]
+)
+
 PROFILES = {
-    "h100": DeviceProfile(
-        name="H100 SXM5 80GB",
-        memory_gib=80 * 1e9 / 2**30,
-        matmul_flops={"float32": 66.9 * _TFLOPS, "bfloat16": 989.4 * _TFLOPS, "float16": 989.4 * _TFLOPS},
-        memory_bandwidth=3.35e12,
-        source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 3.35 TB/s HBM3, "
-        "NVLink 900 GB/s, NDR 400 Gb/s per GPU, PCIe Gen5",
-        **_HOPPER,  # type: ignore[arg-type]
-    ),
-    "h200": DeviceProfile(
+    "h100": _H100,
+    "h200": dataclasses.replace(  # the same compute and links; more and faster memory
+        _H100,
         name="H200 SXM 141GB",
         memory_gib=141 * 1e9 / 2**30,
-        matmul_flops={"float32": 66.9 * _TFLOPS, "bfloat16": 989.4 * _TFLOPS, "float16": 989.4 * _TFLOPS},
         memory_bandwidth=4.8e12,
         source="NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 4.8 TB/s HBM3e, "
         "NVLink 900 GB/s, NDR 400 Gb/s per GPU, PCIe Gen5",
-        **_HOPPER,  # type: ignore[arg-type]
     ),
 }

@@ -3,8 +3,10 @@
 [Note: Step time model]
 Two timelines run through a traced step's events (see [Note: Traced step]):
 the compute stream advances by each operator's FLOPs over the profile's
-matmul throughput in the compute dtype, plus the bytes it allocates written
-and read once over the memory bandwidth (element-wise work); the link
+matmul throughput in the compute dtype (or its launch and dispatch overhead,
+when that is longer: small operators are overhead-bound), plus the bytes it
+allocates written and read once over the memory bandwidth (element-wise
+work); the link
 advances by each collective, issued when the engine issues it (an all-gather
 when a unit is gathered or prefetched, a reduce-scatter or all-reduce at a
 unit's post-backward) and queued behind the ones before it. Compute waits
@@ -58,8 +60,18 @@ class StepClock:
         self.in_backward = False
         self.flop_rate = profile.flops_per_second(choice.compute_dtype)
 
-    def compute(self, flops: int, nbytes: int) -> None:
-        seconds = flops / self.flop_rate + 2 * nbytes / self.profile.memory_bandwidth
+    def operator(self, flops: int) -> None:
+        """One operator: its FLOPs, or its launch and dispatch overhead where that is longer (an
+        accelerator runs kernels behind the host's launches); on a CPU the host runs both in turn."""
+        work = flops / self.flop_rate
+        overhead = self.profile.op_overhead
+        seconds = work + overhead if self.profile.device == "cpu" else max(work, overhead)
+        self.now += seconds
+        self.time.compute += seconds
+
+    def memory_traffic(self, nbytes: int) -> None:
+        """An operator's output: written, then read once."""
+        seconds = 2 * nbytes / self.profile.memory_bandwidth
         self.now += seconds
         self.time.compute += seconds
 

@@ -50,7 +50,7 @@ from .workspace import WorkspaceProbe
 
 __all__ = ["StepTrace", "TracedUnit", "trace_step"]
 
-# Event kinds. ("alloc" | "free" | "flops", -1, n); ("grad" | "grad_free", unit, bytes); ("forward_pre" |
+# Event kinds. ("alloc" | "free", -1, bytes); ("op", -1, FLOPs); ("grad" | "grad_free", unit, bytes); ("forward_pre" |
 # "forward_post" | "backward_pre", unit, 0); ("backward_post", unit, bytes of its gradients taken);
 # ("backward_start" | "backward_end", -1, 0).
 Event = tuple[str, int, int]
@@ -100,10 +100,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            flops = int(formula(*args, **kwargs, out_val=out))
-            self.flops += flops
-            self.events.append(("flops", -1, flops))
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        self.flops += flops
+        self.events.append(("op", -1, flops))  # every operator, its FLOPs (0 for most)
         scratch = 0
         if self.workspaces is not None and self.workspaces.wants(func, args):
             scratch = self.workspaces.bytes(func, args, kwargs)
