@@ -12,11 +12,16 @@ ones is a benchmark (benchmarks/bench_plan_any_model.py), not a test.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
 import transformers
 
+import fullshard
 from fullshard.cli.__main__ import main
 from fullshard.plan import Choice, plan
 from fullshard.plan.apply import choice_code
@@ -308,3 +313,45 @@ def test_predicted_peak_matches_fake_group(name, world_size):
     with fake_world(world_size):
         measured = [measure_all(name, choices)]
     check(name, choices, measured)
+
+
+def test_cli_frontier_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "frontier.png"
+    code = main(["plan", "--module", "test_plan_any_model:convnet", "--batch-fn", "test_plan_any_model:images",
+                 "--world-size", "2", "--batch", "4", "--micro-batch", "2", "--plot", str(path)])
+    assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {path}" in capsys.readouterr().out
+
+
+def run_fullshard(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(fullshard.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.dirname(__file__)])}
+    return subprocess.run([sys.executable, "-m", "fullshard", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+
+
+@pytest.mark.slow
+def test_calibrate_saves_a_profile_plan_reads(tmp_path):
+    path = tmp_path / "cpu.json"
+    result = run_fullshard("plan", "--calibrate", str(path))
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(str(path))
+    assert profile.device == "cpu" and profile.matmul_flops["float32"] > 0 and profile.intra_node_bandwidth > 0
+    assert profile.op_overhead > 0
+    result = run_fullshard("plan", "--module", "test_plan_any_model:convnet", "--batch-fn",
+                           "test_plan_any_model:images", "--world-size", "2", "--batch", "4", "--profile", str(path),
+                           "--top", "3")
+    assert result.returncode == 0 and "calibrated (cpu" in result.stdout, result.stderr
+
+
+@pytest.mark.slow
+def test_train_auto_prints_plan_and_measurement(tmp_path):
+    """The first choice is trained; its measured peak is the predicted one (the table's ratio)."""
+    result = run_fullshard("train", "--auto", "--nproc", "2", "--steps", "4", "--layers", "2", "--dim", "32",
+                           "--seq", "16", "--batch", "4", "--memory-limit", "0.05", "--profile", "h100")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "first choice:" in out and "fullshard train --auto:" in out
+    ratio = next(line for line in out.splitlines() if line.startswith("peak per rank")).split()[-1]
+    assert abs(float(ratio) - 1) < 0.05, out

@@ -64,8 +64,8 @@ def choose(config: TrainConfig, nproc: int, device: str, args: argparse.Namespac
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         return next_token_loss(model(batch[0]), batch[1])
 
-    if args.profile:
-        profile = load_profile(args.profile)
+    if args.profile:  # its speeds; the run's device decides what the kernels allocate
+        profile = dataclasses.replace(load_profile(args.profile), device=device)
     else:
         profile = load_profile("h100") if device == "cuda" else calibrate(ranks=min(max(nproc, 2), 4))
     result = plan(
