@@ -35,6 +35,10 @@ Under CPU offload the shards, gradients and optimizer states leave an
 accelerator's memory; on a CPU device host memory is the device's, so they
 stay in the replay (offloading there moves nothing).
 
+The engine's side is ``EngineReplay``; ``StepReplay`` adds the reference
+Transformer's ops, and ``fullshard.plan.playback.TracedReplay`` any model's, from
+a step traced on fake tensors (see [Note: Traced step]).
+
 The step is measured against the real engine (the profiler's allocator
 events), through both front ends (``fully_shard`` and the FSDP1 wrapper), with
 and without offload, at world sizes 1, 2 and 4 over gloo and on the demo's

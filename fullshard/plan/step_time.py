@@ -21,7 +21,9 @@ the slower inter-node link (hybrid sharding's point: its shard group stays in
 a node). CPU offload adds each gathered shard's host-to-device copy before
 its all-gather, each reduced shard's copy back, and runs the optimizer in
 host memory. The optimizer reads and writes the shards, gradients and states
-three times over. Not modelled: kernel launch overheads, the compute slowdown
+three times over. Not modelled: the quantized all-gather's encode and decode (only its
+smaller bytes count), the engine's own host work per unit (hooks, copy-in and
+copy-out), the compute slowdown
 of communication kernels sharing the GPU, stragglers, congestion between
 nodes; so the figures rank choices and are meant as estimates, not promises.
 """
