@@ -9,7 +9,8 @@ compute-bound enough to time), every candidate below is predicted by
 ``fullshard.plan`` with this machine's calibrated profile (``--calibrate``) and
 run for real (median of the timed steps). Reported: the predicted and measured
 peak per rank, step times, Spearman's rank correlation of the two step-time
-orders, and whether the first choice under a memory limit (the median of the
+orders (and of the pairs the plan calls more than 15% apart, how many the
+measurement orders the same way: near-ties are the noise's to order), and whether the first choice under a memory limit (the median of the
 candidates' predicted peaks, plus 1%) fits it when run. ``--write`` appends the tables to
 benchmarks/RESULTS.md.
 """
@@ -96,6 +97,18 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
+def decisive_pairs(predicted: list[float], measured: list[float], margin: float = 0.15) -> tuple[int, int]:
+    """(pairs the plan calls apart by more than ``margin``, of those the measurement orders the same way)."""
+    called = agreed = 0
+    for i in range(len(predicted)):
+        for j in range(i + 1, len(predicted)):
+            slow, fast = (i, j) if predicted[i] > predicted[j] else (j, i)
+            if predicted[slow] > (1 + margin) * predicted[fast]:
+                called += 1
+                agreed += measured[slow] > measured[fast]
+    return called, agreed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
@@ -126,6 +139,7 @@ def main() -> None:
         predicted_times = [p.time.total for _, p, _, _, _ in rows]
         rho = spearman(predicted_times, [r[3] for r in rows])
         rho_cpu = spearman(predicted_times, [r[4] for r in rows])
+        called, agreed = decisive_pairs(predicted_times, [r[4] for r in rows])
         limit = int(sorted(r[1].peak for r in rows)[len(rows) // 2] * 1.01)  # the median, 1% headroom
         fitting = [r for r in rows if r[1].peak <= limit]
         first = min(fitting, key=lambda r: r[1].time.total)
@@ -144,7 +158,8 @@ def main() -> None:
         lines += [
             "",
             f"Spearman rank correlation of predicted and measured step times: **{rho:.2f}** (wall), "
-            f"**{rho_cpu:.2f}** (CPU time of the slower rank). Memory limit {limit:,} B (the median "
+            f"**{rho_cpu:.2f}** (CPU time of the slower rank); of the {called} pairs the plan calls more than 15% "
+            f"apart, {agreed} are ordered the same by the CPU times. Memory limit {limit:,} B (the median "
             f"predicted peak + 1%): first choice {first[0].label()}, measured peak {first[2]:,} B: "
             f"{'fits' if first[2] <= limit else 'DOES NOT FIT'}.",
             "",

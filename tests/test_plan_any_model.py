@@ -341,7 +341,7 @@ def test_calibrate_saves_a_profile_plan_reads(tmp_path):
     assert profile.op_overhead > 0
     result = run_fullshard("plan", "--module", "test_plan_any_model:convnet", "--batch-fn",
                            "test_plan_any_model:images", "--world-size", "2", "--batch", "4", "--profile", str(path),
-                           "--top", "3")
+                           "--rows", "3")
     assert result.returncode == 0 and "calibrated (cpu" in result.stdout, result.stderr
 
 

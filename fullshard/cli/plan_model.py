@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="micro-batch sizes to try (default: every divisor of the per-rank batch)",
     )
-    group.add_argument("--top", type=int, default=12, metavar="N", help="rows of the table (default 12)")
+    group.add_argument("--rows", type=int, default=12, metavar="N", help="rows of the table (default 12)")
     group.add_argument(
         "--calibrate",
         metavar="PATH",
@@ -79,8 +79,8 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     sizes = [s for group in args.world_size or [] for s in group]
     if (args.module or args.hf_config) and len(sizes) > 1:
         found.append(f"--world-size expects one value with --module/--hf-config but got {sizes}")
-    if args.top < 1:
-        found.append(f"--top expects a positive number but got {args.top}")
+    if args.rows < 1:
+        found.append(f"--rows expects a positive number but got {args.rows}")
     for size in args.micro_batch or []:
         if size < 1:
             found.append(f"--micro-batch expects positive numbers but got {size}")
@@ -167,7 +167,7 @@ def run_model_search(args: argparse.Namespace) -> int:
         **space,
     )
     print(describe(result, world, args))
-    print(result.report(args.top))
+    print(result.report(args.rows))
     if args.plot:
         frontier_plot(result, args.plot)
         print(f"wrote {args.plot}")
