@@ -10,8 +10,9 @@ compute-bound enough to time), every candidate below is predicted by
 run for real (median of the timed steps). Reported: the predicted and measured
 peak per rank, step times, Spearman's rank correlation of the two step-time
 orders (and of the pairs the plan calls more than 15% apart, how many the
-measurement orders the same way: near-ties are the noise's to order), and whether the first choice under a memory limit (the median of the
-candidates' predicted peaks, plus 1%) fits it when run. ``--write`` appends the tables to
+measurement orders the same way: near-ties are the noise's to order), and
+whether the first choice under a memory limit (the median of the candidates'
+predicted peaks, plus 1%) fits it when run. ``--write`` appends the tables to
 benchmarks/RESULTS.md.
 """
 
