@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--calibrate",
         metavar="PATH",
-        help="measure this machine's matmuls, memory and gloo/NCCL "
-        "collectives (a few seconds) and save a profile to PATH",
+        help="measure this machine's matmuls, memory, per-operator overhead and "
+        "(on CPU) gloo collectives in a few seconds, and save a profile to PATH",
     )
 
 
