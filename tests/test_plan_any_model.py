@@ -114,6 +114,7 @@ def test_units_are_the_repeated_blocks(name, block):
     assert sum(r * row for u in trace.units for r, row in u.shapes) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow  # several traces and searches: >2 s
 def test_trace_flops_are_torchs_flop_counter():
     """The trace counts what torch's FLOP counter counts for a real step (forward and backward)."""
     model = convnet()
@@ -143,8 +144,10 @@ def test_trace_allocates_nothing():
     assert sum(r * row for u in trace.units for r, row in u.shapes) > 2e8  # 800 MB of fp32 never allocated
 
 
+@pytest.mark.slow  # several traces and searches: >2 s
 def test_plan_picks_a_choice_that_fits_and_explains():
-    unlimited = plan(llama, tokens, world_size=8, global_batch=16, ranks_per_node=4)
+    space = {"micro_batches": [1, 2], "cpu_offload": (False,), "all_gather_dtypes": (None,)}  # 40 choices, 8 traces
+    unlimited = plan(llama, tokens, world_size=8, global_batch=16, ranks_per_node=4, **space)
     peaks = sorted(p.peak for p in unlimited.predictions)
     limit = peaks[len(peaks) // 2] / 2**30  # half of the choices fit
     choices = [p.choice for p in unlimited.predictions]
@@ -231,6 +234,7 @@ def test_cli_module_that_does_not_import(capsys):
     assert "fullshard plan: --module no_such_package.models:build: cannot import" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # several traces and searches: >2 s
 def test_cli_hf_config(tmp_path, capsys):
     llama().config.to_json_file(tmp_path / "config.json")
     code = main(["plan", "--hf-config", str(tmp_path), "--seq", "16", "--world-size", "4", "--batch", "8",
@@ -315,11 +319,12 @@ def test_predicted_peak_matches_fake_group(name, world_size):
     check(name, choices, measured)
 
 
+@pytest.mark.slow  # several traces and searches: >2 s
 def test_cli_frontier_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "frontier.png"
     code = main(["plan", "--module", "test_plan_any_model:convnet", "--batch-fn", "test_plan_any_model:images",
-                 "--world-size", "2", "--batch", "4", "--micro-batch", "2", "--plot", str(path)])
+                 "--world-size", "2", "--batch", "4", "--micro-batch", "2", "--strategy", "full", "--plot", str(path)])
     assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {path}" in capsys.readouterr().out
 
