@@ -197,7 +197,7 @@ def test_a_setting_the_model_cannot_run_is_skipped_and_said():
 
 
 def test_nothing_fits():
-    result = plan(convnet, images, world_size=2, memory_limit_gib=1e-6)
+    result = plan(convnet, images, world_size=2, memory_limit_gib=1e-6, mixed_precision=(None,), checkpointing=(False,))
     assert result.best is None and "no choice fits" in result.report()
 
 
