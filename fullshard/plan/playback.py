@@ -69,8 +69,12 @@ class TracedReplay(EngineReplay):
 
     def on_wait(self, name: str) -> None:
         self.clock.wait(name)
-        kept = self.post_forward.pop(name, 0)
-        self.tape.free(POST_FORWARD, kept)
+
+    def wait(self, unit: Unit) -> None:
+        """The copy-out, then the post-forward shard the gather came from is dropped."""
+        super().wait(unit)
+        if unit.name in self.unsharded:
+            self.tape.free(POST_FORWARD, self.post_forward.pop(unit.name, 0))
 
     def run(self) -> None:
         buffers = sum(u.buffer_bytes for u in self.trace.units)
