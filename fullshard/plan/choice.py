@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import shard_group_size
+from .config import StrategyGroups
 
 # The engine's default bucket limit, repeated here so the plan package reads no engine internals for it
 # (checked equal to fullshard._core.bucket's in tests/test_plan_any_model.py).
@@ -15,7 +15,7 @@ CHOICE_STRATEGIES = ("full", "grad-op", "hybrid", "no-shard")
 
 
 @dataclass(frozen=True)
-class Choice:
+class Choice(StrategyGroups):
     """A sharding configuration of one step on ``world_size`` ranks.
 
     Attributes:
@@ -68,17 +68,8 @@ class Choice:
                 f"but got {self.reshard_to} with {self.strategy!r}"
             )
 
-    @property
-    def shard_size(self) -> int:
-        return shard_group_size(self.strategy, self.world_size, self.hybrid_shard_size or self.world_size)
-
-    @property
-    def replicate_size(self) -> int:
-        return self.world_size // self.shard_size
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.strategy in ("full", "hybrid")
+    def hybrid_shard_group(self) -> int:
+        return self.hybrid_shard_size or self.world_size
 
     @property
     def compute_dtype(self) -> torch.dtype:

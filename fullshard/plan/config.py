@@ -13,11 +13,30 @@ from ..models.transformer import ModelArgs
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
 
 
-def shard_group_size(strategy: str, world_size: int, hybrid_size: int) -> int:
-    """Ranks a parameter is split across under ``strategy`` (hybrid: ``hybrid_size``)."""
-    if strategy == "no-shard":
-        return 1
-    return hybrid_size if strategy == "hybrid" else world_size
+class StrategyGroups:
+    """The groups a strategy implies, for ``PlanConfig`` and ``Choice`` (each says its hybrid shard size)."""
+
+    strategy: str
+    world_size: int
+
+    def hybrid_shard_group(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a parameter is split across."""
+        if self.strategy == "no-shard":
+            return 1
+        return self.hybrid_shard_group() if self.strategy == "hybrid" else self.world_size
+
+    @property
+    def replicate_size(self) -> int:
+        """Ranks holding the same shard (gradients all-reduced across them)."""
+        return self.world_size // self.shard_size
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.strategy in ("full", "hybrid")
 
 
 class EngineSetup(Protocol):
@@ -50,7 +69,7 @@ class EngineSetup(Protocol):
 
 
 @dataclass(frozen=True)
-class PlanConfig:
+class PlanConfig(StrategyGroups):
     """One training setup of the reference ``Transformer``, one unit per block plus the root.
 
     Attributes:
@@ -123,19 +142,8 @@ class PlanConfig:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"PlanConfig expects device 'cuda' or 'cpu' but got {self.device!r}")
 
-    @property
-    def shard_size(self) -> int:
-        """Ranks a parameter is split across."""
-        return shard_group_size(self.strategy, self.world_size, min(self.ranks_per_node, self.world_size))
-
-    @property
-    def replicate_size(self) -> int:
-        """Ranks holding the same shard (gradients all-reduced across them)."""
-        return self.world_size // self.shard_size
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.strategy in ("full", "hybrid")
+    def hybrid_shard_group(self) -> int:
+        return min(self.ranks_per_node, self.world_size)
 
     @property
     def tokens_per_sequence(self) -> int:
