@@ -5,6 +5,8 @@
     fullshard plan --model gpt-7b --world-size 8 64 1024
     fullshard plan --model gpt-7b --world-size 1-16384 --strategy all --plot plan.png
     fullshard plan --model gpt-30m --world-size 1 2 4 --batch-per-rank 2 --device cpu
+    fullshard plan --hf-config ./llama/config.json --world-size 64 --batch 256 --memory-limit 80   # any model
+    fullshard train --auto --nproc 4                 # plan picks the sharding, then trains with it
     python -m fullshard train                        # the same, without the console script
 
 Each subcommand is one module of this package with ``HELP``, ``add_arguments(parser)``,

@@ -40,6 +40,7 @@ import torch
 from .._text import align, describe_model, human_bytes
 from ..models import PRESETS, ModelArgs, get_preset
 from ..plan import STRATEGIES, Plan, PlanConfig, estimate
+from . import plan_model
 
 HELP = "predict per-rank memory and bytes per step for a model, world sizes and strategies"
 
@@ -130,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw peak memory against world size per strategy (needs matplotlib: pip install 'fullshard[plot]')",
     )
     output.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    plan_model.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +141,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"fullshard plan: {line}", file=sys.stderr)
         return 2
     pyplot = load_pyplot() if args.plot else None  # before any work: a missing extra fails at once
+    if plan_model.wants_model_search(args):
+        try:
+            return plan_model.run_model_search(args)
+        except ValueError as exc:
+            if args.debug:
+                raise
+            print(f"fullshard plan: {exc}", file=sys.stderr)
+            return 2
     model = get_preset(
         args.model,
         n_layers=args.layers,
@@ -184,6 +194,8 @@ def problems(args: argparse.Namespace) -> list[str]:
             found.append(f"--dim {model.dim} must be divisible by --heads {model.n_heads}")
     if args.plot:
         found += _plot_path_problems(args.plot)
+    if plan_model.wants_model_search(args):
+        return found + plan_model.model_problems(args)
     strategies = _strategies(args)
     if args.ranks_per_node is not None and "hybrid" not in strategies:
         found.append(

@@ -52,6 +52,7 @@ from torch.distributed.run import run as torchrun
 from ..training.config import TrainConfig
 from ..training.config import add_arguments as add_training_arguments
 from ..training.resume import checkpoint_problems, remove_unfinished_saves, saved_step
+from . import train_auto
 
 HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
 
@@ -91,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "within --nnodes MIN:MAX (default 0: a failure ends the run)",
     )
     add_training_arguments(parser)
+    train_auto.add_arguments(parser)
 
 
 def torchrun_arguments(args: argparse.Namespace, config: TrainConfig) -> list[str]:
@@ -241,6 +243,14 @@ def run(args: argparse.Namespace) -> int:
         for line in "\n".join(errors).splitlines():
             print(f"fullshard train: {line}", file=sys.stderr)
         return 2
+    prediction = None
+    if args.auto:  # the ranks get the plan's first choice
+        try:
+            config, prediction = train_auto.choose(config, max(1, args.nproc), device, args)
+        except ValueError as exc:
+            print(f"fullshard train: {exc}", file=sys.stderr)
+            return 2
+        config, metrics = train_auto.metrics_path(config)
     # torchrun would set 1 thread per rank (and warn); the ranks set their own count.
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // args.nproc)))
     try:
@@ -258,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if args.nnodes == "1":  # every rank that could be saving has exited
             remove_unfinished_saves(config)
+    if prediction is not None:
+        print(train_auto.compare(prediction, metrics))
     return 0
 
 

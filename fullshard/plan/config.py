@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -12,8 +13,63 @@ from ..models.transformer import ModelArgs
 STRATEGIES = ("full", "grad-op", "no-shard", "hybrid")
 
 
+class StrategyGroups:
+    """The groups a strategy implies, for ``PlanConfig`` and ``Choice`` (each says its hybrid shard size)."""
+
+    strategy: str
+    world_size: int
+
+    def hybrid_shard_group(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a parameter is split across."""
+        if self.strategy == "no-shard":
+            return 1
+        return self.hybrid_shard_group() if self.strategy == "hybrid" else self.world_size
+
+    @property
+    def replicate_size(self) -> int:
+        """Ranks holding the same shard (gradients all-reduced across them)."""
+        return self.world_size // self.shard_size
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.strategy in ("full", "hybrid")
+
+
+class EngineSetup(Protocol):
+    """What the engine's side of a step replay reads (``PlanConfig``, ``fullshard.plan.Choice``)."""
+
+    @property
+    def shard_size(self) -> int: ...
+    @property
+    def replicate_size(self) -> int: ...
+    @property
+    def reshard_after_forward(self) -> bool: ...
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def cpu_offload(self) -> bool: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def optimizer_states(self) -> int: ...
+    @property
+    def all_gather_dtype(self) -> torch.dtype | None: ...
+    @property
+    def all_gather_block_size(self) -> int: ...
+    @property
+    def all_gather_bucket_bytes(self) -> int: ...
+
+
 @dataclass(frozen=True)
-class PlanConfig:
+class PlanConfig(StrategyGroups):
     """One training setup of the reference ``Transformer``, one unit per block plus the root.
 
     Attributes:
@@ -86,23 +142,8 @@ class PlanConfig:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"PlanConfig expects device 'cuda' or 'cpu' but got {self.device!r}")
 
-    @property
-    def shard_size(self) -> int:
-        """Ranks a parameter is split across."""
-        if self.strategy == "no-shard":
-            return 1
-        if self.strategy == "hybrid":
-            return min(self.ranks_per_node, self.world_size)
-        return self.world_size
-
-    @property
-    def replicate_size(self) -> int:
-        """Ranks holding the same shard (gradients all-reduced across them)."""
-        return self.world_size // self.shard_size
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.strategy in ("full", "hybrid")
+    def hybrid_shard_group(self) -> int:
+        return min(self.ranks_per_node, self.world_size)
 
     @property
     def tokens_per_sequence(self) -> int:

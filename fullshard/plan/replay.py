@@ -35,6 +35,10 @@ Under CPU offload the shards, gradients and optimizer states leave an
 accelerator's memory; on a CPU device host memory is the device's, so they
 stay in the replay (offloading there moves nothing).
 
+The engine's side is ``EngineReplay``; ``StepReplay`` adds the reference
+Transformer's ops, and ``fullshard.plan.playback.TracedReplay`` any model's, from
+a step traced on fake tensors (see [Note: Traced step]).
+
 The step is measured against the real engine (the profiler's allocator
 events), through both front ends (``fully_shard`` and the FSDP1 wrapper), with
 and without offload, at world sizes 1, 2 and 4 over gloo and on the demo's
@@ -58,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from .._core.gather.codec import MIN_FUSED_VALUES, BlockQuantizer
-from .config import PlanConfig
+from .config import EngineSetup, PlanConfig
 from .units import Unit, gather_codes, units_per_bucket
 
 # What is alive, by category (the keys of Plan.peak_breakdown).
@@ -96,17 +100,18 @@ class Reduction:
     rs_input: int  # bytes of the reduce-scatter input, freed once that collective is done
     output: int  # bytes of the reduced shard
     direct: bool  # the output becomes ``.grad`` as is (else: a cast or host copy, then freed)
+    unit: str
     stages: list[str]  # collectives still to issue
     current: str | None = None  # the collective in flight
 
 
-class StepReplay:
-    """One steady-state training step of one rank, replayed onto a ``Tape``. See [Note: Plan model]."""
+class EngineReplay:
+    """The engine's side of one steady-state step of one rank: shards, gathers, reductions and the
+    optimizer, onto a ``Tape``. A subclass plays the model (``forward``, ``backward``). See [Note: Plan model]."""
 
-    def __init__(self, config: PlanConfig, units: list[Unit]) -> None:
+    def __init__(self, config: EngineSetup, units: list[Unit]) -> None:
         self.config, self.tape = config, Tape()
         self.root, self.blocks = units[0], units[1:]
-        args = config.model
         self.c = config.compute_dtype.itemsize
         self.orig = config.dtype.itemsize
         self.red = config.gradient_reduce_dtype.itemsize
@@ -116,15 +121,6 @@ class StepReplay:
         # Where the shards, gradients and optimizer states live in this replay's memory: offloaded
         # from an accelerator they leave it; on a CPU device host memory is the device's own.
         self.states_on_device = not config.cpu_offload or config.device == "cpu"
-        tokens = config.batch_size * config.tokens_per_sequence
-        self.td = tokens * args.dim * self.c  # one (batch, seq, dim) activation
-        self.tf = 4 * self.td  # one MLP hidden activation
-        self.stat = tokens * self.c  # a LayerNorm mean or rstd
-        self.lse = tokens * args.n_heads * 4  # the attention's log-sum-exp (fp32)
-        self.pos = config.tokens_per_sequence * args.dim * self.c
-        self.logits = tokens * args.vocab_size * self.c
-        self.logits32 = tokens * args.vocab_size * 4  # the loss works in fp32
-        self.embedding_grad = args.vocab_size * args.dim * self.c
         self.in_flight: dict[str, int] = {}  # unit -> bytes of its all-gather buffers
         # Blocks one prefetched all-gather takes, and each bucket's output bytes and units still
         # to copy out (see [Note: Gather buckets] in fullshard/_core/gather/all_gather.py).
@@ -134,6 +130,18 @@ class StepReplay:
         self.unsharded: set[str] = set()
         self.reductions: list[Reduction] = []
         self.activations = 0
+
+    def forward(self) -> None:
+        raise NotImplementedError
+
+    def backward(self) -> None:
+        raise NotImplementedError
+
+    def on_collective(self, op: str, names: tuple[str, ...], nbytes: int) -> None:
+        """A collective is issued for ``names`` (a step-time model listens here; memory does not)."""
+
+    def on_wait(self, name: str) -> None:
+        """The compute of ``name`` needs its gather done."""
 
     def run(self) -> None:
         t, units = self.tape, [self.root, *self.blocks]
@@ -175,6 +183,8 @@ class StepReplay:
             output = self.config.shard_size * chunk
         self.in_flight[unit.name] = staged + output
         self.tape.alloc(GATHER, output)
+        if self.config.shard_size > 1:
+            self.on_collective("all_gather", (unit.name,), output)
         if self.codes is not None and self.config.shard_size > 1:
             self._transient(self._encode_temporaries(unit, self.codes))
 
@@ -197,6 +207,7 @@ class StepReplay:
         nbytes = sum(self.config.shard_size * u.shard_numel for u in bucket) * self.c
         self.tape.alloc(GATHER, nbytes)  # one output; each unit's copy-in is its own columns of it
         names = {u.name for u in bucket}
+        self.on_collective("all_gather", tuple(u.name for u in bucket), nbytes)
         for unit in bucket:
             self.in_flight[unit.name] = 0
             self.buckets[unit.name] = (nbytes, names)
@@ -207,6 +218,7 @@ class StepReplay:
         nbytes = self.in_flight.pop(unit.name, None)
         if nbytes is None:
             return
+        self.on_wait(unit.name)
         self.tape.alloc(UNSHARDED, unit.unsharded_numel * self.c)
         if unit.name in self.buckets:
             nbytes, waiting = self.buckets.pop(unit.name)
@@ -263,8 +275,9 @@ class StepReplay:
         if prefetch >= 0:
             self.prefetch(self.blocks, prefetch, -1)
 
-    def post_backward(self, unit: Unit) -> None:
-        """Reshard, advance older reductions, copy the gradients into this unit's reduction."""
+    def post_backward(self, unit: Unit, grad_bytes: int | None = None) -> None:
+        """Reshard, advance older reductions, copy the gradients into this unit's reduction, freeing
+        autograd's (``grad_bytes``; default: every parameter's, in the compute dtype)."""
         t, config = self.tape, self.config
         self.reshard(unit)
         self.reductions = [r for r in self.reductions if not self._advance(r)]
@@ -273,11 +286,12 @@ class StepReplay:
             rs_input=unit.gathered_numel * self.red if config.shard_size > 1 else 0,
             output=unit.shard_numel * self.red,
             direct=direct,
+            unit=unit.name,
             stages=["reduce_scatter"] * (config.shard_size > 1) + ["all_reduce"] * (config.replicate_size > 1),
         )
         t.alloc(GRADS if direct else REDUCE, reduction.output)
         t.alloc(REDUCE, reduction.rs_input)  # the copy-in casts and pads on the way: no temporaries
-        t.free(UNSHARDED_GRADS, unit.numel * self.c)
+        t.free(UNSHARDED_GRADS, unit.numel * self.c if grad_bytes is None else grad_bytes)
         if not self._advance(reduction):
             self.reductions.append(reduction)
 
@@ -287,12 +301,44 @@ class StepReplay:
             self.tape.free(REDUCE, reduction.rs_input)
         if reduction.stages:
             reduction.current = reduction.stages.pop(0)
+            nbytes = reduction.rs_input if reduction.current == "reduce_scatter" else reduction.output
+            self.on_collective(reduction.current, (reduction.unit,), nbytes)
             return False
         if not reduction.direct:
             if self.states_on_device:
                 self.tape.alloc(GRADS, reduction.output // self.red * self.orig)
             self.tape.free(REDUCE, reduction.output)
         return True
+
+    # -- the optimizer -----------------------------------------------------------------
+    def optimizer_step(self, units: list[Unit]) -> None:
+        t = self.tape
+        if self.states_on_device:  # offloaded from an accelerator, the optimizer steps in host memory
+            if self.config.device == "cpu":
+                temporary = 2 * max(u.largest_param_shard_numel for u in units) * self.orig
+            else:
+                temporary = sum(u.shard_numel for u in units) * self.orig
+            t.alloc(OPTIM_TEMP, temporary)
+            t.free(OPTIM_TEMP, temporary)
+        t.free(GRADS, t.live[GRADS])  # zero_grad(set_to_none=True)
+
+
+class StepReplay(EngineReplay):
+    """The reference ``Transformer``'s step, op by op as the CPU kernels run it. See [Note: Plan model]."""
+
+    def __init__(self, config: PlanConfig, units: list[Unit]) -> None:
+        super().__init__(config, units)
+        self.model_config = config
+        args = config.model
+        tokens = config.batch_size * config.tokens_per_sequence
+        self.td = tokens * args.dim * self.c  # one (batch, seq, dim) activation
+        self.tf = 4 * self.td  # one MLP hidden activation
+        self.stat = tokens * self.c  # a LayerNorm mean or rstd
+        self.lse = tokens * args.n_heads * 4  # the attention's log-sum-exp (fp32)
+        self.pos = config.tokens_per_sequence * args.dim * self.c
+        self.logits = tokens * args.vocab_size * self.c
+        self.logits32 = tokens * args.vocab_size * 4  # the loss works in fp32
+        self.embedding_grad = args.vocab_size * args.dim * self.c
 
     # -- the model -------------------------------------------------------------------
     def forward(self) -> None:
@@ -333,7 +379,7 @@ class StepReplay:
         t.free(ACTIVATIONS, td)
 
     def backward(self) -> None:
-        t, td, args = self.tape, self.td, self.config.model
+        t, td, args = self.tape, self.td, self.model_config.model
         t.alloc(ACTIVATIONS, 2 * self.logits32)  # gradients of nll_loss and log_softmax
         t.free(ACTIVATIONS, 2 * self.logits32)  # nll's gradient, the saved log_softmax
         if self.c != 4:
@@ -367,7 +413,7 @@ class StepReplay:
 
     def _block_backward(self) -> None:
         """Op by op: each makes its gradients, then frees what it saved and the gradient it consumed."""
-        t, td, tf, dim, c = self.tape, self.td, self.tf, self.config.model.dim, self.c
+        t, td, tf, dim, c = self.tape, self.td, self.tf, self.model_config.model.dim, self.c
         square = dim * dim * c  # one (dim, dim) weight's gradient
         # w2: grad of the GELU output, weight and bias grads; the GELU output is freed.
         t.alloc(ACTIVATIONS, tf)
@@ -405,15 +451,3 @@ class StepReplay:
         t.alloc(ACTIVATIONS, td)
         t.alloc(UNSHARDED_GRADS, 2 * dim * c)
         t.free(ACTIVATIONS, 3 * td + 2 * self.stat)
-
-    # -- the optimizer -----------------------------------------------------------------
-    def optimizer_step(self, units: list[Unit]) -> None:
-        t = self.tape
-        if self.states_on_device:  # offloaded from an accelerator, the optimizer steps in host memory
-            if self.config.device == "cpu":
-                temporary = 2 * max(u.largest_param_shard_numel for u in units) * self.orig
-            else:
-                temporary = sum(u.shard_numel for u in units) * self.orig
-            t.alloc(OPTIM_TEMP, temporary)
-            t.free(OPTIM_TEMP, temporary)
-        t.free(GRADS, t.live[GRADS])  # zero_grad(set_to_none=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .._core.gather import flat_pieces
 from .._core.gather.codec import BlockQuantizer
 from ..models.transformer import ModelArgs
-from .config import PlanConfig
+from .config import EngineSetup
 
 
 @dataclass(frozen=True)
@@ -122,14 +122,14 @@ def model_units(args: ModelArgs, shard_size: int, flat: bool = False) -> list[Un
     ]
 
 
-def gather_codes(config: PlanConfig) -> BlockQuantizer | None:
+def gather_codes(config: EngineSetup) -> BlockQuantizer | None:
     """The codes of a quantized all-gather, or None."""
     if config.all_gather_dtype is None:
         return None
     return BlockQuantizer(config.all_gather_dtype, config.all_gather_block_size)
 
 
-def units_per_bucket(config: PlanConfig, unit: Unit) -> int:
+def units_per_bucket(config: EngineSetup, unit: Unit) -> int:
     """How many consecutive blocks like ``unit`` one prefetched all-gather takes (see [Note: Gather
     buckets] in ``fullshard/_core/gather/all_gather.py``): 1 where they gather alone."""
     if config.shard_size == 1 or config.cpu_offload or config.all_gather_dtype is not None:
@@ -138,7 +138,7 @@ def units_per_bucket(config: PlanConfig, unit: Unit) -> int:
     return max(1, config.all_gather_bucket_bytes // nbytes) if nbytes else 1
 
 
-def comm_per_step(config: PlanConfig, units: list[Unit]) -> tuple[dict[str, int], dict[str, int]]:
+def comm_per_step(config: EngineSetup, units: list[Unit]) -> tuple[dict[str, int], dict[str, int]]:
     """(bytes, calls) per step by collective, counted as ``comm.record_comms()`` counts them.
 
     An all-gather counts its output and a reduce-scatter its input (the padded

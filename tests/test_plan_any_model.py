@@ -1,0 +1,362 @@
+"""``fullshard.plan.plan`` for models that are not ours, against the real engine.
+
+Three models: a tiny Llama and a tiny GPT-2 built from transformers configs
+(their own loss through ``labels``), and a user-style convolutional network
+written here (residual blocks with BatchNorm, the default loss: the output's
+mean). Each is traced on fake tensors, then each choice is run for real on
+2 and 4 gloo ranks (rank pool) and on torch's fake process group at 8 and 64
+ranks; the predicted per-rank peak must be within 5% of the measured one and
+the bytes per step equal. The order of predicted step times against measured
+ones is a benchmark (benchmarks/bench_plan_any_model.py), not a test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import transformers
+
+import fullshard
+from fullshard.cli.__main__ import main
+from fullshard.plan import Choice, plan
+from fullshard.plan.apply import choice_code
+from fullshard.plan.blocks import select_blocks
+from fullshard.plan.measure import measure_choice
+from fullshard.plan.playback import predict
+from fullshard.plan.profiles import PROFILES, load_profile
+from fullshard.plan.step_time import StepClock
+from fullshard.plan.trace import trace_step
+from fullshard.testing import run_distributed
+from fullshard.testing.fake_group import fake_world
+
+VOCAB, SEQ = 67, 16  # 67 rows: padded at every world size
+
+
+def llama(width: int = 32, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2(width: int = 32, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tokens(n: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(VOCAB, (n, SEQ))
+    return {"input_ids": ids, "labels": ids}
+
+
+class Residual(nn.Module):
+    """A ResNet-style block: conv, BatchNorm, ReLU twice, plus the input."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class ConvNet(nn.Module):
+    """24 channels: a block's gathered parameters and gradients (42 KB) pass gloo's latency bound (32 KiB),
+    so its collectives take the paths NCCL's memory behaviour matches (below it, gloo's all-gather and the
+    gathered reduce-scatter hold temporaries of up to world x the unit, which the plan does not model)."""
+
+    def __init__(self, channels: int = 24, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*[Residual(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.stem(images))).mean((2, 3)))
+
+
+def convnet() -> nn.Module:
+    return ConvNet()
+
+
+def images(n: int) -> torch.Tensor:
+    return torch.randn(n, 3, 12, 12)
+
+
+MODELS = {"llama": (llama, tokens), "gpt2": (gpt2, tokens), "convnet": (convnet, images)}
+
+
+# -- no ranks -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, block", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block"), ("convnet", "Residual")]
+)
+def test_units_are_the_repeated_blocks(name, block):
+    model_fn, batch_fn = MODELS[name]
+    model = model_fn()
+    chosen = select_blocks(model)
+    assert [type(m).__name__ for _, m in chosen] == [block] * (3 if name == "convnet" else 2)
+    trace = trace_step(model_fn, batch_fn, 2)
+    assert [u.name for u in trace.units] == ["", *(n for n, _ in chosen)]
+    assert sum(r * row for u in trace.units for r, row in u.shapes) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow  # several traces and searches: >2 s
+def test_trace_flops_are_torchs_flop_counter():
+    """The trace counts what torch's FLOP counter counts for a real step (forward and backward)."""
+    model = convnet()
+    batch = images(2)
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        model(batch).mean().backward()
+    trace = trace_step(convnet, images, 2)
+    assert trace.flops == counter.get_total_flops() > 0
+    assert trace.backward_flops > trace.forward_flops
+
+
+def test_trace_allocates_nothing():
+    """A 1.1B-parameter Llama is traced without the memory it would take (fake tensors)."""
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=64,
+    )
+
+    def model_fn() -> nn.Module:
+        return transformers.LlamaForCausalLM(config)
+
+    def batch_fn(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(32000, (n, 64))
+        return {"input_ids": ids, "labels": ids}
+
+    trace = trace_step(model_fn, batch_fn, 1)
+    assert sum(r * row for u in trace.units for r, row in u.shapes) > 2e8  # 800 MB of fp32 never allocated
+
+
+@pytest.mark.slow  # several traces and searches: >2 s
+def test_plan_picks_a_choice_that_fits_and_explains():
+    space = {"micro_batches": [1, 2], "cpu_offload": (False,), "all_gather_dtypes": (None,)}  # 40 choices, 8 traces
+    unlimited = plan(llama, tokens, world_size=8, global_batch=16, ranks_per_node=4, **space)
+    peaks = sorted(p.peak for p in unlimited.predictions)
+    limit = peaks[len(peaks) // 2] / 2**30  # half of the choices fit
+    choices = [p.choice for p in unlimited.predictions]
+    result = plan(llama, tokens, world_size=8, global_batch=16, memory_limit_gib=limit, ranks_per_node=4,
+                  choices=choices)
+    assert result.best is not None and result.best.time.total > unlimited.best.time.total  # the fastest did not fit
+    best = result.best
+    assert best is not None and best.peak <= result.memory_limit
+    assert [p.choice for p in result.fitting][:1] == [best.choice]
+    fitting_times = [p.time.total for p in result.fitting]
+    assert fitting_times == sorted(fitting_times)
+    assert any(not result.fits(p) for p in result.predictions)  # the limit bites
+    report = result.report()
+    assert "first choice: " + best.choice.label() in report and "for block in model.model.layers:" in report
+    assert "does not fit" in report or "slower by" in report
+
+
+def test_the_choices_code_runs():
+    """The printed lines shard the model (on a fake group of 8, on CPU)."""
+    choice = Choice(8, "hybrid", hybrid_shard_size=4, mixed_precision=torch.bfloat16, checkpointing=True)
+    code = choice_code(choice, ["model.layers.0", "model.layers.1"], device_type="cpu")
+    with fake_world(8):
+        model = llama()
+        exec(code, {"model": model})
+        assert type(model).__name__.startswith("FSDP")
+
+
+class Fp32Only(nn.Module):
+    """A model whose forward refuses bf16 (as some custom kernels do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layers[0].weight.dtype == torch.bfloat16:
+            raise RuntimeError("Fp32Only runs in fp32 only")
+        return self.layers[1](self.layers[0](x))
+
+
+def test_a_setting_the_model_cannot_run_is_skipped_and_said():
+    result = plan(Fp32Only, lambda n: torch.randn(n, 8), world_size=2, micro_batches=[1], checkpointing=(False,),
+                  cpu_offload=(False,))
+    assert result.predictions and all(p.choice.mixed_precision is None for p in result.predictions)
+    said = "micro-batch 1, bfloat16 compute: the step fails on this model: Fp32Only runs in fp32 only"
+    assert said in result.report()
+
+
+def test_nothing_fits():
+    result = plan(convnet, images, world_size=2, memory_limit_gib=1e-6, mixed_precision=(None,), checkpointing=(False,))
+    assert result.best is None and "no choice fits" in result.report()
+
+
+def test_profiles():
+    assert PROFILES["h200"].memory_bandwidth > PROFILES["h100"].memory_bandwidth
+    assert load_profile("H100") is PROFILES["h100"]
+    with pytest.raises(ValueError, match="plan expects a device profile named h100 or h200"):
+        load_profile("a100")
+
+
+def test_bucket_default_is_the_engines():
+    from fullshard._core.settings import DEFAULT_ALL_GATHER_BUCKET_BYTES
+    from fullshard.plan.choice import DEFAULT_BUCKET_BYTES
+
+    assert DEFAULT_BUCKET_BYTES == DEFAULT_ALL_GATHER_BUCKET_BYTES
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--hf-config", "meta-llama/Llama-2-7b"], "--hf-config meta-llama/Llama-2-7b: no such local file or folder"),
+        (["--module", "nocolon"], "--module expects PKG.MOD:FACTORY but got 'nocolon'"),
+        (["--module", "a:b", "--world-size", "2", "4"], "--world-size expects one value with --module"),
+        (["--module", "a:b", "--profile", "tpu"], "--profile expects one of h100, h200 or a profile JSON"),
+    ],
+)
+def test_cli_bad_flags(flags, line, capsys):
+    assert main(["plan", *flags]) == 2
+    assert capsys.readouterr().err.startswith("fullshard plan: " + line)
+
+
+def test_cli_module_that_does_not_import(capsys):
+    assert main(["plan", "--module", "no_such_package.models:build"]) == 2
+    assert "fullshard plan: --module no_such_package.models:build: cannot import" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # several traces and searches: >2 s
+def test_cli_hf_config(tmp_path, capsys):
+    llama().config.to_json_file(tmp_path / "config.json")
+    code = main(["plan", "--hf-config", str(tmp_path), "--seq", "16", "--world-size", "4", "--batch", "8",
+                 "--micro-batch", "2", "--memory-limit", "1", "--ranks-per-node", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "first choice:" in out and "fully_shard(model, mesh=mesh" in out
+
+
+# -- against the engine -----------------------------------------------------------------------------
+GLOO_CHOICES = {
+    2: [
+        Choice(2, "full", micro_batch=2),
+        Choice(2, "grad-op", micro_batch=2, mixed_precision=torch.bfloat16),
+        Choice(2, "no-shard", micro_batch=2),
+        Choice(2, "full", micro_batch=2, checkpointing=True),
+        Choice(2, "full", micro_batch=1, accumulation=2, cpu_offload=True),
+    ],
+    4: [
+        Choice(4, "full", micro_batch=2),
+        Choice(4, "hybrid", hybrid_shard_size=2, micro_batch=2, ranks_per_node=2),
+        Choice(4, "full", reshard_to=2, micro_batch=2, ranks_per_node=2),
+        Choice(4, "full", micro_batch=2, all_gather_dtype=torch.int8, mixed_precision=torch.bfloat16),
+    ],
+}
+FAKE_CHOICES = {
+    8: [Choice(8, "full", micro_batch=2), Choice(8, "hybrid", hybrid_shard_size=4, micro_batch=2)],
+    64: [Choice(64, "full", micro_batch=2, mixed_precision=torch.bfloat16)],
+}
+TOLERANCE = 0.05
+
+
+def predicted(name: str, choice: Choice):
+    model_fn, batch_fn = MODELS[name]
+    choice = Choice(**{**choice.__dict__, "device": "cpu"})
+    trace = trace_step(
+        model_fn, batch_fn, choice.micro_batch, choice.mixed_precision, choice.checkpointing, device="cpu"
+    )
+    return predict(trace, choice, StepClock(PROFILES["h100"], choice))
+
+
+def runnable(name: str, choices: list[Choice]) -> list[Choice]:
+    """The ConvNet's BatchNorm cannot compute in bf16 on the CPU (its fp32 running statistics with bf16
+    inputs: torch's CPU kernel refuses them, sharded or not; the fake trace does not see it)."""
+    if name != "convnet":
+        return choices
+    return [Choice(**{**c.__dict__, "mixed_precision": None}) for c in choices]
+
+
+def measure_all(name: str, choices: list[Choice]) -> list[dict]:
+    model_fn, batch_fn = MODELS[name]
+    return [measure_choice(model_fn, batch_fn, choice) for choice in choices]
+
+
+def check(name: str, choices: list[Choice], measured: list[list[dict]]) -> None:
+    assert len(measured[0]) == len(choices)
+    for index, choice in enumerate(choices):
+        peak = max(rank[index]["peak"] for rank in measured)
+        plan_ = predicted(name, choice)
+        print(f"{name} {choice.label()} at {choice.world_size}: predicted {plan_.peak}, measured {peak} "
+              f"({plan_.peak / peak - 1:+.2%})")
+        assert plan_.peak == pytest.approx(peak, rel=TOLERANCE), choice.label()
+        if not choice.all_gather_dtype:
+            assert measured[0][index]["comm"] == plan_.comm, choice.label()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predicted_peak_matches_gloo_ranks(name, world_size):
+    choices = runnable(name, GLOO_CHOICES[world_size])
+    measured = run_distributed(measure_all, world_size, name, choices, timeout=600)
+    check(name, choices, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [8, 64])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predicted_peak_matches_fake_group(name, world_size):
+    choices = runnable(name, FAKE_CHOICES[world_size])
+    with fake_world(world_size):
+        measured = [measure_all(name, choices)]
+    check(name, choices, measured)
+
+
+@pytest.mark.slow  # several traces and searches: >2 s
+def test_cli_frontier_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "frontier.png"
+    code = main(["plan", "--module", "test_plan_any_model:convnet", "--batch-fn", "test_plan_any_model:images",
+                 "--world-size", "2", "--batch", "4", "--micro-batch", "2", "--strategy", "full", "--plot", str(path)])
+    assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {path}" in capsys.readouterr().out
+
+
+def run_fullshard(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(fullshard.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.dirname(__file__)])}
+    return subprocess.run([sys.executable, "-m", "fullshard", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+
+
+@pytest.mark.slow
+def test_calibrate_saves_a_profile_plan_reads(tmp_path):
+    path = tmp_path / "cpu.json"
+    result = run_fullshard("plan", "--calibrate", str(path))
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(str(path))
+    assert profile.device == "cpu" and profile.matmul_flops["float32"] > 0 and profile.intra_node_bandwidth > 0
+    assert profile.op_overhead > 0
+    result = run_fullshard("plan", "--module", "test_plan_any_model:convnet", "--batch-fn",
+                           "test_plan_any_model:images", "--world-size", "2", "--batch", "4", "--profile", str(path),
+                           "--rows", "3")
+    assert result.returncode == 0 and "calibrated (cpu" in result.stdout, result.stderr
+
+
+@pytest.mark.slow
+def test_train_auto_prints_plan_and_measurement(tmp_path):
+    """The first choice is trained; its measured peak is the predicted one (the table's ratio)."""
+    result = run_fullshard("train", "--auto", "--nproc", "2", "--steps", "4", "--layers", "2", "--dim", "32",
+                           "--seq", "16", "--batch", "4", "--memory-limit", "0.05", "--profile", "h100")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "first choice:" in out and "fullshard train --auto:" in out
+    ratio = next(line for line in out.splitlines() if line.startswith("peak per rank")).split()[-1]
+    assert abs(float(ratio) - 1) < 0.05, out
