@@ -173,6 +173,14 @@ BREAKS: tuple[Break, ...] = (
         "every reduced gradient halved (Adam's update barely moves: the SGD parity tests see it)",
     ),
     Break(
+        "reduce_scatter_keeps_local_chunk_gpu_body",
+        "fullshard/_core/reduction.py",
+        "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
+        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
+        ("tests/test_gpu_ranks_dry.py::test_plain_model_parity_body_on_two_cpu_ranks",),
+        "the same, against the world-2 GPU parity body (tests/gpu, dry-run on two CPU ranks)",
+    ),
+    Break(
         "rank_environment_leaks",
         "fullshard/testing/harness.py",
         "        os.environ.clear()\n        os.environ.update(environ)\n",
