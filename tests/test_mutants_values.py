@@ -1,0 +1,134 @@
+"""Values the engine computes, against a one-process reference: cases the mutation run over the value
+paths (tools/mutants.py, issue 38) found that no test checked. Each rank trains with SGD on its own
+batch and the reference on every rank's batch (``DataParallelReference``), so a gradient off by any
+factor, or one rank's gradient alone, moves the parameters away from the reference's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard.testing import DataParallelReference, case, distributed, full_value
+
+STEPS = 2
+LR = 0.5  # large: a gradient off by a few percent moves a parameter by far more than the tolerance
+
+
+ODD = (6, 5, 7, 3)  # no weight's rows split evenly over 2 or 4 ranks: every unit pads
+EVEN = (6, 4, 8, 2)  # every weight splits evenly on both dims: the one-kernel copy-in path where it can
+
+
+def build(widths: tuple[int, ...] = ODD) -> nn.Module:
+    torch.manual_seed(0)
+    first, hidden, wide, last = widths
+    return nn.Sequential(nn.Linear(first, hidden), nn.Tanh(), nn.Linear(hidden, wide), nn.Tanh(), nn.Linear(wide, last))
+
+
+def shard_units(model: nn.Module, **kwargs) -> nn.Module:
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def every_unit(model: nn.Module, setter: Callable[[FSDPModule], None]) -> None:
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            setter(module)
+
+
+def loss_of(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    return model(batch[0]).pow(2).mean()
+
+
+def rank_batches(step: int, world: int) -> list[tuple[torch.Tensor]]:
+    return [(torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + r + 1)),) for r in range(world)]
+
+
+class MixedDtypes(nn.Module):
+    """One unit holding fp32 and fp64 parameters: its shards are packed as bytes, the fp64 one
+    aligned after an fp32 region of odd length (a gap the copy-out must skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 5)
+        self.scale = nn.Parameter(torch.rand(3, dtype=torch.float64) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale.float().mean()
+
+
+def assert_trains_like_reference(
+    model: nn.Module,
+    ref: nn.Module,
+    grad_scale: float = 1.0,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    world: int | None = None,
+) -> None:
+    """SGD steps of ``model`` (this rank's batch) and of ``ref``, the same model in one process (every
+    rank's batch), whose averaged gradient is multiplied by ``grad_scale`` (the reduction's factor
+    against an average); full parameters compared after every step. ``world``: the data-parallel
+    ranks (default: all)."""
+    world = world or dist.get_world_size()
+    rank = dist.get_rank() % world
+    reference = DataParallelReference(ref, loss_of)
+    optim, ref_optim = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(STEPS):
+        every = rank_batches(step, world)
+        loss_of(model, every[rank]).backward()
+        optim.step()
+        optim.zero_grad()
+        reference.backward(every)
+        for param in ref.parameters():
+            param.grad.mul_(grad_scale)
+        ref_optim.step()
+        ref_optim.zero_grad()
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                full_value(param), ref_param.detach(), rtol=rtol, atol=atol, msg=lambda m: f"step {step} {name}: {m}"
+            )
+
+
+@distributed(world_size=2)
+def test_reductions_train_like_one_process():
+    """Reduction paths the parity tests leave out: a dim-1 shard (chunked per rank on dim 1), a
+    float16 reduction with a divide factor (divided before and after the sum), SUM-only reductions
+    (divided after the collective, once), and a replicate dimension's all-reduce."""
+    world = dist.get_world_size()
+    fp16_reduce = MixedPrecisionPolicy(reduce_dtype=torch.float16)
+    for widths in (ODD, EVEN):
+        with case(f"weights sharded on dim 1, widths {widths}"):
+            model = shard_units(build(widths), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+            assert_trains_like_reference(model, build(widths))
+    with case("float16 reduction, divide factor 8"):
+        model = shard_units(build(), mp_policy=fp16_reduce)
+        every_unit(model, lambda unit: unit.set_gradient_divide_factor(8.0))
+        assert_trains_like_reference(model, build(), grad_scale=world / 8.0, rtol=1e-2, atol=1e-3)
+    with case("SUM only"):
+        model = shard_units(build())
+        every_unit(model, lambda unit: unit.set_force_sum_reduction_for_comms(True))
+        assert_trains_like_reference(model, build())
+    with case("replicate only, SUM only"):
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        model = shard_units(build(), mesh=mesh)
+        every_unit(model, lambda unit: unit.set_force_sum_reduction_for_comms(True))
+        assert_trains_like_reference(model, build())
+
+
+@distributed(world_size=2)
+def test_a_unit_of_two_dtypes_gathers_and_reduces_like_one_process():
+    """fp32 and fp64 parameters in one unit: a byte layout with an alignment gap."""
+    assert_trains_like_reference(fully_shard(MixedDtypes()), MixedDtypes(), atol=1e-5)
+
+
+@distributed(world_size=4)
+def test_post_forward_shard_of_two_ranks_trains_like_one_process():
+    """``reshard_after_forward=2`` over 4 ranks: backward re-gathers from the kept half."""
+    assert_trains_like_reference(shard_units(build(), reshard_after_forward=2), build())
