@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard import FSDP, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fullshard.testing import DataParallelReference, case, distributed, full_value
 
 STEPS = 2
@@ -46,6 +46,10 @@ def loss_of(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     return model(batch[0]).pow(2).mean()
 
 
+def bf16_loss_of(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    return model(batch[0].bfloat16()).float().pow(2).mean()
+
+
 def rank_batches(step: int, world: int) -> list[tuple[torch.Tensor]]:
     return [(torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + r + 1)),) for r in range(world)]
 
@@ -64,6 +68,18 @@ class MixedDtypes(nn.Module):
         return self.lin(x) * self.scale.float().mean()
 
 
+class PartlyUsed(nn.Module):
+    """A unit with a parameter its forward never uses: its gradient stays None, as without FSDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def assert_trains_like_reference(
     model: nn.Module,
     ref: nn.Module,
@@ -71,11 +87,12 @@ def assert_trains_like_reference(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     world: int | None = None,
+    flat: bool = False,
 ) -> None:
     """SGD steps of ``model`` (this rank's batch) and of ``ref``, the same model in one process (every
     rank's batch), whose averaged gradient is multiplied by ``grad_scale`` (the reduction's factor
     against an average); full parameters compared after every step. ``world``: the data-parallel
-    ranks (default: all)."""
+    ranks (default: all). ``flat``: the FSDP1 wrapper's flat parameter, compared through its full state dict."""
     world = world or dist.get_world_size()
     rank = dist.get_rank() % world
     reference = DataParallelReference(ref, loss_of)
@@ -83,16 +100,21 @@ def assert_trains_like_reference(
     for step in range(STEPS):
         every = rank_batches(step, world)
         loss_of(model, every[rank]).backward()
+        reference.backward(every)
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            if not flat:
+                assert (param.grad is None) == (ref_param.grad is None), f"step {step} {name}: {param.grad}"
         optim.step()
         optim.zero_grad()
-        reference.backward(every)
         for param in ref.parameters():
-            param.grad.mul_(grad_scale)
+            if param.grad is not None:
+                param.grad.mul_(grad_scale)
         ref_optim.step()
         ref_optim.zero_grad()
-        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+        values = model.state_dict() if flat else {name: full_value(p) for name, p in model.named_parameters()}
+        for name, ref_param in ref.named_parameters():
             torch.testing.assert_close(
-                full_value(param), ref_param.detach(), rtol=rtol, atol=atol, msg=lambda m: f"step {step} {name}: {m}"
+                values[name], ref_param.detach(), rtol=rtol, atol=atol, msg=lambda m: f"step {step} {name}: {m}"
             )
 
 
@@ -120,15 +142,42 @@ def test_reductions_train_like_one_process():
         model = shard_units(build(), mesh=mesh)
         every_unit(model, lambda unit: unit.set_force_sum_reduction_for_comms(True))
         assert_trains_like_reference(model, build())
+        # A shard group of one gathers nothing: the unsharded parameter is the shard itself.
+        shard = model[0].weight.to_local()
+        model[0].unshard()
+        assert model[0].weight.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+        model[0].reshard()
 
 
 @distributed(world_size=2)
-def test_a_unit_of_two_dtypes_gathers_and_reduces_like_one_process():
-    """fp32 and fp64 parameters in one unit: a byte layout with an alignment gap."""
-    assert_trains_like_reference(fully_shard(MixedDtypes()), MixedDtypes(), atol=1e-5)
+def test_units_of_two_dtypes_or_an_unused_parameter_train_like_one_process():
+    """fp32 and fp64 parameters in one unit (a byte layout with an alignment gap); a parameter
+    the forward never uses (no gradient, not a zero one)."""
+    with case("two dtypes"):
+        assert_trains_like_reference(fully_shard(MixedDtypes()), MixedDtypes(), atol=1e-5)
+    with case("an unused parameter"):
+        assert_trains_like_reference(fully_shard(PartlyUsed()), PartlyUsed())
+    with case("an unused parameter, the wrapper's flat parameter"):
+        assert_trains_like_reference(FSDP(PartlyUsed(), use_orig_params=False), PartlyUsed(), flat=True)
 
 
 @distributed(world_size=4)
 def test_post_forward_shard_of_two_ranks_trains_like_one_process():
     """``reshard_after_forward=2`` over 4 ranks: backward re-gathers from the kept half."""
     assert_trains_like_reference(shard_units(build(), reshard_after_forward=2), build())
+
+
+@distributed(world_size=2)
+def test_bf16_gradient_accumulation_sums_in_the_reduce_dtype():
+    """Two micro-batches, the first without gradient sync: bf16 gradients are summed in fp32 (the
+    reduce dtype), as the one-process reference sums them; a sum kept in bf16 is off by its rounding."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, ref = shard_units(build(), mp_policy=policy), build()
+    every = rank_batches(0, world)
+    for index, micro in enumerate(every[rank][0].chunk(2)):
+        model.set_requires_gradient_sync(index == 1)
+        (bf16_loss_of(model, (micro,)) / 2).backward()
+    DataParallelReference(ref, bf16_loss_of, param_dtype=torch.bfloat16).backward(every, num_microbatches=2)
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(full_value(param.grad), ref_param.grad, rtol=1e-4, atol=1e-6, msg=name)
