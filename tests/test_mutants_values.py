@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard
 
 from fullshard import FSDP, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fullshard.testing import DataParallelReference, case, distributed, full_value
+from fullshard.wrap import ModuleWrapPolicy
 
 STEPS = 2
 LR = 0.5  # large: a gradient off by a few percent moves a parameter by far more than the tolerance
@@ -181,3 +182,25 @@ def test_bf16_gradient_accumulation_sums_in_the_reduce_dtype():
     DataParallelReference(ref, bf16_loss_of, param_dtype=torch.bfloat16).backward(every, num_microbatches=2)
     for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(full_value(param.grad), ref_param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@distributed(world_size=2)
+def test_summon_full_params_hands_out_full_values_and_grads_and_writes_back():
+    """The wrapper's summon_full_params: full parameters and (``with_grads``) the averaged
+    gradients of the one-process reference; a change made inside is in the shards afterwards."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+    ref = build()
+    every = rank_batches(0, world)
+    loss_of(model, every[rank]).backward()
+    DataParallelReference(ref, loss_of).backward(every)
+    with FSDP.summon_full_params(model, with_grads=True):
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(param.detach(), ref_param.detach(), msg=name)
+            torch.testing.assert_close(param.grad, ref_param.grad, msg=name)
+    with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    with FSDP.summon_full_params(model):
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(param.detach(), ref_param.detach() + 1.0, msg=name)
