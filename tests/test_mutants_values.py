@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fullshard import FSDP, FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard import FSDP, FSDPModule, MixedPrecisionPolicy, ShardedStateDictConfig, StateDictType, fully_shard
 from fullshard.testing import DataParallelReference, case, distributed, full_value
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -204,3 +204,35 @@ def test_summon_full_params_hands_out_full_values_and_grads_and_writes_back():
     with FSDP.summon_full_params(model):
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(param.detach(), ref_param.detach() + 1.0, msg=name)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.local_tensor() if hasattr(value, "local_tensor") else value.to_local()
+
+
+@distributed(world_size=2)
+def test_sharded_state_dict_offloaded_to_the_cpu_is_a_snapshot():
+    """With ``offload_to_cpu`` on a CPU model the saved shards are copies, as without it: a later
+    change of the parameters does not reach a state dict taken before."""
+    model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+    config = ShardedStateDictConfig(offload_to_cpu=True)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config):
+        saved = model.state_dict()
+    kept = {key: _local(value).clone() for key, value in saved.items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    for key, value in saved.items():
+        torch.testing.assert_close(_local(value), kept[key], msg=key)
+
+
+@distributed(world_size=2)
+def test_a_key_missing_from_a_loaded_state_dict_is_reported_once():
+    """``load_state_dict(strict=False)`` names a missing key once, as nn.Module does, whether the
+    wrapper registers the original parameters or only its flat one."""
+    for use_orig_params in (True, False):
+        with case(f"use_orig_params={use_orig_params}"):
+            model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params)
+            state = model.state_dict()
+            del state["2.weight"]
+            assert model.load_state_dict(state, strict=False).missing_keys == ["2.weight"]
