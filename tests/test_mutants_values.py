@@ -115,7 +115,7 @@ def assert_trains_like_reference(
         values = model.state_dict() if flat else {name: full_value(p) for name, p in model.named_parameters()}
         for name, ref_param in ref.named_parameters():
             torch.testing.assert_close(
-                values[name], ref_param.detach(), rtol=rtol, atol=atol, msg=lambda m: f"step {step} {name}: {m}"
+                values[name], ref_param.detach(), rtol=rtol, atol=atol, msg=f"step {step} {name}"
             )
 
 
