@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -213,11 +214,13 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 @distributed(world_size=2)
 def test_sharded_state_dict_offloaded_to_the_cpu_is_a_snapshot():
     """With ``offload_to_cpu`` on a CPU model the saved shards are copies, as without it: a later
-    change of the parameters does not reach a state dict taken before."""
+    change of the parameters does not reach a state dict taken before. The values are FSDP1's
+    ShardedTensors, as torch's wrapper saves them."""
     model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
     config = ShardedStateDictConfig(offload_to_cpu=True)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config):
         saved = model.state_dict()
+    assert all(isinstance(value, ShardedTensor) for value in saved.values()), saved
     kept = {key: _local(value).clone() for key, value in saved.items()}
     with torch.no_grad():
         for param in model.parameters():

@@ -60,7 +60,9 @@ class Target:
 NEW = "tests/test_mutants_values.py"
 AUTOGRAD = "tests/test_torch_parity_autograd.py"
 SD_MODEL = "tests/test_state_dict_model.py"
-# Gather extensions (fsdp_pre_all_gather): left out of the first run's all_gather.py selection.
+# Gather extensions (fsdp_pre_all_gather): left out of the first run's all_gather.py and layout.py
+# selections (float8's one-byte inputs are the byte layout's only odd-sized regions).
+FLOAT8 = "tests/test_tensor_subclass_params.py::test_float8_all_gather_sends_fp8_bytes_and_trains_as_torch_fsdp2"
 SUBCLASS = (
     "tests/test_tensor_subclass_params.py::test_toy_subclass_both_hook_signatures_gather_bf16_and_train_as_torch_fsdp2"
 )
@@ -93,7 +95,7 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "fullshard/_core/layout.py",
         ("Layout", "flat_pieces"),
-        (NEW, AUTOGRAD, "tests/test_kept_forms.py::test_wrapper_evaluation_forward_before_step"),
+        (NEW, AUTOGRAD, "tests/test_kept_forms.py::test_wrapper_evaluation_forward_before_step", FLOAT8),
         5,
     ),
     Target(
@@ -214,6 +216,8 @@ EQUIVALENT: dict[str, str] = {
     " quantized-gather test to see it)",
     "0fdb965a": "no fused codec for coded regions: the eager codec runs instead and gives the same bits (the"
     " fused codec is a speed path; tests/test_quantize_fused.py, which compiles, counts its use)",
+    "17cb764f": "Layout.tiles says True for a flat layout: both readers (copy_out, _plain_targets) take the"
+    " flat layout's own path before they ask whether the regions tile",
     "51036264": "rank_layouts' invariant check weakened: a misuse (no pieces under a flat layout) raises a"
     " TypeError instead of the AssertionError; no correct call reaches it",
     "9f1fff4f": "accumulate_unsynced moves an fp32 gradient to the unsynced sum where the original leaves it on"
