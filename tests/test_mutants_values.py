@@ -14,7 +14,15 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fullshard import FSDP, FSDPModule, MixedPrecisionPolicy, ShardedStateDictConfig, StateDictType, fully_shard
+from fullshard import (
+    FSDP,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+    fully_shard,
+)
 from fullshard.testing import DataParallelReference, case, distributed, full_value
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -239,3 +247,50 @@ def test_a_key_missing_from_a_loaded_state_dict_is_reported_once():
             state = model.state_dict()
             del state["2.weight"]
             assert model.load_state_dict(state, strict=False).missing_keys == ["2.weight"]
+
+
+def _forms_and_locals(osd: dict) -> dict[str, dict[str, tuple[str, torch.Tensor | object]]]:
+    """Each state's type and local value (a ShardedTensor's local shard)."""
+    out = {}
+    for fqn, states in osd["state"].items():
+        out[fqn] = {}
+        for key, value in states.items():
+            if isinstance(value, ShardedTensor):
+                local = value.local_shards()[0].tensor if value.local_shards() else torch.empty(0)
+            else:
+                local = value
+            out[fqn][key] = (type(value).__name__, local)
+    return out
+
+
+@distributed(world_size=2)
+def test_no_shard_sharded_optim_state_dict_has_torchs_forms_and_values():
+    """NO_SHARD under SHARDED_STATE_DICT, torch's FSDP1 as the oracle: a ShardedTensor per state with
+    a flat parameter, the whole tensor with ``use_orig_params=True``; the same Adam states."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    libs = (
+        (TorchFSDP, TorchStrategy.NO_SHARD, TorchStateDictType.SHARDED_STATE_DICT),
+        (FSDP, ShardingStrategy.NO_SHARD, StateDictType.SHARDED_STATE_DICT),
+    )
+    for use_orig_params in (True, False):
+        with case(f"use_orig_params={use_orig_params}"):
+            found = []
+            for wrapper, strategy, kind in libs:
+                model = wrapper(
+                    build(), sharding_strategy=strategy, use_orig_params=use_orig_params, device_id=torch.device("cpu")
+                )
+                optim = torch.optim.Adam(model.parameters(), lr=0.1)
+                loss_of(model, rank_batches(0, world)[rank]).backward()
+                optim.step()
+                with wrapper.state_dict_type(model, kind):
+                    found.append(_forms_and_locals(wrapper.optim_state_dict(model, optim)))
+            theirs, ours = found
+            assert ours.keys() == theirs.keys()
+            for fqn, states in theirs.items():
+                assert {k: form for k, (form, _) in ours[fqn].items()} == {k: form for k, (form, _) in states.items()}
+                for key, (_, value) in states.items():
+                    torch.testing.assert_close(ours[fqn][key][1], value, msg=f"{fqn} {key}")
