@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -299,7 +300,8 @@ def test_no_shard_sharded_optim_state_dict_has_torchs_forms_and_values():
 @distributed(world_size=2)
 def test_wrapper_optimizer_state_round_trip_resumes_training_exactly():
     """FSDP.optim_state_dict then FSDP.optim_state_dict_to_load into a fresh model and optimizer
-    (flat and original parameters): the next Adam step equals the uninterrupted run's."""
+    (flat and original parameters): the next Adam step equals the uninterrupted run's. A group
+    passed to sharded_optim_state_dict is ignored with a warning."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for use_orig_params in (False, True):
         with case(f"use_orig_params={use_orig_params}"):
@@ -320,3 +322,5 @@ def test_wrapper_optimizer_state_round_trip_resumes_training_exactly():
                 optim.step()
             for key, value in first.state_dict().items():
                 torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
+            with pytest.warns(UserWarning, match=r"FSDP\.sharded_optim_state_dict ignores group"):
+                FSDP.sharded_optim_state_dict(first, optims[0], group=dist.group.WORLD)
