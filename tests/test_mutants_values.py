@@ -5,6 +5,7 @@ factor, or one rank's gradient alone, moves the parameters away from the referen
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -299,12 +300,21 @@ def test_no_shard_sharded_optim_state_dict_has_torchs_forms_and_values():
 
 @distributed(world_size=2)
 def test_wrapper_optimizer_state_round_trip_resumes_training_exactly():
-    """FSDP.optim_state_dict then FSDP.optim_state_dict_to_load into a fresh model and optimizer
-    (flat and original parameters): the next Adam step equals the uninterrupted run's. A group
+    """An optimizer state dict of the wrapper (FQN-keyed, or full and sharded again) loaded into a
+    fresh model and optimizer (flat and original parameters): the next Adam step equals the
+    uninterrupted run's. A group
     passed to sharded_optim_state_dict is ignored with a warning."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    for use_orig_params in (False, True):
-        with case(f"use_orig_params={use_orig_params}"):
+    loaders = {
+        "optim_state_dict_to_load": lambda model, optim, source, source_optim: FSDP.optim_state_dict_to_load(
+            model, optim, FSDP.optim_state_dict(source, source_optim)
+        ),
+        "shard_full_optim_state_dict": lambda model, optim, source, source_optim: FSDP.shard_full_optim_state_dict(
+            FSDP.full_optim_state_dict(source, source_optim, rank0_only=False), model
+        ),
+    }
+    for use_orig_params, loader in itertools.product((False, True), loaders):
+        with case(f"use_orig_params={use_orig_params}, {loader}"):
             models, optims = [], []
             for _ in range(2):
                 model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params)
@@ -315,8 +325,7 @@ def test_wrapper_optimizer_state_round_trip_resumes_training_exactly():
             optims[0].step()
             optims[0].zero_grad()
             resumed.load_state_dict(first.state_dict())
-            osd = FSDP.optim_state_dict(first, optims[0])
-            optims[1].load_state_dict(FSDP.optim_state_dict_to_load(resumed, optims[1], osd))
+            optims[1].load_state_dict(loaders[loader](resumed, optims[1], first, optims[0]))
             for model, optim in zip(models, optims):
                 loss_of(model, rank_batches(1, world)[rank]).backward()
                 optim.step()
