@@ -325,7 +325,9 @@ def test_wrapper_optimizer_state_round_trip_resumes_training_exactly():
             optims[0].step()
             optims[0].zero_grad()
             resumed.load_state_dict(first.state_dict())
-            optims[1].load_state_dict(loaders[loader](resumed, optims[1], first, optims[0]))
+            loadable = loaders[loader](resumed, optims[1], first, optims[0])
+            assert not optims[1].state  # converted, not loaded (load_directly=False is the default)
+            optims[1].load_state_dict(loadable)
             for model, optim in zip(models, optims):
                 loss_of(model, rank_batches(1, world)[rank]).backward()
                 optim.step()
