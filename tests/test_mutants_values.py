@@ -98,23 +98,21 @@ def assert_trains_like_reference(
     grad_scale: float = 1.0,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    world: int | None = None,
     flat: bool = False,
 ) -> None:
     """SGD steps of ``model`` (this rank's batch) and of ``ref``, the same model in one process (every
     rank's batch), whose averaged gradient is multiplied by ``grad_scale`` (the reduction's factor
-    against an average); full parameters compared after every step. ``world``: the data-parallel
-    ranks (default: all). ``flat``: the FSDP1 wrapper's flat parameter, compared through its full state dict."""
-    world = world or dist.get_world_size()
-    rank = dist.get_rank() % world
+    against an average); full parameters (and which have a gradient) compared after every step.
+    ``flat``: the FSDP1 wrapper's flat parameter, compared through its full state dict."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     reference = DataParallelReference(ref, loss_of)
     optim, ref_optim = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(STEPS):
         every = rank_batches(step, world)
         loss_of(model, every[rank]).backward()
         reference.backward(every)
-        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
-            if not flat:
+        if not flat:
+            for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
                 assert (param.grad is None) == (ref_param.grad is None), f"step {step} {name}: {param.grad}"
         optim.step()
         optim.zero_grad()
@@ -134,7 +132,8 @@ def assert_trains_like_reference(
 def test_reductions_train_like_one_process():
     """Reduction paths the parity tests leave out: a dim-1 shard (chunked per rank on dim 1), a
     float16 reduction with a divide factor (divided before and after the sum), SUM-only reductions
-    (divided after the collective, once), and a replicate dimension's all-reduce."""
+    (divided after the collective, once), and a replicate dimension's all-reduce (a shard group of
+    one, whose unsharded parameter is the shard itself)."""
     world = dist.get_world_size()
     fp16_reduce = MixedPrecisionPolicy(reduce_dtype=torch.float16)
     for widths in (ODD, EVEN):
