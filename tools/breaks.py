@@ -165,6 +165,22 @@ BREAKS: tuple[Break, ...] = (
         "the same break, against the HSDP parity test (its reference was our own FULL_SHARD: now torch's DDP)",
     ),
     Break(
+        "reduced_grads_halved",
+        "fullshard/_core/reduction.py",
+        "        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
+        "        self._output.mul_(0.5)\n        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
+        ("tests/test_torch_parity_autograd.py",),
+        "every reduced gradient halved (Adam's update barely moves: the SGD parity tests see it)",
+    ),
+    Break(
+        "reduce_scatter_keeps_local_chunk_gpu_body",
+        "fullshard/_core/reduction.py",
+        "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
+        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
+        ("tests/test_gpu_ranks_dry.py::test_plain_model_parity_body_on_two_cpu_ranks",),
+        "the same, against the world-2 GPU parity body (tests/gpu, dry-run on two CPU ranks)",
+    ),
+    Break(
         "rank_environment_leaks",
         "fullshard/testing/harness.py",
         "        os.environ.clear()\n        os.environ.update(environ)\n",

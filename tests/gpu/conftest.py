@@ -1,7 +1,9 @@
 """GPU tests: they run where CUDA is visible and are skipped, with the reason, elsewhere.
 
-Each test gets NCCL at world 1 in the pytest process (``nccl_world``); the
-CPU suite's rank pool hides CUDA from its ranks and never runs these.
+A test gets NCCL at world 1 in the pytest process (``nccl_world``), or runs its
+body on 1 and 2 GPUs through gpu_ranks.py (one process per GPU; world 2 skipped
+on a one-GPU machine); the CPU suite's rank pool hides CUDA from its ranks and
+never runs these.
 Run them on a GPU machine with ``make test`` or ``pytest -q tests/gpu``.
 """
 

@@ -1,5 +1,7 @@
-"""fullshard on a GPU with NCCL (world 1): training parity, CPU offload, ``fullshard train``, the
-scaler with its scale on CUDA, state dicts and checkpoints. Skipped without CUDA (conftest.py)."""
+"""fullshard on a GPU with NCCL: training parity, CPU offload, ``fullshard train``, the scaler with its
+scale on CUDA, state dicts and checkpoints. Parity and checkpoints run at world 1 and at world 2 (one
+process per GPU, gpu_ranks.py; skipped with fewer GPUs), where every all-gather and reduce-scatter crosses
+devices. Skipped without CUDA (conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from gpu_ranks import device_of, on_ranks
 
 from fullshard import (
     FSDP, CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardedGradScaler, checkpoint,
     fully_shard,
 )
+from fullshard._core import comm
 from fullshard.testing.models import ThreeLinears
 from fullshard.training import TrainConfig, loop
 
@@ -25,15 +29,15 @@ def _model() -> nn.Module:
     return nn.Sequential(ThreeLinears(), nn.ReLU(), ThreeLinears())
 
 
-def _batches() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
+def _batches(rank: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1 + rank)
     return [torch.randn(8, 10, generator=generator) for _ in range(STEPS)]
 
 
-def _train(model: nn.Module, optim: torch.optim.Optimizer) -> list[float]:
+def _train(model: nn.Module, optim: torch.optim.Optimizer, rank: int = 0, device: torch.device = CUDA) -> list[float]:
     losses = []
-    for batch in _batches():
-        loss = model(batch.to(CUDA)).pow(2).mean()
+    for batch in _batches(rank):
+        loss = model(batch.to(device)).pow(2).mean()
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -62,40 +66,76 @@ def _no_model_state_on_gpu(model: nn.Module, optim: torch.optim.Optimizer) -> No
                 assert getattr(value, "_local_tensor", value).device.type == "cpu"
 
 
-def test_fully_shard_matches_a_plain_model_on_nccl(nccl_world):
-    plain = _model().to(CUDA)
-    expected = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
-    sharded = _fully_shard(_model().to(CUDA), nccl_world)
-    assert _train(sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2)) == pytest.approx(expected, rel=1e-6)
+def _plain_losses_on_every_batch(model: nn.Module, rank: int, world: int, device: torch.device) -> list[float]:
+    """One process training on every rank's batch (the mean of their losses): what sharded training
+    over ``world`` ranks, each on its own batch, must equal. Returns rank ``rank``'s losses."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    every = [_batches(r) for r in range(world)]
+    losses = []
+    for step in range(STEPS):
+        per_rank = [model(batches[step].to(device)).pow(2).mean() for batches in every]
+        torch.stack(per_rank).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(per_rank[rank].item())
+    return losses
+
+
+def check_matches_a_plain_model(mesh) -> None:
+    """Each rank trains on its own batch; losses and full parameters equal the one-process model's.
+    At world 2 the gradients must be averaged across the GPUs (a rank training on its own batch
+    only, or a reduce-scatter that sums, fails), and the collectives must have been issued."""
+    device, rank, world = device_of(mesh), mesh.get_local_rank(), mesh.size()
+    plain = _model().to(device)
+    expected = _plain_losses_on_every_batch(plain, rank, world, device)
+    sharded = _fully_shard(_model().to(device), mesh)
+    with comm.record_comms() as records:
+        losses = _train(sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2), rank, device)
+    assert losses == pytest.approx(expected, rel=1e-5 if world > 1 else 1e-6)
     for (name, a), b in zip(sharded.named_parameters(), plain.parameters()):
         torch.testing.assert_close(_full(a), _full(b), msg=name)
+    if world > 1:
+        ops = [record.op for record in records]
+        assert ops.count("all_gather") >= STEPS and ops.count("reduce_scatter") >= STEPS, ops
 
 
-@pytest.mark.parametrize("front_end", ["fully_shard", "wrapper"])
-def test_cpu_offload_equals_no_offload_and_keeps_the_gpu_free(nccl_world, front_end):
+@pytest.mark.parametrize("world", [1, 2])
+def test_fully_shard_matches_a_plain_model_on_nccl(world):
+    on_ranks(world, check_matches_a_plain_model)
+
+
+def check_cpu_offload_equals_no_offload(mesh, front_end: str) -> None:
     """fp32: the same losses and parameters as without offload; between steps no
     parameter, gradient or optimizer state of the model on the GPU."""
+    device, rank = device_of(mesh), mesh.get_local_rank()
+
     def build(offload: bool) -> nn.Module:
         model = _model()  # built on the CPU, as a user with a large model would
         if front_end == "fully_shard":
-            return _fully_shard(model, nccl_world, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-        return FSDP(model, device_id=CUDA, cpu_offload=CPUOffload(offload_params=offload), use_orig_params=True)
+            return _fully_shard(model, mesh, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        return FSDP(model, device_id=device, cpu_offload=CPUOffload(offload_params=offload), use_orig_params=True)
 
     reference = build(False)
-    expected = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    expected = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), rank, device)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     offloaded = build(True)
     optim = torch.optim.AdamW(offloaded.parameters(), lr=1e-2)
-    losses = _train(offloaded, optim)
+    losses = _train(offloaded, optim, rank, device)
     torch.cuda.synchronize()
-    torch.empty(1, device=CUDA)  # lets the allocator release blocks freed behind the copy stream
+    torch.empty(1, device=device)  # lets the allocator release blocks freed behind the copy stream
     assert losses == pytest.approx(expected, rel=1e-6)
     for (name, a), b in zip(offloaded.named_parameters(), reference.parameters()):
         torch.testing.assert_close(_full(a), _full(b), rtol=1e-6, atol=1e-7, msg=name)
     _no_model_state_on_gpu(offloaded, optim)
     # Nothing of the offloaded model stays allocated on the GPU between steps.
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("front_end", ["fully_shard", "wrapper"])
+def test_cpu_offload_equals_no_offload_and_keeps_the_gpu_free(front_end, world):
+    on_ranks(world, check_cpu_offload_equals_no_offload, front_end)
 
 
 def test_offloaded_module_moved_to_the_gpu_is_an_error(nccl_world):
@@ -134,19 +174,28 @@ def test_grad_scaler_with_its_scale_on_cuda(nccl_world):
         torch.testing.assert_close(_full(a), b)
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_state_dict_and_checkpoint_round_trip(nccl_world, tmp_path, offload):
+def check_state_dict_and_checkpoint_round_trip(mesh, path, offload: bool) -> None:
+    """A checkpoint of a trained model (each rank its own batches) restores every shard, and
+    training on from it equals training on from the original."""
+    device, rank = device_of(mesh), mesh.get_local_rank()
     policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
-    model = _fully_shard(_model() if offload else _model().to(CUDA), nccl_world, **policy)
+    model = _fully_shard(_model() if offload else _model().to(device), mesh, **policy)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, optim)
+    _train(model, optim, rank, device)
     state = model.state_dict()
-    assert all(v.device_mesh.device_type == "cuda" for v in state.values())
-    checkpoint.save(tmp_path, model, optim)
-    restored = _fully_shard(_model() if offload else _model().to(CUDA), nccl_world, **policy)
+    assert all(v.device_mesh.device_type == mesh.device_type for v in state.values())
+    checkpoint.save(path, model, optim)
+    restored = _fully_shard(_model() if offload else _model().to(device), mesh, **policy)
     restored_optim = torch.optim.AdamW(restored.parameters(), lr=1e-2)
-    checkpoint.load(tmp_path, restored, restored_optim)
+    checkpoint.load(path, restored, restored_optim)
     for (name, a), b in zip(restored.named_parameters(), model.parameters()):
         torch.testing.assert_close(_full(a), _full(b), msg=name)
-        assert getattr(a, "_local_tensor", a).device.type == ("cpu" if offload else "cuda")
-    assert _train(restored, restored_optim) == pytest.approx(_train(model, optim), rel=1e-6)
+        assert getattr(a, "_local_tensor", a).device.type == ("cpu" if offload else device.type)
+    resumed = _train(restored, restored_optim, rank, device)
+    assert resumed == pytest.approx(_train(model, optim, rank, device), rel=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("offload", [False, True])
+def test_state_dict_and_checkpoint_round_trip(tmp_path, offload, world):
+    on_ranks(world, check_state_dict_and_checkpoint_round_trip, str(tmp_path), offload)

@@ -1,4 +1,5 @@
-"""GPU: one kernel per unit, side streams and event-ordered frees (NCCL at world 1).
+"""GPU: one kernel per unit, side streams and event-ordered frees (NCCL at world 1; bf16 training
+against FSDP2 at world 2 too, one process per GPU, gpu_ranks.py).
 
 The copy/cast op counts of tests/test_copy_count.py on CUDA (where the
 reduce-scatter copy-in is ``_chunk_cat``'s one kernel and the all-gather
@@ -15,6 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+from gpu_ranks import device_of, on_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -28,7 +30,7 @@ CUDA = torch.device("cuda", 0)
 
 def _sharded(shard, policy, mesh) -> nn.Module:
     torch.manual_seed(0)
-    model = Transformer(ARGS).to(CUDA)
+    model = Transformer(ARGS).to(device_of(mesh))
     for layer in model.layers:
         shard(layer, mesh=mesh, mp_policy=policy)
     return shard(model, mesh=mesh, mp_policy=policy)
@@ -63,25 +65,29 @@ def test_copy_ops_per_step_at_most_fsdp2_on_cuda(nccl_world, mixed):
     assert ours.get("_foreach_copy_", 0) == 0, ours  # the CUDA copy-in is _chunk_cat, not the CPU path
 
 
-def test_bf16_training_equals_fsdp2_through_the_all_gather_stream(nccl_world):
-    bf16 = torch.bfloat16
-    ours = _sharded(fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32), nccl_world)
-    theirs = _sharded(
-        torch_fully_shard, TorchMixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32), nccl_world
-    )
+def check_bf16_training_equals_fsdp2(mesh) -> None:
+    """Each rank its own tokens: at world 2 the bf16 all-gathers and fp32 reduce-scatters cross GPUs."""
+    bf16, device = torch.bfloat16, device_of(mesh)
+    ours = _sharded(fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32), mesh)
+    theirs = _sharded(torch_fully_shard, TorchMixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32), mesh)
     losses = {}
     for name, model in (("ours", ours), ("theirs", theirs)):
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(1)
+        generator = torch.Generator().manual_seed(1 + mesh.get_local_rank())
         losses[name] = []
         for _ in range(3):
-            tokens = torch.randint(ARGS.vocab_size, (2, 16), generator=generator).to(CUDA)
+            tokens = torch.randint(ARGS.vocab_size, (2, 16), generator=generator).to(device)
             loss = model.loss(tokens, tokens)
             loss.backward()
             optim.step()
             optim.zero_grad()
             losses[name].append(loss.item())
     assert losses["ours"] == pytest.approx(losses["theirs"], rel=1e-2)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_training_equals_fsdp2_through_the_all_gather_stream(world):
+    on_ranks(world, check_bf16_training_equals_fsdp2)
 
 
 def test_offload_copy_frees_its_device_tensor_once_done(nccl_world):
