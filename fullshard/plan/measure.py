@@ -11,7 +11,6 @@ rise during it, the least of three steps.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..testing.memory import profiled_step_peak, storage_bytes
+from ..testing.memory import warmed_step_peak
 from .apply import apply_choice
 from .blocks import select_blocks
 from .choice import Choice
@@ -54,16 +53,7 @@ def measure_choice(
         optim.step()
         optim.zero_grad()
 
-    step()
-    step()
-    gc.collect()
-    states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    before = storage_bytes([*model.parameters(), *model.buffers(), *states])
-    peaks, all_records = zip(*(profiled_step_peak(step) for _ in range(3)))
-    records = all_records[-1]
-    nbytes: dict[str, int] = {}
-    for record in records:
-        nbytes[record.op] = nbytes.get(record.op, 0) + record.nbytes
+    peak, late_release, nbytes = warmed_step_peak(step, model, optim, count_buffers=True)
     seconds, cpu = [], []
     for _ in range(timed_steps):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -71,8 +61,8 @@ def measure_choice(
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     return {
-        "peak": before + min(peaks),
-        "late_release": max(peaks) - min(peaks),
+        "peak": peak,
+        "late_release": late_release,
         "comm": nbytes,
         "seconds": sorted(seconds)[len(seconds) // 2] if seconds else 0.0,
         "cpu_seconds": sorted(cpu)[len(cpu) // 2] if cpu else 0.0,

@@ -32,7 +32,7 @@ from ..models import ModelArgs, Transformer, TransformerBlock
 from ..replicate import replicate
 from ..training.tensor_peak import TensorPeak
 
-__all__ = ["measure_step", "storage_bytes", "profiled_step_peak"]
+__all__ = ["measure_step", "storage_bytes", "profiled_step_peak", "warmed_step_peak"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -49,6 +49,26 @@ def profiled_step_peak(step: Callable[[], None]) -> tuple[int, list[comm.CommRec
     with comm.record_comms() as records, TensorPeak() as peak:
         step()
     return peak.rise, records
+
+
+def warmed_step_peak(
+    step: Callable[[], None], model: nn.Module, optim: torch.optim.Optimizer, count_buffers: bool = False
+) -> tuple[int, int, dict[str, int]]:
+    """Two warm-up calls of ``step`` (lazy init, optimizer states), then three profiled ones:
+    (peak: the live parameters, optimizer states and, with ``count_buffers``, buffers before
+    plus the least rise; late release: the spread of the three rises (see [Note: Measured step
+    memory on CPU]); bytes by collective in one step)."""
+    step()
+    step()
+    gc.collect()
+    states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    buffers = list(model.buffers()) if count_buffers else []
+    before = storage_bytes([*model.parameters(), *buffers, *states])
+    peaks, records = zip(*(profiled_step_peak(step) for _ in range(3)))
+    comm_bytes: dict[str, int] = {}
+    for record in records[-1]:
+        comm_bytes[record.op] = comm_bytes.get(record.op, 0) + record.nbytes
+    return before + min(peaks), max(peaks) - min(peaks), comm_bytes
 
 
 _WRAPPER_STRATEGIES = {
@@ -108,18 +128,10 @@ def measure_step(
         optim.step()
         optim.zero_grad()
 
-    step()
-    step()
-    gc.collect()
-    states = [t for state in optim.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    before = storage_bytes([*model.parameters(), *states])
-    peaks, records = zip(*(profiled_step_peak(step) for _ in range(3)))
-    comm_bytes: dict[str, int] = {}
-    for record in records[0]:
-        comm_bytes[record.op] = comm_bytes.get(record.op, 0) + record.nbytes
+    peak, late_release, comm_bytes = warmed_step_peak(step, model, optim)
     return {
-        "peak": before + min(peaks),
-        "late_release": max(peaks) - min(peaks),
+        "peak": peak,
+        "late_release": late_release,
         "comm": comm_bytes,
         "shard_numels": [_shard_numel(m) for m in [model, *base.layers]],
     }
