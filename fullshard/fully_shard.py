@@ -348,7 +348,10 @@ def fully_shard(
     ignored_params = set(ignored_params or ()) | {p for m in ignored for p in m.parameters()}
     if policy is not None:
         arguments = dict(
-            mesh=mesh_info.mesh,
+            # With dp_mesh_dims the units below resolve the same whole mesh and dims as this one (the
+            # resolved data-parallel mesh alone would shard a replicate-only choice over its replicas).
+            mesh=mesh if dp_mesh_dims is not None else mesh_info.mesh,
+            dp_mesh_dims=dp_mesh_dims,
             reshard_after_forward=requested_reshard,
             mp_policy=mp_policy,
             shard_placement_fn=shard_placement_fn,

@@ -5,6 +5,7 @@ one process); knobs without effect warn once; the rest raises clearly.
 """
 
 import copy
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -19,6 +20,7 @@ from fullshard import DataParallelMeshDims, fully_shard, share_comm_ctx
 from fullshard._core import comm, compat, offload
 from fullshard.comm_settings import _warned
 from fullshard.models import MLP
+from fullshard.wrap import ModuleWrapPolicy
 from fullshard.testing import assert_params_equal, distributed, train_in_parity, train_steps
 
 
@@ -109,12 +111,16 @@ def test_dp_mesh_dims_shard_and_replicate_train_like_one_process():
         DataParallelMeshDims(replicate="outer", shard="inner"),  # HSDP
         DataParallelMeshDims(replicate=("outer", "inner")),  # replicated only
     ]
-    for dims in cases:
+    for dims, by_policy in itertools.product(cases, (False, True)):
         ref = _model()
-        model = _shard(copy.deepcopy(ref), mesh=mesh, dp_mesh_dims=dims)
+        if by_policy:  # the blocks picked by a policy resolve the same dims as the root
+            model = fully_shard(copy.deepcopy(ref), mesh=mesh, dp_mesh_dims=dims, policy=ModuleWrapPolicy({MLP}))
+        else:
+            model = _shard(copy.deepcopy(ref), mesh=mesh, dp_mesh_dims=dims)
         replicated_only = not dims.shard_names
-        for param in model.parameters():
-            assert param.to_local().shape[0] == (param.shape[0] if replicated_only else param.shape[0] // 2)
+        for name, param in model.named_parameters():
+            expected = param.shape[0] if replicated_only else param.shape[0] // 2
+            assert param.to_local().shape[0] == expected, (dims, by_policy, name)
         _train_like_one_process(model, ref)
 
 
