@@ -4,6 +4,11 @@ The public names mirror PyTorch's own FSDP package: switching is a change of
 imports.
 """
 
+# First, before torch: a Ctrl-C while the fullshard command starts exits without a traceback
+# (fullshard/cli/startup.py; a program that imports fullshard is left alone).
+from .cli import startup as _startup  # noqa: F401 (imported for its effect)
+
+# isort: split
 from ._core.mesh import hybrid_mesh
 from .all_gather_buckets import set_all_gather_bucket_size
 from .all_gather_quantization import set_all_gather_quantization

@@ -332,6 +332,8 @@ def _resolve(path: str) -> str:
     with open(latest) as f:
         version = f.read().strip()
     folder = os.path.join(path, version)
+    if not version or os.sep in version:
+        raise CheckpointError(f"checkpoint {path} is damaged: {LATEST} holds {version!r}, not a version's name")
     if not os.path.exists(os.path.join(folder, MANIFEST)):
         raise CheckpointError(f"checkpoint {path}: {LATEST} names {version}, whose {MANIFEST} is missing")
     return folder
@@ -340,13 +342,17 @@ def _resolve(path: str) -> str:
 def _verify(folder: str, checksums: bool) -> None:
     """Checks the files against the manifest (sizes; CRC-32 too with ``checksums``),
     spread over the ranks; raises on every rank."""
-    with open(os.path.join(folder, MANIFEST)) as f:
-        manifest = json.load(f)
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            manifest = json.load(f)
+        files = dict(manifest["files"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {MANIFEST} cannot be read ({exc})") from exc
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {folder}: format {manifest.get('format')} is not {FORMAT_VERSION}")
     world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
     problems = []
-    for index, (name, info) in enumerate(sorted(manifest["files"].items())):
+    for index, (name, info) in enumerate(sorted(files.items())):
         if index % world != rank:
             continue
         full = os.path.join(folder, name)
@@ -467,4 +473,9 @@ def read_extra(path: str | os.PathLike) -> Any:
 
 def _read_extra(folder: str) -> Any:
     extra_path = os.path.join(folder, EXTRA)
-    return torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else None
+    if not os.path.exists(extra_path):
+        return None
+    try:
+        return torch.load(extra_path, weights_only=False)
+    except Exception as exc:  # truncated or overwritten: pickle's and torch's errors vary
+        raise CheckpointError(f"checkpoint {folder} is damaged: {EXTRA} cannot be read ({exc})") from exc

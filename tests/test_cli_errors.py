@@ -7,7 +7,11 @@ and ``tests/test_plan.py``; this file holds what both share and the library's me
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -172,3 +176,67 @@ def test_train_into_a_closed_pipe_succeeds_quietly(tmp_path):
     assert process.wait(180) == 0 and "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
     last = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert "summary" in last
+
+
+@pytest.mark.parametrize(
+    "orig_argv, argv0, role",
+    [
+        (["python", "-m", "fullshard", "train"], "-m", "launcher"),
+        (["/venv/bin/python", "/venv/bin/fullshard", "plan"], "/venv/bin/fullshard", "launcher"),
+        (["python", "-u", "-m", "fullshard.training", "{}"], "-m", "rank"),  # what torchrun starts
+        (["python", "train.py"], "train.py", None),  # a program that imports fullshard
+        (["python", "-m", "pytest", "tests"], "-m", None),
+        (["python", "-c", "import fullshard"], "-c", None),
+    ],
+)
+def test_only_the_command_quiets_ctrl_c_while_it_starts(orig_argv, argv0, role, monkeypatch):
+    from fullshard.cli import startup
+
+    monkeypatch.setattr(sys, "orig_argv", orig_argv, raising=False)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert startup._role() == role
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_command_starts_is_one_line():
+    """SIGINT while torch is being imported (seconds, as the user may press Ctrl-C at once): the launcher
+    says one line, a rank nothing (the launcher tells); both exit with 130, no traceback. Each process is
+    signalled once its own handler is in place (``-X importtime`` reports fullshard.cli.startup), so
+    during the import of torch."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    commands = {
+        "launcher": [sys.executable, "-X", "importtime", "-m", "fullshard", "train", "--steps", "1"],
+        "rank": [sys.executable, "-X", "importtime", "-m", "fullshard.training", "{}"],
+    }
+    processes = {
+        role: subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+        for role, command in commands.items()
+    }
+    said = {}
+    for role, process in processes.items():
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if line.rstrip().endswith("fullshard.cli.startup"):
+                process.send_signal(signal.SIGINT)
+                break
+        lines += process.stderr.readlines()
+        assert process.wait(120) == 130, "".join(lines)
+        said[role] = [line for line in lines if not line.startswith("import time:")]
+    assert said == {"launcher": ["\n", "fullshard: interrupted while starting\n"], "rank": []}
+
+
+def test_torchruns_log_lines_are_quiet_unless_debug():
+    """torchrun's modules set their loggers' levels themselves: each is raised while the ranks run (the
+    failure or Ctrl-C is said once, by fullshard train), and put back after."""
+    import logging
+
+    from fullshard.cli.train import _quiet_launcher
+
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent.setLevel(logging.WARNING)
+    with _quiet_launcher(True):
+        assert not agent.isEnabledFor(logging.WARNING)
+    assert agent.isEnabledFor(logging.WARNING)
+    with _quiet_launcher(False):  # --debug
+        assert agent.isEnabledFor(logging.WARNING)

@@ -222,11 +222,43 @@ def test_bucket_default_is_the_engines():
         (["--module", "nocolon"], "--module expects PKG.MOD:FACTORY but got 'nocolon'"),
         (["--module", "a:b", "--world-size", "2", "4"], "--world-size expects one value with --module"),
         (["--module", "a:b", "--profile", "tpu"], "--profile expects one of h100, h200 or a profile JSON"),
+        # Flags the search does not read, and flags only the search reads (issue 39: never ignored).
+        (["--module", "a:b", "--dim", "64", "--mixed-precision", "bf16"],
+         "--dim 64, --mixed-precision bf16 apply only to the GPT presets (--model), not to --module/--hf-config"),
+        (["--rows", "5", "--profile", "h100", "--micro-batch", "2", "4"],
+         "--micro-batch 2 4, --rows 5, --profile h100 apply only to the search for your own model: add --module or "
+         "--hf-config, or drop them"),
+        (["--module", "a:b", "--world-size", "2", "--batch", "3"],
+         "--batch 3 must be divisible by --world-size 2 (it is the global batch)"),
+        (["--calibrate", "{tmp}/missing/c.json"], "--calibrate {tmp}/missing/c.json: the folder {tmp}/missing does not "
+                                                  "exist"),
+        (["--calibrate", "{tmp}/c.json", "--model", "gpt-7b"],
+         "--model gpt-7b applies only to a plan, and --calibrate alone only measures"),
+        (["--hf-config", "{tmp}"], "--hf-config {tmp}: the folder has no config.json"),
     ],
 )
-def test_cli_bad_flags(flags, line, capsys):
-    assert main(["plan", *flags]) == 2
-    assert capsys.readouterr().err.startswith("fullshard plan: " + line)
+def test_cli_bad_flags(flags, line, capsys, tmp_path):
+    assert main(["plan", *(flag.format(tmp=tmp_path) for flag in flags)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard plan: " + line.format(tmp=tmp_path)), err
+    assert not (tmp_path / "c.json").exists()  # nothing measured
+
+
+def test_cli_a_module_that_fails_is_one_line(tmp_path, monkeypatch, capsys):
+    """The user's module cannot be imported, or its factory fails in a way plan does not expect: one line
+    naming --module and the cause (--debug: the traceback)."""
+    (tmp_path / "broken_syntax.py").write_text("def build(:\n")
+    (tmp_path / "lookup_fails.py").write_text("def build():\n    return {}['layers']\n\n\n"
+                                              "def example_batch(n):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--module", "broken_syntax:build"]) == 2
+    assert capsys.readouterr().err == (
+        "fullshard plan: --module broken_syntax:build: importing broken_syntax raised SyntaxError: invalid syntax "
+        "(broken_syntax.py, line 1)\n")
+    assert main(["plan", "--module", "lookup_fails:build"]) == 2
+    assert capsys.readouterr().err == "fullshard plan: --module lookup_fails:build: KeyError: 'layers'\n"
+    with pytest.raises(KeyError):
+        main(["plan", "--module", "lookup_fails:build", "--debug"])
 
 
 def test_cli_module_that_does_not_import(capsys):

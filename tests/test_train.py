@@ -128,9 +128,10 @@ def _reference(config: TrainConfig, world_size: int) -> tuple[list[float], float
         (2, {"front_end": "wrapper", "strategy": "grad-op", "mixed_precision": "bf16"}),
         (2, {"front_end": "wrapper", "cpu_offload": True}),
         (4, {"front_end": "wrapper", "strategy": "hybrid", "shard_size": 2}),
+        (4, {"strategy": "hybrid", "shard_size": 1}),  # replicas of one rank: all-reduce only, as plan says
     ],
     ids=["1-full", "2-full", "2-grad-op", "2-no-shard", "2-offload", "4-hybrid", "4-full", "2-bf16", "2-wrapper",
-         "2-wrapper-grad-op-bf16", "2-wrapper-offload", "4-wrapper-hybrid"],
+         "2-wrapper-grad-op-bf16", "2-wrapper-offload", "4-wrapper-hybrid", "4-hybrid-of-one"],
 )
 def test_training_equals_one_process(world_size, changes):
     config = dataclasses.replace(SMALL, **changes)
@@ -146,6 +147,12 @@ def test_training_equals_one_process(world_size, changes):
     assert result.losses[-1] < result.losses[0]
     assert len(result.peaks) == world_size and all(p > 0 for p in result.peaks)
     assert result.model_states and result.comm  # measured (one rank alone still clips: an all-reduce)
+    # fullshard plan for the same configuration (issue 39): the sharding's collectives byte for byte, the clip's
+    # norm counted apart, and the step's peak within 1%.
+    plan, _ = summary.predict(config, world_size, result.shard_size, "cpu")
+    assert {op: n for op, n in result.comm.items() if not op.endswith(summary.CLIP_LABEL)} == plan.comm
+    assert result.comm[f"all_reduce {summary.CLIP_LABEL}"] == 4
+    assert all(peak == pytest.approx(plan.peak, rel=0.01) for peak in result.peaks), (result.peaks, plan.peak)
 
 
 def test_demo_peak_matches_the_plan():
@@ -153,14 +160,14 @@ def test_demo_peak_matches_the_plan():
     tensors at the step's peak, and the two agree within 5%."""
     config = dataclasses.replace(TrainConfig(), steps=3)
     result = run_distributed(_train_capturing_model, 2, config)[0]["result"]
-    predicted, _ = summary._predicted_peaks(result)
+    predicted = summary.predict(config, 2, result.shard_size, "cpu")[0].peak
     for rank, peak in enumerate(result.peaks):
         assert peak == pytest.approx(predicted, rel=0.05), f"rank {rank}: measured {peak} B, predicted {predicted} B"
     # fullshard plan with the same flags (--batch: over all ranks in both) says the same; its bytes are the
-    # engine's collectives the run counted (the root gathered once a step), all but the clip's norm all-reduce.
+    # engine's collectives the run counted (the root gathered once a step); the clip's norm all-reduce apart.
     plan = estimate(PlanConfig(config.model_args(), 2, batch_size=config.batch // 2, device="cpu"))
     assert plan.peak == predicted
-    assert {op: n for op, n in result.comm.items() if op != "all_reduce"} == plan.comm
+    assert {op: n for op, n in result.comm.items() if not op.endswith(summary.CLIP_LABEL)} == plan.comm
     assert cli_main(["plan", "--world-size", "2", "--batch", str(config.batch), "--device", "cpu"]) == 0
 
 
@@ -346,6 +353,9 @@ def test_command_trains_with_progress_summary_metrics_and_checkpoint(tmp_path):
     for row in ("steps", "final loss", "throughput", "comm per step and rank", "validation loss",
                 "checkpoint", "rank 0", "rank 1", "one process, unsharded", "sample: 'Alice "):
         assert row in out, f"{row!r} missing from the summary:\n{out}"
+    comm = next(line for line in out.splitlines() if line.startswith("comm per step and rank"))
+    assert re.search(r"  ([\d.]+ KiB), all_gather [\d.]+ KiB, reduce_scatter [\d.]+ KiB \(fullshard plan: \1\); "
+                     r"the clip's norm: all_reduce 4 B$", comm), comm
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines[:-1]] == [1, 2, 3, 4, 5, 6]
     summary = lines[-1]["summary"]
@@ -434,20 +444,63 @@ def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
         # 2 ranks a machine: the batch must split over 2 and over 4 ranks.
         (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--batch", "6"],
          "--batch 6 must be divisible by the number of ranks 4"),
+        # Issue 39, second round: paths, flags that would do nothing, torchrun's options, damaged checkpoints.
+        (["--checkpoint-dir", "{file}"], "--checkpoint-dir {file} is a file, not a folder"),
+        (["--checkpoint-dir", "{file}/ckpt"], "--checkpoint-dir {file}/ckpt: {file} is a file, not a folder"),
+        (["--metrics", "{empty}/m.jsonl"], "--metrics {empty}/m.jsonl: the folder {empty} does not exist"),
+        (["--metrics", "{tmp}"], "--metrics {tmp} is a folder: name a file"),
+        (["--memory-limit", "10", "--profile", "h100"],
+         "--memory-limit 10, --profile h100 apply only to --auto (the plan's search): add --auto, or drop them"),
+        (["--auto", "--strategy", "grad-op"],
+         "--strategy grad-op applies only without --auto (which chooses them): drop --auto, or drop it"),
+        (["--checkpoint-every", "5"], "--checkpoint-every 5 applies only with --checkpoint-dir"),
+        (["--node-rank", "1"], "--node-rank 1 must be at least 0 and below --nnodes 1"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--master-port", "29500"],
+         "--master-port 29500 applies only to the static rendezvous, not to --rdzv-backend c10d"),
+        (["--checkpoint-dir", "{damaged}"], "--checkpoint-dir {damaged}: checkpoint {damaged} is damaged: LATEST "
+                                            "holds '', not a version's name; choose another --checkpoint-dir"),
+        (["--checkpoint-dir", "{damaged_extra}", "--resume"], "is damaged: extra.pt cannot be read"),
     ],
 )
 def test_bad_flags_fail_before_any_rank_starts(flags, message, tmp_path, capsys, monkeypatch):
     saved, foreign = tmp_path / "saved", tmp_path / "foreign"
+    damaged, damaged_extra, file = tmp_path / "damaged", tmp_path / "damaged_extra", tmp_path / "file"
     if any("{saved}" in flag for flag in flags):
         extra = {"step": 3, "model": dataclasses.asdict(SMALL.model_args())}
         checkpoint.save(saved, Transformer(SMALL.model_args()), extra=extra)
     if "{foreign}" in flags:
         checkpoint.save(foreign, Transformer(SMALL.model_args()), extra=None)
-    flags = [f.format(empty=tmp_path / "empty", saved=saved, foreign=foreign) for f in flags]
+    if "{damaged}" in flags:  # a LATEST cut to nothing
+        damaged.mkdir()
+        (damaged / "LATEST").write_text("")
+    if "{damaged_extra}" in flags:  # the step and model file overwritten
+        version = checkpoint.save(damaged_extra, Transformer(SMALL.model_args()), extra={"step": 3})
+        Path(version, "extra.pt").write_bytes(b"\0" * 16)
+    file.write_text("not a folder")
+    names = {"empty": tmp_path / "empty", "saved": saved, "foreign": foreign, "damaged": damaged,
+             "damaged_extra": damaged_extra, "file": file, "tmp": tmp_path}
+    flags = [f.format(**names) for f in flags]
     monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same on a GPU machine
     assert cli_main(["train", "--layers", "2", "--dim", "32", "--seq", "16", *flags]) == 2
-    assert message.format(saved=saved) in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message.format(**names) in err and "Traceback" not in err, err
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_any_rank_starts(capsys, monkeypatch):
+    """fullshard plan's peak per rank, times the ranks here, against the memory available: gpt-7b on
+    CPU would otherwise allocate until the kernel kills a rank (or the machine swaps)."""
+    monkeypatch.setattr("fullshard.cli.train.torchrun", lambda *_: pytest.fail("ranks were started"))
+    monkeypatch.setattr("fullshard.cli.train._available_host_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli_main(["train", "--model", "gpt-7b", "--batch", "4"]) == 2
+    assert re.fullmatch(
+        r"fullshard train: --model gpt-7b \(6,4\d\dM parameters\) needs about [\d.]+ GiB per rank at the step's peak "
+        r"over 2 ranks \(fullshard plan's estimate\), [\d.]+ GiB for the 2 ranks on this machine, which has "
+        r"16.00 GiB available: choose a smaller model \(--model, --layers, --dim\), a smaller --batch or --seq, or "
+        r"more ranks\n",
+        capsys.readouterr().err,
+    )
 
 
 def test_every_bad_flag_is_reported_at_once(capsys, monkeypatch):
@@ -475,12 +528,19 @@ def test_every_bad_flag_is_reported_at_once(capsys, monkeypatch):
         (["--strategy", "hybrid", "--shard-size", "1"], "is replication (no sharding)"),
         (["--strategy", "no-shard", "--all-gather-dtype", "int8"],
          "warning: --all-gather-dtype int8 has no effect here: with one rank per shard group no all-gather runs"),
+        (["--nproc", "1", "--strategy", "grad-op"], "warning: --strategy grad-op has no effect with one rank: there "
+                                                    "is nothing to shard or replicate"),
+        (["--steps", "10"], "warning: --warmup 20 (the default) is not below --steps 10: the learning rate rises for "
+                            "the whole run and ends at 0.0015, below --lr 0.003"),
+        (["--nproc", "4"], "warning: --nproc 4 ranks on 2 CPU cores: the ranks take turns on the cores"),
+        (["--threads", "2"], "warning: --threads 2 for each of 2 ranks is 4 threads on 2 CPU cores"),
     ],
 )
 def test_flags_without_effect_are_warned(flags, warning, capsys, monkeypatch):
     started = []
     monkeypatch.setattr("fullshard.cli.train.torchrun", started.append)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core machine
     assert cli_main(["train", "--layers", "2", "--dim", "32", "--seq", "16", *flags]) == 0
     assert started and warning in capsys.readouterr().err
 
@@ -519,6 +579,12 @@ def test_resume_says_what_it_resumes_and_warns_of_a_new_schedule(tmp_path, capsy
             "the rate follows the new one") in capsys.readouterr().err
     assert cli_main([*flags, "--steps", "3"]) == 0
     assert "at step 3 of 3: no step left to train" in capsys.readouterr().err
+    checkpoint.save(saved, Transformer(SMALL.model_args()), extra={
+        "step": 3, "model": dataclasses.asdict(SMALL.model_args()), "schedule": schedule,
+        "data": {"batch": 16, "seed": 0}})
+    assert cli_main([*flags, "--steps", "6", "--seed", "1"]) == 0
+    assert ("fullshard train: warning: the data changes (--seed 0 -> 1): from step 3 on, each step's batch is drawn "
+            "by the new settings, so the loss curve differs from an uninterrupted run") in capsys.readouterr().err
 
 
 def test_metrics_file_appends_and_a_resume_replaces_only_the_interrupted_tail(tmp_path):

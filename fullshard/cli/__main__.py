@@ -19,11 +19,12 @@ try reports them all, with the other flags' problems.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import sys
 
-from . import plan, train
+from . import plan, startup, train
 
 SUBCOMMANDS = {"train": train, "plan": plan}
 
@@ -55,24 +56,27 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    args, unknown, unreadable = _parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
-    if unknown:  # the subcommand's usage, not the top level's, and the flag meant
-        unreadable.append(_unknown_flags(args.parser, unknown))
-    if unreadable:
-        args.parser.print_usage(sys.stderr)
-        prefix = f"fullshard {args.command}: "
-        lines = [prefix + "error: " + line for line in unreadable]
-        lines += [prefix + line for line in SUBCOMMANDS[args.command].problems(args)]
-        print("\n".join(lines), file=sys.stderr)
-        return 2
+    startup.started()  # Ctrl-C is KeyboardInterrupt again, handled below
+    command = "fullshard"
     try:
+        args, unknown, unreadable = _parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
+        command = f"fullshard {args.command}"
+        if unknown:  # the subcommand's usage, not the top level's, and the flag meant
+            unreadable.append(_unknown_flags(args.parser, unknown))
+        if unreadable:
+            args.parser.print_usage(sys.stderr)
+            lines = [f"{command}: error: {line}" for line in unreadable]
+            lines += [f"{command}: {line}" for line in SUBCOMMANDS[args.command].problems(args)]
+            print("\n".join(lines), file=sys.stderr)
+            return 2
         return args.run(args)
     except BrokenPipeError:  # `fullshard plan ... | head`: the reader has all it wanted
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again
+        for stream in (sys.stdout, sys.stderr):  # Python's own flush at exit would fail again
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         return 141  # as a shell reports a process ended by SIGPIPE
     except KeyboardInterrupt:  # Ctrl-C before any rank started, or during a long plan
-        print(f"\nfullshard {args.command}: interrupted", file=sys.stderr)
+        print(f"\n{command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -41,6 +41,7 @@ from .._text import align, describe_model, human_bytes
 from ..models import PRESETS, ModelArgs, get_preset
 from ..plan import STRATEGIES, Plan, PlanConfig, estimate
 from . import plan_model
+from .paths import file_problems
 
 HELP = "predict per-rank memory and bytes per step for a model, world sizes and strategies"
 
@@ -194,8 +195,9 @@ def problems(args: argparse.Namespace) -> list[str]:
             found.append(f"--dim {model.dim} must be divisible by --heads {model.n_heads}")
     if args.plot:
         found += _plot_path_problems(args.plot)
+    found += plan_model.model_problems(args)
     if plan_model.wants_model_search(args):
-        return found + plan_model.model_problems(args)
+        return found
     strategies = _strategies(args)
     if args.ranks_per_node is not None and "hybrid" not in strategies:
         found.append(
@@ -206,15 +208,10 @@ def problems(args: argparse.Namespace) -> list[str]:
 
 
 def _plot_path_problems(path: str) -> list[str]:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return [f"--plot {path}: the folder {folder} does not exist"]
-    if not os.access(folder, os.W_OK):
-        return [f"--plot {path}: the folder {folder} is not writable"]
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    if suffix not in _PLOT_FORMATS:
+    if suffix not in _PLOT_FORMATS and not os.path.isdir(path):
         return [f"--plot {path}: expects a file name ending in one of .{', .'.join(_PLOT_FORMATS)}"]
-    return []
+    return file_problems("--plot", path)
 
 
 def _strategies(args: argparse.Namespace) -> list[str]:

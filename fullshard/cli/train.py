@@ -8,7 +8,7 @@
     fullshard train --nnodes 2 --node-rank 0 --nproc 8 --master-addr host0 --master-port 29500
     # elastic, 1 to 2 machines (the same line on each): a lost machine's job goes on, smaller,
     # from the newest checkpoint (the folder shared by the machines)
-    fullshard train --nnodes 1:2 --nproc 8 --rdzv-backend c10d --rdzv-endpoint host0:29400 --rdzv-id job7 \
+    fullshard train --nnodes 1:2 --nproc 8 --rdzv-backend c10d --rdzv-endpoint host0:29400 --rdzv-id job7 \\
         --max-restarts 3 --checkpoint-dir /shared/ckpt --checkpoint-every 50
 
 The ranks are started by torchrun's own launcher (``torch.distributed.run``):
@@ -49,10 +49,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import parse_args as parse_torchrun_args
 from torch.distributed.run import run as torchrun
 
+from .._text import human_bytes
 from ..training.config import TrainConfig
 from ..training.config import add_arguments as add_training_arguments
+from ..training.loop import learning_rate
 from ..training.resume import checkpoint_problems, remove_unfinished_saves, saved_step
+from ..training.summary import predict
 from . import train_auto
+from .flags import only_with, set_flags
+from .paths import file_problems, folder_problems
 
 HELP = "train a GPT on the embedded corpus over N ranks (progress, summary, checkpoints)"
 
@@ -167,10 +172,62 @@ def check(args: argparse.Namespace) -> tuple[TrainConfig | None, list[str], list
             f"--max-restarts {args.max_restarts} needs --checkpoint-dir (with --checkpoint-every): a restart "
             "resumes from the newest checkpoint there"
         )
-    if errors:  # the checkpoint's checks need a valid model
+    errors += _launch_problems(args, nodes) + _idle_flags(args, config)
+    notices += _schedule_notices(args, config)
+    if config.metrics:
+        errors += file_problems("--metrics", config.metrics)
+    if config.checkpoint_dir:
+        errors += folder_problems("--checkpoint-dir", config.checkpoint_dir)
+    if errors:  # the checkpoint's checks need a valid model and folder
         return None, errors, notices
     found, said = checkpoint_problems(config)
     return (None if found else config), errors + found, notices + said
+
+
+def _launch_problems(args: argparse.Namespace, nodes: range) -> list[str]:
+    """torchrun's options that no launch could use: a node rank past the machines, static-rendezvous
+    options under another rendezvous (torchrun ignores them there)."""
+    found = []
+    if nodes and not 0 <= args.node_rank < nodes.stop - 1:
+        found.append(f"--node-rank {args.node_rank} must be at least 0 and below --nnodes {args.nnodes}")
+    static_only = set_flags(args, ["node_rank", "master_addr", "master_port"])
+    if static_only and args.rdzv_backend not in (None, "static"):
+        found.append(
+            only_with(
+                static_only,
+                f"to the static rendezvous, not to --rdzv-backend {args.rdzv_backend} (which numbers the machines "
+                "and finds rank 0 at --rdzv-endpoint)",
+                "drop --rdzv-backend",
+            )
+        )
+    return found
+
+
+def _idle_flags(args: argparse.Namespace, config: TrainConfig) -> list[str]:
+    """Flags that would do nothing in this combination: errors, so that none is silently ignored."""
+    found = []
+    auto_only = set_flags(args, ["memory_limit", "profile"])
+    if auto_only and not args.auto:
+        found.append(only_with(auto_only, "to --auto (the plan's search)", "add --auto"))
+    chosen = set_flags(args, ["strategy", "shard_size", "mixed_precision", "cpu_offload", "all_gather_dtype"])
+    if chosen and args.auto:
+        found.append(only_with(chosen, "without --auto (which chooses them)", "drop --auto"))
+    every = set_flags(args, ["checkpoint_every"])
+    if every and not config.checkpoint_dir:
+        found.append(only_with(every, "with --checkpoint-dir (where the checkpoints go)", "add --checkpoint-dir DIR"))
+    return found
+
+
+def _schedule_notices(args: argparse.Namespace, config: TrainConfig) -> list[str]:
+    """A warm-up as long as the run: --lr is never reached."""
+    if 0 < config.steps <= config.warmup and config.lr > 0:
+        default = "" if set_flags(args, ["warmup"]) else " (the default)"
+        return [
+            f"warning: --warmup {config.warmup}{default} is not below --steps {config.steps}: the learning rate "
+            f"rises for the whole run and ends at {learning_rate(config, config.steps - 1):.3g}, below --lr "
+            f"{config.lr:g}"
+        ]
+    return []
 
 
 def node_range(args: argparse.Namespace) -> tuple[range, list[str]]:
@@ -200,6 +257,11 @@ def _no_effect(config: TrainConfig, world_size: int) -> list[str]:
     """Warnings for flags that do nothing in this combination on one machine."""
     shard = config.shard_group_size(world_size, world_size)
     said = []
+    if world_size == 1 and config.strategy != "full":
+        said.append(
+            f"warning: --strategy {config.strategy} has no effect with one rank: there is nothing to shard or "
+            "replicate (every strategy is the same)"
+        )
     if config.strategy == "hybrid" and world_size > 1 and shard in (1, world_size):
         what = "full sharding (no replicas, no all-reduce)" if shard > 1 else "replication (no sharding)"
         said.append(
@@ -217,26 +279,43 @@ def _no_effect(config: TrainConfig, world_size: int) -> list[str]:
 
 @contextlib.contextmanager
 def _quiet_launcher(quiet: bool) -> Iterator[None]:
-    """A failure is described once, below; torchrun's error log lines would repeat it (``--debug``
-    keeps them)."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
+    """A failure or a Ctrl-C is described once, below; torchrun's log lines would repeat it (``--debug``
+    keeps them). torchrun gives each of its modules' loggers a level of its own, so each is raised."""
+    prefix = "torch.distributed.elastic"
+    names = [prefix] + [name for name in logging.root.manager.loggerDict if name.startswith(prefix + ".")]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
     if quiet:
-        logger.setLevel(logging.CRITICAL)
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def preflight(args: argparse.Namespace) -> tuple[TrainConfig | None, str, list[str], list[str]]:
+    """``check``, then what depends on this machine: the device, the memory, the cores.
+    Returns (the config, or None on errors; the device; errors; notices)."""
+    config, errors, notices = check(args)
+    try:
+        device, notice = choose_device(args.device, max(1, args.nproc), torch.cuda.device_count())
+    except ValueError as exc:
+        return None, "cpu", [*errors, str(exc)], notices
+    notices += [notice] if notice else []
+    if config is None:
+        return None, device, errors, notices
+    if not args.auto:  # --auto's search fits the memory itself
+        world = node_range(args)[0].start * args.nproc  # the fewest ranks: the most memory each
+        errors = _memory_problems(config, world, args.nproc, device)
+        if errors:
+            return None, device, errors, notices
+    return config, device, [], notices + (_core_notices(config, args.nproc) if device == "cpu" else [])
 
 
 def run(args: argparse.Namespace) -> int:
-    config, errors, notices = check(args)
-    device = "cpu"
-    try:
-        device, notice = choose_device(args.device, max(1, args.nproc), torch.cuda.device_count())
-        notices += [notice] if notice else []
-    except ValueError as exc:
-        config, errors = None, [*errors, str(exc)]
+    config, device, errors, notices = preflight(args)
     for line in notices:
         print(f"fullshard train: {line}", file=sys.stderr)
     if config is None:
@@ -271,6 +350,54 @@ def run(args: argparse.Namespace) -> int:
     if prediction is not None:
         print(train_auto.compare(prediction, metrics))
     return 0
+
+
+def _memory_problems(config: TrainConfig, world_size: int, nproc: int, device: str) -> list[str]:
+    """A model that cannot fit: fullshard plan's peak per rank against this machine's memory (each GPU's,
+    or the host's available memory shared by its ranks), before any rank allocates it."""
+    plan, _ = predict(config, world_size, config.shard_group_size(world_size, nproc), device)
+    have: int | None
+    if device == "cuda":
+        have = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        need, where = plan.peak, f"but each GPU has {human_bytes(have or 0)}"
+    else:
+        have, need = _available_host_memory(), plan.peak * nproc
+        where = f"{human_bytes(need)} for the {nproc} rank{'s' if nproc > 1 else ''} on this machine, which has "
+        where += f"{human_bytes(have or 0)} available"
+    if have is None or need <= have:
+        return []
+    count = config.model_args().num_params
+    return [
+        f"--model {config.model} ({count / 1e6:,.0f}M parameters) needs about {human_bytes(plan.peak)} per rank at "
+        f"the step's peak over {world_size} rank{'s' if world_size > 1 else ''} (fullshard plan's estimate), {where}: "
+        "choose a smaller model (--model, --layers, --dim), a smaller --batch or --seq, or more ranks"
+    ]
+
+
+def _available_host_memory() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux); None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _core_notices(config: TrainConfig, nproc: int) -> list[str]:
+    """Ranks or threads beyond this machine's CPU cores: each step slower, not wrong."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores:
+        return [
+            f"warning: --nproc {nproc} ranks on {cores} CPU core{'s' if cores > 1 else ''}: the ranks take turns on "
+            "the cores (one thread each), so each step is slower than with fewer ranks"
+        ]
+    if config.threads and config.threads * nproc > cores:
+        return [
+            f"warning: --threads {config.threads} for each of {nproc} ranks is {config.threads * nproc} threads on "
+            f"{cores} CPU core{'s' if cores > 1 else ''}: they take turns, so each step is slower"
+        ]
+    return []
 
 
 def _root_cause(exc: ChildFailedError) -> tuple[int, ProcessFailure]:

@@ -33,7 +33,7 @@ from .metrics import CommTally, MetricsFile, PeakMemory, model_state_bytes
 from .model import build_sharded_model
 from .resume import resume, save
 from .stop import StopRequest
-from .summary import RunResult, print_summary
+from .summary import CLIP_LABEL, RunResult, print_summary
 
 __all__ = ["learning_rate", "make_optimizer", "train"]
 
@@ -96,8 +96,10 @@ def _train_step(
     lr: float,
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    tally: CommTally,
 ) -> torch.Tensor:
-    """Forward, backward, clip, step; returns the detached loss of this rank's slice."""
+    """Forward, backward, clip, step; returns the detached loss of this rank's slice. The clip's
+    collectives count apart in ``tally`` (fullshard plan predicts the sharding's alone)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = next_token_loss(model(inputs), targets)
@@ -108,7 +110,8 @@ def _train_step(
     if scaler:
         scaler.unscale_(optimizer)
     if config.clip:
-        _clip(model, config.clip)
+        with tally.labelled(CLIP_LABEL):
+            _clip(model, config.clip)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -198,7 +201,7 @@ def train(config: TrainConfig) -> RunResult:
                 probe = memory.probe(states) if step == probe_step else contextlib.nullcontext()
                 with probe:
                     loss = _train_step(
-                        model, optimizer, scaler, config, lr, inputs[mine].to(device), targets[mine].to(device)
+                        model, optimizer, scaler, config, lr, inputs[mine].to(device), targets[mine].to(device), tally
                     )
                 if step == start:  # AdamW's states exist from the first step on
                     held = model_state_bytes(model, optimizer)

@@ -53,11 +53,21 @@ class PeakMemory:
 
 
 class CommTally:
-    """Bytes (and calls) of the engine's collectives per operation, between ``reset`` calls."""
+    """Bytes (and calls) of the collectives per operation, between ``reset`` calls; those issued inside
+    ``labelled(label)`` count under ``"<op> <label>"``."""
 
     def __init__(self) -> None:
         self.bytes: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
+        self._suffix = ""
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        self._suffix = f" {label}"
+        try:
+            yield
+        finally:
+            self._suffix = ""
 
     @contextlib.contextmanager
     def listening(self) -> Iterator[CommTally]:
@@ -68,8 +78,8 @@ class CommTally:
             remove()
 
     def _record(self, record: comm.CommRecord, tensors: list[torch.Tensor]) -> None:
-        self.bytes[record.op] += record.nbytes
-        self.calls[record.op] += 1
+        self.bytes[record.op + self._suffix] += record.nbytes
+        self.calls[record.op + self._suffix] += 1
 
     def reset(self) -> dict[str, int]:
         """The bytes per operation so far; starts counting again."""

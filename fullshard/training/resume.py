@@ -8,6 +8,7 @@ else is needed to continue the loss curve exactly.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -24,16 +25,18 @@ def checkpoint_problems(config: TrainConfig) -> tuple[list[str], list[str]]:
     Errors: overwriting a checkpoint by accident, resuming from nothing, into
     another model, or to a ``--steps`` already passed. Notices: what is resumed,
     and a learning-rate schedule that a changed ``--steps``/``--lr``/``--warmup``
-    plans anew.
+    plans anew, or batches that a changed ``--batch``/``--seed`` draws anew.
     """
     if not config.checkpoint_dir:
         return [], []
-    found = checkpoint.exists(config.checkpoint_dir)
-    if config.resume and not found:
-        return [f"--resume: no complete checkpoint in {config.checkpoint_dir}"], []
-    if not found:
-        return [], []
-    extra = checkpoint.read_extra(config.checkpoint_dir)
+    try:
+        extra = checkpoint.read_extra(config.checkpoint_dir)
+    except checkpoint.CheckpointError as exc:
+        if _holds_none(config.checkpoint_dir):  # a new folder, or only saves that never finished
+            return ([f"--resume: no complete checkpoint in {config.checkpoint_dir}"] if config.resume else []), []
+        return [
+            f"--checkpoint-dir {config.checkpoint_dir}: {exc}; choose another --checkpoint-dir, or remove this one"
+        ], []
     if not isinstance(extra, dict) or not {"step", "model"} <= extra.keys():
         return [
             f"--checkpoint-dir {config.checkpoint_dir} holds a checkpoint that fullshard train did not write "
@@ -67,15 +70,24 @@ def checkpoint_problems(config: TrainConfig) -> tuple[list[str], list[str]]:
     notices = [f"resuming {config.checkpoint_dir} at step {step} of {config.steps}"]
     if config.steps == step:
         notices[0] += ": no step left to train (validation and --sample only)"
-    saved = extra.get("schedule")
-    schedule = _schedule(config)
-    if saved is not None and saved != schedule:
-        changed = ", ".join(f"--{k} {saved[k]:g} -> {schedule[k]:g}" for k in schedule if saved[k] != schedule[k])
-        notices.append(
-            f"warning: the learning-rate schedule changes ({changed}): from step {step} on, the rate follows "
-            "the new one, so the loss curve differs from an uninterrupted run"
-        )
+    changes = (
+        ("schedule", _schedule(config), "the learning-rate schedule changes", "the rate follows the new one"),
+        ("data", _data(config), "the data changes", "each step's batch is drawn by the new settings"),
+    )
+    for key, now, what, effect in changes:
+        saved = extra.get(key)
+        if saved is not None and saved != now:
+            changed = ", ".join(f"--{k} {saved[k]:g} -> {now[k]:g}" for k in now if saved.get(k) != now[k])
+            notices.append(
+                f"warning: {what} ({changed}): from step {step} on, {effect}, so the loss curve differs from an "
+                "uninterrupted run"
+            )
     return [], notices
+
+
+def _holds_none(path: str) -> bool:
+    """No checkpoint was ever completed in ``path`` (neither LATEST nor a version's manifest there)."""
+    return not any(os.path.exists(os.path.join(path, name)) for name in (checkpoint.LATEST, checkpoint.MANIFEST))
 
 
 def check_checkpoint_dir(config: TrainConfig) -> None:
@@ -88,6 +100,11 @@ def check_checkpoint_dir(config: TrainConfig) -> None:
 def _schedule(config: TrainConfig) -> dict[str, float]:
     """What ``learning_rate`` reads besides the step."""
     return {"steps": config.steps, "lr": config.lr, "warmup": config.warmup}
+
+
+def _data(config: TrainConfig) -> dict[str, float]:
+    """What the batches of a step depend on besides the step (``Corpus.batch``)."""
+    return {"batch": config.batch, "seed": config.seed}
 
 
 def resume(
@@ -115,15 +132,20 @@ def save(
         "model": dataclasses.asdict(config.model_args()),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "schedule": _schedule(config),
+        "data": _data(config),
     }
     checkpoint.save(config.checkpoint_folder, model, optimizer, extra=extra)
 
 
 def saved_step(config: TrainConfig) -> int | None:
     """The step of the newest complete checkpoint, if there is one."""
-    if not config.checkpoint_dir or not checkpoint.exists(config.checkpoint_dir):
+    if not config.checkpoint_dir:
         return None
-    return checkpoint.read_extra(config.checkpoint_dir)["step"]
+    try:
+        extra = checkpoint.read_extra(config.checkpoint_dir)
+    except checkpoint.CheckpointError:  # none, or a damaged one: nothing to resume from
+        return None
+    return extra.get("step") if isinstance(extra, dict) else None
 
 
 def remove_unfinished_saves(config: TrainConfig) -> list[str]:

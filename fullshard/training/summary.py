@@ -16,12 +16,15 @@ from typing import Any
 import torch
 
 from .._text import align, describe_model, human_bytes
-from ..plan import PlanConfig, estimate
+from ..plan import Plan, PlanConfig, estimate
 from .config import TrainConfig
 
-__all__ = ["RunResult", "print_summary", "strategy_label"]
+__all__ = ["CLIP_LABEL", "RunResult", "predict", "print_summary", "strategy_label"]
 
 _LOSS_WINDOW = 10  # steps averaged into the reported final loss
+# The label of the collectives the gradient clip issues (the global norm's all-reduce), which
+# fullshard plan does not count: RunResult.comm's keys are "<op>" and "<op> <CLIP_LABEL>".
+CLIP_LABEL = "(clip)"
 _DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -101,33 +104,34 @@ def unsharded_model_state_bytes(config: TrainConfig) -> int:
     return config.model_args().num_params * 4 * 4
 
 
-def _predicted_peaks(result: RunResult) -> tuple[int, int]:
-    """``fullshard plan``'s peak per rank for this run, and for one unsharded process."""
-    config = result.config
+def predict(config: TrainConfig, world_size: int, shard_size: int, device: str) -> tuple[Plan, Plan]:
+    """``fullshard plan``'s figures for this run (per rank), and for one unsharded process."""
     compute = _DTYPES[config.mixed_precision]
 
-    def plan(world_size: int, strategy: str) -> PlanConfig:
+    def plan(world: int, strategy: str, shard: int) -> PlanConfig:
         return PlanConfig(
             config.model_args(),
-            world_size,
+            world,
             strategy,
-            batch_size=config.batch // result.world_size,
+            ranks_per_node=shard,
+            batch_size=config.batch // world_size,
             param_dtype=compute,
             reduce_dtype=torch.float32 if compute else None,
             cpu_offload=config.cpu_offload,
             all_gather_dtype=config.all_gather_code,
             flat_params=config.front_end == "wrapper",
-            device="cuda" if result.device == "cuda" else "cpu",
+            device="cuda" if device == "cuda" else "cpu",
         )
 
-    sharded = dataclasses.replace(plan(result.world_size, config.strategy), ranks_per_node=result.shard_size)
-    return estimate(sharded).peak, estimate(plan(1, "no-shard")).peak
+    return estimate(plan(world_size, config.strategy, shard_size)), estimate(plan(1, "no-shard", 1))
 
 
 def strategy_label(strategy: str, world_size: int, shard_size: int) -> str:
     """What the strategy did at this size: hybrid with one shard group is full sharding, with
-    groups of one rank it is replication."""
-    if strategy != "hybrid" or world_size == 1:
+    groups of one rank it is replication; one rank shards nothing."""
+    if world_size == 1:
+        return f"strategy {strategy} (one rank: nothing sharded or replicated)"
+    if strategy != "hybrid":
         return f"strategy {strategy}"
     if shard_size == world_size:
         return f"strategy hybrid as full (one shard group of all {world_size} ranks, no replicas)"
@@ -144,10 +148,12 @@ def print_summary(result: RunResult) -> None:
         offload += ", FSDP1 wrapper (flat parameters)"
     if config.all_gather_dtype != "none" and result.shard_size > 1:  # else no all-gather ran
         offload += f", weights gathered as {config.all_gather_dtype}"
+    predicted, alone = predict(config, result.world_size, result.shard_size, result.device)
     lines = [
         "",
         f"{config.model}: {describe_model(config.model_args())}",
-        f"{result.world_size} ranks, {strategy_label(config.strategy, result.world_size, result.shard_size)}, "
+        f"{result.world_size} rank{'s' if result.world_size > 1 else ''}, "
+        f"{strategy_label(config.strategy, result.world_size, result.shard_size)}, "
         f"{precision}{offload}; "
         f"{config.batch} x {config.model_args().max_seq_len} tokens per step",
     ]
@@ -160,11 +166,7 @@ def print_summary(result: RunResult) -> None:
         rows += [
             ["final loss", f"{result.final_loss():.4f} (mean of the last {min(ran, _LOSS_WINDOW)} steps)"],
             ["throughput", f"{result.tokens_per_second():,.0f} tokens/s"],
-            [
-                "comm per step and rank",
-                human_bytes(sum(result.comm.values()))
-                + "".join(f", {op} {human_bytes(n)}" for op, n in sorted(result.comm.items())),
-            ],
+            ["comm per step and rank", _comm_text(result, predicted)],
         ]
     if result.validation_loss is not None:
         rows.append(["validation loss", f"{result.validation_loss:.4f}"])
@@ -173,7 +175,7 @@ def print_summary(result: RunResult) -> None:
     width = max(len(label) for label, _ in rows) + 2
     lines += [""] + [f"{label:<{width}}{value}" for label, value in rows]
     if ran:
-        lines += ["", _memory_table(result)]
+        lines += ["", _memory_table(result, predicted, alone)]
     if result.sample is not None:
         lines += ["", "sample: " + repr(result.sample)]
     try:
@@ -182,8 +184,19 @@ def print_summary(result: RunResult) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to tell it, at exit either
 
 
-def _memory_table(result: RunResult) -> str:
-    predicted, predicted_alone = _predicted_peaks(result)
+def _comm_text(result: RunResult, predicted: Plan) -> str:
+    """The sharding's collectives (which ``fullshard plan`` predicts), then the clip's norm all-reduce."""
+    sharding = {op: n for op, n in result.comm.items() if not op.endswith(CLIP_LABEL)}
+    text = human_bytes(sum(sharding.values())) + "".join(
+        f", {op} {human_bytes(n)}" for op, n in sorted(sharding.items())
+    )
+    text += f" (fullshard plan: {human_bytes(predicted.comm_bytes)})"
+    clip = sum(n for op, n in result.comm.items() if op.endswith(CLIP_LABEL))
+    return text + (f"; the clip's norm: all_reduce {human_bytes(clip)}" if clip else "")
+
+
+def _memory_table(result: RunResult, plan: Plan, alone: Plan) -> str:
+    predicted, predicted_alone = plan.peak, alone.peak
     measured = "peak, max_memory_allocated" if result.device == "cuda" else "peak, measured"
     rows = [["memory", "model states", measured, "peak, predicted"]]
     ranks = range(result.world_size) if result.world_size <= 8 else [0, result.world_size - 1]
