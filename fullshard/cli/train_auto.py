@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--auto",
         action="store_true",
         help="let fullshard plan choose strategy, shard size, mixed "
-        "precision, offload and all-gather codes for --nproc ranks (flags for those are replaced)",
+        "precision, offload and all-gather codes for --nproc ranks (refused with --auto: the plan chooses them)",
     )
     group.add_argument(
         "--memory-limit", type=float, metavar="GIB", help="--auto: per-rank memory to fit (default: the device's)"
