@@ -85,7 +85,7 @@ class Unit:
         """The largest tensor an optimizer steps: a parameter's chunk, or the whole flat piece."""
         if self.flat:
             return self.shard_numel
-        return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
+        return max((-(-rows // self.shard_size) * row for rows, row in self.shapes), default=0)
 
 
 @functools.cache  # the blocks of a model share theirs; thousands of ranks take a moment
