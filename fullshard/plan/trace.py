@@ -349,6 +349,9 @@ def _record(
     workspaces: WorkspaceProbe | None,
 ) -> list[Event]:
     """The events of one forward, loss and backward (see [Note: Traced step])."""
+    for tensor in tree_flatten(batch)[0]:  # a fresh step's: no gradient from an earlier recording
+        if isinstance(tensor, torch.Tensor) and tensor.grad is not None:
+            tensor.grad = None
     recorder = _Recorder(workspaces)
     hooks = [_UnitHooks(recorder, i, params) for i, (_, _, params) in enumerate(unit_list)]
     with _recording(recorder, hooks, modules):
