@@ -29,12 +29,13 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import test_plan_any_model  # noqa: E402
 
+from fullshard.models import ModelArgs, Transformer  # noqa: E402
 from fullshard.plan import Choice  # noqa: E402
 from fullshard.plan.calibrate import calibrate  # noqa: E402
 from fullshard.plan.measure import ChoiceRun  # noqa: E402
 from fullshard.plan.playback import predict  # noqa: E402
 from fullshard.plan.profiles import DeviceProfile, load_profile  # noqa: E402
-from fullshard.plan.step_time import StepClock  # noqa: E402
+from fullshard.plan.step_time import StepClock, codec_work  # noqa: E402
 from fullshard.plan.trace import trace_step  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
@@ -209,6 +210,24 @@ def section(name: str, args: argparse.Namespace, profile: DeviceProfile) -> tupl
     ]
     summary = {"rho": rho, "groups": rhos, "tied": rho_tied}
     return "\n".join(lines), summary
+
+
+def codec_predictions(profile: DeviceProfile) -> str:
+    """The plan's codec time (see [Note: Codec cost]) for the unit ``bench_quantize.py --unit`` times:
+    one bench GPT block (dim 576, norms and biases exact), bf16 compute from fp32 shards, int8."""
+    block = Transformer(ModelArgs(n_layers=1, vocab_size=256, max_seq_len=128, dim=576, n_heads=8)).layers[0]
+    params = list(block.parameters())
+    clock = StepClock(profile, Choice(2, device="cpu"))
+    lines = ["| ranks | codec | encode predicted (ms) | decode predicted (ms) |", "|---|---|---|---|"]
+    for world in (2, 4):
+        rows = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params]
+        coded = sum(n for n, p in zip(rows, params) if p.dim() >= 2)
+        exact = (sum(rows) - coded) * 2
+        for name, fused in (("eager", False), ("kernel (fused)", True)):
+            encode, decode = codec_work(coded, exact, world, 4, 2, fused)
+            ms = [clock.work_seconds(work) * 1e3 for work in (encode, decode)]
+            lines.append(f"| {world} | {name} | {ms[0]:.2f} | {ms[1]:.2f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -150,7 +150,7 @@ def test_trace_allocates_nothing():
 class Alternating(nn.Module):
     """Blocks of one class and one shape whose work differs (every other one squares its input)."""
 
-    def __init__(self, blocks: int = 6) -> None:
+    def __init__(self, blocks: int = 5) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(blocks)])
         for index, block in enumerate(self.blocks):
@@ -163,14 +163,13 @@ class Alternating(nn.Module):
 
 
 def test_a_long_stack_is_traced_as_four_blocks(monkeypatch):
-    """A stack of six blocks traced as four, the middle one's events repeated, predicts what the
+    """A stack of five blocks traced as four, the middle one's events repeated, predicts what the
     whole trace does (checkpointing's saved inputs, freed as the graph dies, included); blocks
     whose events differ are traced whole."""
     import fullshard.plan.trace as trace_module
 
     cases = [
-        (lambda: llama(layers=6), tokens, True),
-        (lambda: ConvNet(blocks=6), images, False),
+        (lambda: llama(layers=5), tokens, True),
         (Alternating, lambda n: torch.randn(n, 8, requires_grad=True), False),
     ]
     choices = [Choice(4, "full", micro_batch=2, device="cpu"),
@@ -181,13 +180,13 @@ def test_a_long_stack_is_traced_as_four_blocks(monkeypatch):
         whole = trace_step(model_fn, batch_fn, 2, None, ac, device="cpu")
         assert (short.forward_flops, short.backward_flops, short.saved_bytes) == (
             whole.forward_flops, whole.backward_flops, whole.saved_bytes)
-        assert len(short.units) == len(whole.units) == 7
+        assert [u.name for u in short.units] == [u.name for u in whole.units] and len(short.units) == 6
         for choice in choices:
             a = predict(short, choice, StepClock(PROFILES["h100"], choice))
             b = predict(whole, choice, StepClock(PROFILES["h100"], choice))
             assert (a.peak, a.peak_breakdown) == (b.peak, b.peak_breakdown), choice.label()
             assert a.time.total == pytest.approx(b.time.total, rel=1e-12), choice.label()
-    assert shortened[2].events == whole.events  # the alternating blocks: traced whole
+    assert shortened[1].events == whole.events  # the alternating blocks: traced whole
 
 
 def test_folded_playback_is_the_events_one_by_one():

@@ -143,7 +143,8 @@ class StepClock:
         seconds = segment.seconds(self.flop_rate, self.profile.op_overhead, additive)
         self._compute(seconds + 2 * segment.allocated / self.profile.memory_bandwidth)
 
-    def _work(self, work: Work, bandwidth: float | None = None) -> float:
+    def work_seconds(self, work: Work, bandwidth: float | None = None) -> float:
+        """Seconds of the engine's memory work ``work`` (at ``bandwidth``, default the memory's)."""
         if not work.operators:
             return 0.0
         per_operator = work.nbytes / work.operators / (bandwidth or self.profile.memory_bandwidth)
@@ -152,7 +153,7 @@ class StepClock:
     def engine_work(self, work: Work = NO_WORK, units: float = 0.0) -> None:
         """The engine's work on the compute stream: copies or a decode, and ``units`` of its per-unit
         host work."""
-        seconds = self._work(work) + units * self.profile.unit_overhead
+        seconds = self.work_seconds(work) + units * self.profile.unit_overhead
         self._compute(seconds)
         self.time.engine += seconds
 
@@ -174,9 +175,9 @@ class StepClock:
         steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
         moved = nbytes * steps / ranks if op != "all_reduce" else 2 * nbytes * (ranks - 1) / ranks
         seconds = moved / self.profile.link_bandwidth(inter_node, op) + steps * self.profile.collective_latency
-        before = self._work(encode)  # on the issuing side: the encode, offload's copy of the shard
+        before = self.work_seconds(encode)  # on the issuing side: the encode, offload's copy of the shard
         if self.choice.cpu_offload:  # the shard up before the gather, the reduced shard down after
-            before += self._work(Work(nbytes // max(1, ranks), 1), self.profile.host_bandwidth)
+            before += self.work_seconds(Work(nbytes // max(1, ranks), 1), self.profile.host_bandwidth)
         self.time.communication += seconds
         if not self.profile.collectives_overlap:  # the rank's own cores do it: compute waits
             self._compute(before)
