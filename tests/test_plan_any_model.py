@@ -12,6 +12,8 @@ ones is a benchmark (benchmarks/bench_plan_any_model.py), not a test.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from fullshard.plan.blocks import select_blocks
 from fullshard.plan.measure import measure_choice
 from fullshard.plan.playback import predict
 from fullshard.plan.profiles import PROFILES, load_profile
+from fullshard.plan.segments import fold
 from fullshard.plan.step_time import StepClock
 from fullshard.plan.trace import trace_step
 from fullshard.testing import run_distributed
@@ -144,6 +147,102 @@ def test_trace_allocates_nothing():
     assert sum(r * row for u in trace.units for r, row in u.shapes) > 2e8  # 800 MB of fp32 never allocated
 
 
+class Alternating(nn.Module):
+    """Blocks of one class and one shape whose work differs (every other one squares its input)."""
+
+    def __init__(self, blocks: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(blocks)])
+        for index, block in enumerate(self.blocks):
+            block.register_forward_hook(lambda m, a, out, square=index % 2: out * out if square else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_long_stack_is_traced_as_four_blocks(monkeypatch):
+    """A stack of five blocks traced as four, the middle one's events repeated, predicts what the
+    whole trace does (checkpointing's saved inputs, freed as the graph dies, included); blocks
+    whose events differ are traced whole."""
+    import fullshard.plan.trace as trace_module
+
+    cases = [
+        (lambda: llama(layers=5), tokens, True),
+        (Alternating, lambda n: torch.randn(n, 8, requires_grad=True), False),
+    ]
+    choices = [Choice(4, "full", micro_batch=2, device="cpu"),
+               Choice(4, "grad-op", micro_batch=2, all_gather_dtype=torch.int8, mixed_precision=torch.bfloat16)]
+    shortened = [trace_step(model_fn, batch_fn, 2, None, ac, device="cpu") for model_fn, batch_fn, ac in cases]
+    monkeypatch.setattr(trace_module, "shorten", lambda *a: contextlib.nullcontext(False))
+    for (model_fn, batch_fn, ac), short in zip(cases, shortened):
+        whole = trace_step(model_fn, batch_fn, 2, None, ac, device="cpu")
+        assert (short.forward_flops, short.backward_flops, short.saved_bytes) == (
+            whole.forward_flops, whole.backward_flops, whole.saved_bytes)
+        assert [u.name for u in short.units] == [u.name for u in whole.units] and len(short.units) == 6
+        for choice in choices:
+            a = predict(short, choice, StepClock(PROFILES["h100"], choice))
+            b = predict(whole, choice, StepClock(PROFILES["h100"], choice))
+            assert (a.peak, a.peak_breakdown) == (b.peak, b.peak_breakdown), choice.label()
+            assert a.time.total == pytest.approx(b.time.total, rel=1e-12), choice.label()
+    assert shortened[1].events == whole.events  # the alternating blocks: traced whole
+
+
+def test_folded_playback_is_the_events_one_by_one():
+    """Folding a run of the model's events into one segment changes no prediction."""
+    trace = trace_step(convnet, images, 2, device="cpu")
+    one_by_one = tuple(item for event in trace.events for item in fold((event,)))
+    assert len(one_by_one) > 2 * len(trace.folded)
+    for profile, choice in [(PROFILES["h100"], Choice(2, "full", micro_batch=2)),
+                            (CPU_PROFILE, Choice(2, "no-shard", micro_batch=2, device="cpu"))]:
+        folded = predict(trace, choice, StepClock(profile, choice))
+        trace.__dict__["folded"] = one_by_one
+        unfolded = predict(trace, choice, StepClock(profile, choice))
+        del trace.__dict__["folded"]
+        assert (folded.peak, folded.peak_phase, folded.peak_breakdown) == (
+            unfolded.peak, unfolded.peak_phase, unfolded.peak_breakdown)
+        assert folded.time.total == pytest.approx(unfolded.time.total, rel=1e-9)
+        assert folded.time.compute == pytest.approx(unfolded.time.compute, rel=1e-9)
+
+
+# A CPU profile as --calibrate writes one (collectives on the rank's cores), figures round.
+CPU_PROFILE = dataclasses.replace(
+    PROFILES["h100"], name="test cpu", device="cpu", matmul_flops={"float32": 40e9}, matmul_efficiency=1.0,
+    memory_bandwidth=15e9, op_overhead=20e-6, unit_overhead=500e-6, optimizer_overhead=700e-6,
+    collective_bandwidth={"all_gather": 0.8e9, "reduce_scatter": 0.4e9, "all_reduce": 0.8e9},
+    collectives_overlap=False, collective_latency=400e-6, measured=True,
+)
+
+
+def test_step_time_counts_what_the_engine_does():
+    """The clock's parts: collectives that cannot overlap are all exposed; reduce-scatter at its own
+    rate; the engine's per-unit work per micro-batch; the optimizer's per tensor; the int8 codec's
+    passes (eager on an accelerator: more bytes than the copy-out it replaces)."""
+    trace = trace_step(convnet, images, 1, device="cpu")
+    one = Choice(2, "full", micro_batch=1, device="cpu")
+
+    def timed(choice, profile=CPU_PROFILE):
+        return predict(trace, choice, StepClock(profile, choice)).time
+
+    cpu = timed(one)
+    assert cpu.exposed == pytest.approx(cpu.communication) and cpu.communication > 0
+    assert cpu.total == pytest.approx(cpu.compute + cpu.communication + cpu.optimizer)
+    overlapped = timed(one, dataclasses.replace(CPU_PROFILE, collectives_overlap=True))
+    assert overlapped.exposed < overlapped.communication and overlapped.total < cpu.total
+    slower_reduce = timed(one, dataclasses.replace(
+        CPU_PROFILE, collective_bandwidth={**CPU_PROFILE.collective_bandwidth, "reduce_scatter": 0.1e9}))
+    assert slower_reduce.communication > cpu.communication
+    no_hooks = timed(one, dataclasses.replace(CPU_PROFILE, unit_overhead=0.0))
+    assert cpu.engine - no_hooks.engine == pytest.approx(len(trace.units) * CPU_PROFILE.unit_overhead)
+    tensors = sum(len(u.shapes) for u in trace.units)
+    no_optim = timed(one, dataclasses.replace(CPU_PROFILE, optimizer_overhead=0.0))
+    assert cpu.optimizer - no_optim.optimizer == pytest.approx(tensors * CPU_PROFILE.optimizer_overhead)
+    gpu = [Choice(2, "full", micro_batch=1, all_gather_dtype=code) for code in (None, torch.int8)]
+    plain, coded = (timed(c, PROFILES["h100"]) for c in gpu)
+    assert coded.engine > plain.engine and coded.comm_bytes["all_gather"] < plain.comm_bytes["all_gather"]
+
+
 @pytest.mark.slow  # several traces and searches: >2 s
 def test_plan_picks_a_choice_that_fits_and_explains():
     space = {"micro_batches": [1, 2], "cpu_offload": (False,), "all_gather_dtypes": (None,)}  # 40 choices, 8 traces
@@ -204,6 +303,9 @@ def test_nothing_fits():
 def test_profiles():
     assert PROFILES["h200"].memory_bandwidth > PROFILES["h100"].memory_bandwidth
     assert load_profile("H100") is PROFILES["h100"]
+    for profile in PROFILES.values():  # says what its figures are, and how to replace them
+        assert not profile.measured and "not measured" in profile.caveat and "--calibrate" in profile.caveat
+    assert "measured" in CPU_PROFILE.caveat and "not measured" not in CPU_PROFILE.caveat
     with pytest.raises(ValueError, match="plan expects a device profile named h100 or h200"):
         load_profile("a100")
 
@@ -375,11 +477,14 @@ def test_calibrate_saves_a_profile_plan_reads(tmp_path):
     assert result.returncode == 0, result.stderr
     profile = load_profile(str(path))
     assert profile.device == "cpu" and profile.matmul_flops["float32"] > 0 and profile.intra_node_bandwidth > 0
-    assert profile.op_overhead > 0
+    assert profile.op_overhead > 0 and profile.optimizer_overhead > 0 and profile.unit_overhead >= 0
+    assert set(profile.collective_bandwidth) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert profile.measured and not profile.collectives_overlap
     result = run_fullshard("plan", "--module", "test_plan_any_model:convnet", "--batch-fn",
                            "test_plan_any_model:images", "--world-size", "2", "--batch", "4", "--profile", str(path),
                            "--rows", "3")
     assert result.returncode == 0 and "calibrated (cpu" in result.stdout, result.stderr
+    assert "profile calibrated (cpu, CPU): measured" in result.stdout
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from .choice import Choice
 from .replay import ACTIVATIONS, GRADS, UNSHARDED_GRADS, EngineReplay, Reduction
-from .step_time import StepClock, StepTime
+from .segments import Segment
+from .step_time import NO_WORK, StepClock, StepTime, Work, codec_work
 from .trace import StepTrace
 from .units import Unit, comm_per_step
 
@@ -64,11 +65,31 @@ class TracedReplay(EngineReplay):
         self.post_forward: dict[str, int] = {}
         self.accumulating = choice.accumulation > 1
 
-    def on_collective(self, op: str, names: tuple[str, ...], nbytes: int) -> None:
-        self.clock.collective(op, names, nbytes)
+    def on_collective(self, op: str, names: tuple[str, ...], nbytes: int, unit: Unit | None = None) -> None:
+        encode = self._codec(unit)[0] if unit is not None and self._coded else NO_WORK
+        self.clock.collective(op, names, nbytes, encode)
 
     def on_wait(self, name: str) -> None:
         self.clock.wait(name)
+
+    def on_copy_out(self, unit: Unit) -> None:
+        if self._coded:
+            self.clock.engine_work(self._codec(unit)[1])
+        else:  # the gathered (or cast) values read, the unsharded parameters written
+            self.clock.engine_work(Work(2 * unit.unsharded_numel * self.c, 1))
+
+    def on_copy_in(self, unit: Unit) -> None:
+        """Autograd's gradients read, the reduction's input written (cast and padded)."""
+        self.clock.engine_work(Work(unit.numel * self.c + unit.gathered_numel * self.red, 1))
+
+    @property
+    def _coded(self) -> bool:
+        return self.codes is not None and self.config.shard_size > 1
+
+    def _codec(self, unit: Unit) -> tuple[Work, Work]:
+        coded = unit.coded_shard_numel()
+        exact = (unit.shard_numel - coded) * self.c
+        return codec_work(coded, exact, self.config.shard_size, self.orig, self.c, self._fused_codec(unit))
 
     def wait(self, unit: Unit) -> None:
         """The copy-out, then the post-forward shard the gather came from is dropped."""
@@ -91,20 +112,22 @@ class TracedReplay(EngineReplay):
         self._play(until=None)
 
     def _play(self, until: str | None) -> None:
-        events = self.trace.events
+        events = self.trace.folded
         while self.position < len(events):
-            kind, index, value = events[self.position]
+            event = events[self.position]
+            if isinstance(event, Segment):  # the model's operators, allocations and frees
+                self.position += 1
+                self.clock.segment(event)
+                self.tape.alloc(ACTIVATIONS, event.rise)
+                self.tape.free(ACTIVATIONS, event.rise - event.net)
+                continue
+            kind, index, value = event
             if kind == until:
                 break
             self.position += 1
-            if kind == "op":
-                self.clock.operator(value)
-            elif kind == "alloc":
-                self.tape.alloc(ACTIVATIONS, value)
-                self.clock.memory_traffic(value)
-            elif kind == "free":
-                self.tape.free(ACTIVATIONS, value)
-            elif kind == "grad":
+            if kind == "forward_pre" or kind == "backward_post":  # the engine's hooks: half a pass each
+                self.clock.engine_work(units=0.5)
+            if kind == "grad":
                 self.tape.free(ACTIVATIONS, value)
                 self.tape.alloc(UNSHARDED_GRADS, value)
             elif kind == "grad_free":
@@ -160,7 +183,7 @@ def predict(trace: StepTrace, choice: Choice, clock: StepClock) -> Prediction:
     replay = TracedReplay(choice, trace, units, clock)
     replay.run()
     shards = sum(u.shard_numel for u in units) * choice.dtype.itemsize
-    clock.optimizer_step(shards * (2 + choice.optimizer_states))
+    clock.optimizer_step(shards * (2 + choice.optimizer_states), sum(len(u.shapes) for u in units))
     time = clock.finish()
     comm, _ = comm_per_step(choice, units)
     per_step = {op: n * choice.accumulation for op, n in comm.items()}
@@ -168,6 +191,7 @@ def predict(trace: StepTrace, choice: Choice, clock: StepClock) -> Prediction:
         before = time.total - time.optimizer
         time.total += (choice.accumulation - 1) * before
         time.compute *= choice.accumulation
+        time.engine *= choice.accumulation
         time.communication *= choice.accumulation
         time.exposed *= choice.accumulation
     time.comm_bytes = per_step

@@ -9,9 +9,19 @@ directions: 450 GB/s each way), one 400 Gb/s InfiniBand NDR port per GPU
 step never reaches a datasheet's peak, so each is scaled by an achievable
 fraction: ``matmul_efficiency`` (large matmuls reach about 60-75% of peak),
 ``link_efficiency`` (NCCL's ring bus bandwidth is about 80% of the link's).
-These fractions are assumptions, not measurements; ``--calibrate`` replaces
-guesses by this machine's numbers (see ``calibrate.py``) and a GPU check of
-the H100 figures is left to a machine that has one.
+The host's costs (``op_overhead``, ``unit_overhead``, ``optimizer_overhead``)
+are guesses for a fast host driving a GPU. None of this is measured: these
+profiles are datasheet figures times guessed efficiencies, and ``fullshard
+plan`` says so when it uses them. ``fullshard plan --calibrate FILE`` on the
+GPU machine itself is the way to replace them (see ``calibrate.py``): it
+measures the matmuls, the memory, the host's per-operator, per-unit and
+optimizer costs there; ``--profile FILE`` then plans with those figures.
+
+A calibrated CPU profile is a CPU-time profile: on the CPU the collectives
+(gloo) run on the rank's own cores, so they do not hide behind compute
+(``collectives_overlap`` False) and each costs the CPU time it burns,
+measured per collective (``collective_bandwidth``: gloo's reduce-scatter is
+an all-reduce of the input, so it costs what an all-reduce does).
 """
 
 from __future__ import annotations
@@ -47,6 +57,14 @@ class DeviceProfile:
         host_bandwidth: host-device copy bytes/s (CPU offload).
         host_memory_bandwidth: host memory bytes/s (the optimizer under CPU offload).
         source: where the numbers come from.
+        unit_overhead: host seconds the engine spends on one unit per forward and backward (its
+            hooks, the copy-out and copy-in calls, the shards' bookkeeping), bytes aside.
+        optimizer_overhead: host seconds of ``optimizer.step()`` per parameter tensor, bytes aside.
+        collective_bandwidth: measured bus bytes/s by collective (``all_gather``, ``reduce_scatter``,
+            ``all_reduce``), in place of the link's where given.
+        collectives_overlap: whether collectives run beside compute (an accelerator's streams) or
+            take the compute's own time (CPU ranks: gloo works on the same cores).
+        measured: calibrated on a machine (``--calibrate``), not datasheet figures.
     """
 
     name: str
@@ -63,13 +81,31 @@ class DeviceProfile:
     host_bandwidth: float
     host_memory_bandwidth: float
     source: str
+    unit_overhead: float = 0.0
+    optimizer_overhead: float = 0.0
+    collective_bandwidth: dict[str, float] = dataclasses.field(default_factory=dict)
+    collectives_overlap: bool = True
+    measured: bool = False
 
     def flops_per_second(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
         return self.matmul_flops.get(name, self.matmul_flops["float32"]) * self.matmul_efficiency
 
-    def link_bandwidth(self, inter_node: bool) -> float:
+    def link_bandwidth(self, inter_node: bool, op: str | None = None) -> float:
+        """Bus bytes/s of ``op`` (measured, where calibrated) or of the link it crosses."""
+        if op in self.collective_bandwidth and not inter_node:
+            return self.collective_bandwidth[op]
         return (self.inter_node_bandwidth if inter_node else self.intra_node_bandwidth) * self.link_efficiency
+
+    @property
+    def caveat(self) -> str:
+        """What to make of this profile's figures, said where a plan uses them."""
+        if self.measured:
+            return f"profile {self.name}: measured ({self.source})"
+        return (
+            f"profile {self.name}: datasheet figures times guessed efficiencies, not measured; "
+            "run `fullshard plan --calibrate FILE` on that machine and pass --profile FILE to replace them"
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -102,6 +138,8 @@ _HOPPER = dict(
     link_efficiency=0.8,
     collective_latency=10e-6,
     op_overhead=6e-6,
+    unit_overhead=150e-6,  # guessed: a few dozen Python calls and launches per unit and pass
+    optimizer_overhead=2e-6,  # guessed: AdamW's foreach kernels take a list of tensors at once
     host_bandwidth=64 * _GB * 0.8,
     host_memory_bandwidth=100 * _GB,
 )

@@ -137,11 +137,18 @@ class EngineReplay:
     def backward(self) -> None:
         raise NotImplementedError
 
-    def on_collective(self, op: str, names: tuple[str, ...], nbytes: int) -> None:
-        """A collective is issued for ``names`` (a step-time model listens here; memory does not)."""
+    def on_collective(self, op: str, names: tuple[str, ...], nbytes: int, unit: Unit | None = None) -> None:
+        """A collective is issued for ``names`` (``unit``: the one unit it gathers alone). A step-time
+        model listens here and at the hooks below; memory does not."""
 
     def on_wait(self, name: str) -> None:
         """The compute of ``name`` needs its gather done."""
+
+    def on_copy_out(self, unit: Unit) -> None:
+        """``unit``'s gathered parameters are copied (or decoded) into its unsharded ones."""
+
+    def on_copy_in(self, unit: Unit) -> None:
+        """``unit``'s gradients are copied into its reduction."""
 
     def run(self) -> None:
         t, units = self.tape, [self.root, *self.blocks]
@@ -184,7 +191,7 @@ class EngineReplay:
         self.in_flight[unit.name] = staged + output
         self.tape.alloc(GATHER, output)
         if self.config.shard_size > 1:
-            self.on_collective("all_gather", (unit.name,), output)
+            self.on_collective("all_gather", (unit.name,), output, unit)
         if self.codes is not None and self.config.shard_size > 1:
             self._transient(self._encode_temporaries(unit, self.codes))
 
@@ -219,6 +226,7 @@ class EngineReplay:
         if nbytes is None:
             return
         self.on_wait(unit.name)
+        self.on_copy_out(unit)
         self.tape.alloc(UNSHARDED, unit.unsharded_numel * self.c)
         if unit.name in self.buckets:
             nbytes, waiting = self.buckets.pop(unit.name)
@@ -291,6 +299,8 @@ class EngineReplay:
         )
         t.alloc(GRADS if direct else REDUCE, reduction.output)
         t.alloc(REDUCE, reduction.rs_input)  # the copy-in casts and pads on the way: no temporaries
+        if reduction.stages:
+            self.on_copy_in(unit)
         t.free(UNSHARDED_GRADS, unit.numel * self.c if grad_bytes is None else grad_bytes)
         if not self._advance(reduction):
             self.reductions.append(reduction)

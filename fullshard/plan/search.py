@@ -100,7 +100,7 @@ class ModelPlan:
         return lines
 
     def report(self, rows: int = 12) -> str:
-        out = [self.table(rows)]
+        out = [self.profile.caveat, self.table(rows)]
         if len(self.predictions) > rows:
             out.append(f"... {len(self.predictions) - rows} more choices")
         best = self.best

@@ -32,6 +32,7 @@ engine's own buffers for each sharding choice.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from torch.utils.flop_counter import flop_registry
 
 from .blocks import select_blocks
 from .model_step import checkpoint_blocks, step_loss
+from .repeats import lengthen, shorten
+from .segments import Segment, fold
 from .workspace import WorkspaceProbe
 
 __all__ = ["StepTrace", "TracedUnit", "trace_step"]
@@ -83,6 +86,11 @@ class StepTrace:
     @property
     def flops(self) -> int:
         return self.forward_flops + self.backward_flops
+
+    @functools.cached_property
+    def folded(self) -> tuple[Event | Segment, ...]:
+        """The events with the model's runs folded (see [Note: Trace segments]): what a playback walks."""
+        return fold(self.events)
 
 
 class _Recorder(TorchDispatchMode):
@@ -307,29 +315,55 @@ def _trace(
         batch = tree_map_only(torch.Tensor, lambda t: t.to(compute_dtype) if t.is_floating_point() else t, batch)
     if checkpointing:
         checkpoint_blocks([block for _, block in blocks], preserve_rng_state=False)
+    modules = [module for _, module, _ in unit_list]
+    events: list[Event] | None = None
+    with shorten(model, blocks) as shortened:  # see [Note: Repeated block events]
+        events = _record(model, batch, loss_fn, unit_list, modules, workspaces)
+    if shortened:
+        events = lengthen(events, len(blocks))
+    if events is None:  # the blocks' events differ: the whole stack
+        events = _record(model, batch, loss_fn, unit_list, modules, workspaces)
+    backward = events.index(("backward_start", -1, 0))
+    order = _forward_order(events, len(traced))
+    forward_flops = sum(value for kind, _, value in events[:backward] if kind == "op")
+    saved = sum(
+        value if kind == "alloc" else -value for kind, _, value in events[:backward] if kind in ("alloc", "free")
+    )
+    return StepTrace(
+        units=tuple(traced[i] for i in order),
+        events=tuple(_renumber(events, order)),
+        forward_flops=forward_flops,
+        backward_flops=sum(value for kind, _, value in events if kind == "op") - forward_flops,
+        saved_bytes=saved,  # alive when forward and the loss are done
+        tokens=_tokens(batch, micro_batch),
+        param_dtype=param_dtype,
+    )
+
+
+def _record(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    unit_list: list[tuple[str, nn.Module, list[nn.Parameter]]],
+    modules: list[nn.Module],
+    workspaces: WorkspaceProbe | None,
+) -> list[Event]:
+    """The events of one forward, loss and backward (see [Note: Traced step])."""
+    for tensor in tree_flatten(batch)[0]:  # a fresh step's: no gradient from an earlier recording
+        if isinstance(tensor, torch.Tensor) and tensor.grad is not None:
+            tensor.grad = None
     recorder = _Recorder(workspaces)
     hooks = [_UnitHooks(recorder, i, params) for i, (_, _, params) in enumerate(unit_list)]
-    with _recording(recorder, hooks, [module for _, module, _ in unit_list]):
+    with _recording(recorder, hooks, modules):
         recorder.events.append(("forward_pre", 0, 0))
         loss = step_loss(model, batch, loss_fn, on_output=lambda out: _root_forward_post(recorder, hooks[0], out))
-        saved = sum(recorder.live.values())
-        forward_flops = recorder.flops
         recorder.events.append(("backward_start", -1, 0))
         loss.backward()
         del loss
         for unit in reversed(hooks):  # the end-of-backward callback: units no input gradient reached
             unit.backward_post()
         recorder.events.append(("backward_end", -1, 0))
-    order = _forward_order(recorder.events, len(traced))
-    return StepTrace(
-        units=tuple(traced[i] for i in order),
-        events=tuple(_renumber(recorder.events, order)),
-        forward_flops=forward_flops,
-        backward_flops=recorder.flops - forward_flops,
-        saved_bytes=saved,
-        tokens=_tokens(batch, micro_batch),
-        param_dtype=param_dtype,
-    )
+    return recorder.events
 
 
 def _tokens(batch: Any, samples: int) -> int:

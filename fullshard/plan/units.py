@@ -58,7 +58,7 @@ class Unit:
     def _flat_split(self) -> tuple[tuple[int, int], ...]:
         return _flat_split(self.shapes, self.exact, self.shard_size)
 
-    @property
+    @functools.cached_property  # read at every event of a playback
     def shard_numel(self) -> int:
         """This rank's shard buffer: every parameter's padded chunk, or the flat piece."""
         if self.flat:
@@ -75,7 +75,7 @@ class Unit:
         """The unsharded parameters' storage: padded to whole chunks, except a flat unit's (exact sizes)."""
         return self.numel if self.flat else self.gathered_numel
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Unpadded: what autograd's gradients of the unsharded parameters hold."""
         return sum(rows * row for rows, row in self.shapes)
@@ -85,7 +85,7 @@ class Unit:
         """The largest tensor an optimizer steps: a parameter's chunk, or the whole flat piece."""
         if self.flat:
             return self.shard_numel
-        return max(-(-rows // self.shard_size) * row for rows, row in self.shapes)
+        return max((-(-rows // self.shard_size) * row for rows, row in self.shapes), default=0)
 
 
 @functools.cache  # the blocks of a model share theirs; thousands of ranks take a moment
