@@ -19,16 +19,16 @@ pytestmark = pytest.mark.slow
 CPU = {"backend": "gloo", "device_type": "cpu", "timeout_s": 240.0}
 
 
-def test_plain_model_parity_body_on_two_cpu_ranks():
-    gpu_ranks.on_ranks(2, test_cuda.check_matches_a_plain_model, **CPU)
+def _every_world_2_body(mesh, path: str) -> None:
+    """The bodies of the world-2 GPU tests in turn: one spawn of two processes serves them all
+    (each spawn costs an import of torch per rank); a failure's traceback names its body."""
+    test_cuda.check_matches_a_plain_model(mesh)
+    test_cuda.check_state_dict_and_checkpoint_round_trip(mesh, path, False)
+    test_cuda_kernels.check_bf16_training_equals_fsdp2(mesh)
 
 
-def test_checkpoint_round_trip_body_on_two_cpu_ranks(tmp_path):
-    gpu_ranks.on_ranks(2, test_cuda.check_state_dict_and_checkpoint_round_trip, str(tmp_path), False, **CPU)
-
-
-def test_bf16_against_fsdp2_body_on_two_cpu_ranks():
-    gpu_ranks.on_ranks(2, test_cuda_kernels.check_bf16_training_equals_fsdp2, **CPU)
+def test_world_2_bodies_on_two_cpu_ranks(tmp_path):
+    gpu_ranks.on_ranks(2, _every_world_2_body, str(tmp_path), **CPU)
 
 
 def _raises_on_rank_1(mesh) -> None:

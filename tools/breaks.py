@@ -177,7 +177,7 @@ BREAKS: tuple[Break, ...] = (
         "fullshard/_core/reduction.py",
         "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
         "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
-        ("tests/test_gpu_ranks_dry.py::test_plain_model_parity_body_on_two_cpu_ranks",),
+        ("tests/test_gpu_ranks_dry.py::test_world_2_bodies_on_two_cpu_ranks",),
         "the same, against the world-2 GPU parity body (tests/gpu, dry-run on two CPU ranks)",
     ),
     Break(

@@ -3,7 +3,11 @@
 [Note: Rank pool]
 Starting a Python process that imports torch costs seconds; a test suite that
 spawned fresh ranks per test would spend most of its time there. A ``RankPool``
-keeps ``world_size`` worker processes alive for the whole session. Each task
+keeps ``world_size`` worker processes alive for the whole session. The workers
+are forked from one server process that imported torch and this package once
+(multiprocessing's ``forkserver``, see ``rank_process_context``): a pool, or a
+fresh one replacing a crashed pool, starts in a fraction of a second instead of
+an import of torch per rank, and the forks share the server's memory pages. Each task
 gets a fresh default process group (rendezvous through a ``PrefixStore`` over
 one ``TCPStore`` hosted here), runs, and destroys every group it made, so tests
 do not leak groups or debug settings into each other.
@@ -138,7 +142,29 @@ def _collect_task_garbage() -> None:
     gc.freeze()
 
 
+def rank_process_context() -> Any:
+    """The multiprocessing context that starts rank processes: forks of a server that imported
+    this module (and with it torch) once, with CUDA hidden (see [Note: Rank pool]). The server
+    starts with the first process and serves every later one, pools and fresh pairs alike."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the server's environment, which its forks inherit
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        if hidden is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+    return ctx
+
+
 def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any, log_path: str) -> None:
+    # The modules the server imported live as long as this process: the collector need not walk them.
+    gc.freeze()
     log = open(log_path, "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -197,7 +223,7 @@ class RankPool:
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=60),
         )
-        ctx = mp.get_context("spawn")
+        ctx = rank_process_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._log_dir = tempfile.mkdtemp(prefix=f"fullshard-ranks{world_size}-")

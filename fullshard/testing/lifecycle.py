@@ -247,11 +247,9 @@ def threads_over_group_cycles(names: list[str], cycles: int, world_size: int = 2
     """For each configuration in ``names``: each rank's thread count after each of ``cycles`` cycles
     of process-group creation, one ``cycle(name)`` and destruction. The configurations share two
     fresh processes (a leaked group keeps gloo's threads, so a leak grows within its own cycles)."""
-    import torch.multiprocessing as mp
+    from .harness import free_port, rank_process_context
 
-    from .harness import free_port
-
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
