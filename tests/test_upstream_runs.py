@@ -170,3 +170,40 @@ def test_summons_between_forward_and_backward_leave_each_units_form_as_torch_exp
                 **kwargs,
             )
             assert ours == theirs + expected, f"summon {summon}, fp16 {fp16}, use_orig_params {use_orig_params}: {ours}"
+
+
+@distributed(world_size=2)
+def test_torchs_private_unshard_async_op_setter_trains_like_torch():
+    """torch's test_train_parity_multi_group_unshard_async_op calls FSDP2's private
+    ``_set_unshard_async_op(True)``: fullshard had no such method (AttributeError). It warns that it
+    has no effect here and trains as torch's FSDP2 does with it."""
+    import warnings
+
+    from fullshard.comm_settings import _warned
+
+    def body(lib: types.SimpleNamespace) -> list[Any]:
+        model = nn.Sequential(MLP(8), MLP(8))
+        for mlp in model:
+            lib.fully_shard(mlp)
+        lib.fully_shard(model)
+        _warned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model._set_unshard_async_op(True)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for x in rank_batches(3, 4, 8):
+            loss = model(x).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        said = [str(w.message) for w in caught if "_set_unshard_async_op" in str(w.message)]
+        return [losses, full_params(model)], said
+
+    runs = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        runs[lib], said = body(api(lib))
+        assert len(said) == (1 if lib == "fullshard" else 0), said
+    assert_same_run(runs)
