@@ -207,3 +207,26 @@ def test_torchs_private_unshard_async_op_setter_trains_like_torch():
         runs[lib], said = body(api(lib))
         assert len(said) == (1 if lib == "fullshard" else 0), said
     assert_same_run(runs)
+
+
+@distributed(world_size=4)
+def test_placements_torch_supports_and_fullshard_refuses_raise_naming_the_parameter():
+    """Documented differences (docs/api.md, fully_shard): torch's FSDP2 shards tensor-parallel
+    parameters on a dim other than 0 (test_init_2d_transformer_shard_diff_dim,
+    test_fsdp_tp_dtensor_sharded_params) and takes a ``ShardPlacementResult`` that puts a
+    parameter on a mesh of its own (test_shard_placement_fn_tp_ep); fullshard refuses both at
+    ``fully_shard``, naming the parameter, before anything is sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fullshard import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(MLP(8), mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    with pytest.raises(NotImplementedError, match=r"Shard\(1\) with tensor parallelism yet \(weight is a DTensor\)"):
+        fully_shard(model.in_proj, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    own_mesh = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh=mesh["dp"], shard_mesh_dim=0))
+    with pytest.raises(ValueError, match=r"^fully_shard expects shard_placement_fn to return Shard\(dim\) or None"):
+        fully_shard(MLP(8), mesh=mesh["dp"], shard_placement_fn=lambda p: own_mesh)
