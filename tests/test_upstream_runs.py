@@ -230,3 +230,33 @@ def test_placements_torch_supports_and_fullshard_refuses_raise_naming_the_parame
     own_mesh = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh=mesh["dp"], shard_mesh_dim=0))
     with pytest.raises(ValueError, match=r"^fully_shard expects shard_placement_fn to return Shard\(dim\) or None"):
         fully_shard(MLP(8), mesh=mesh["dp"], shard_placement_fn=lambda p: own_mesh)
+
+
+class _FrozenFloat8BesideFloat32(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_fp8 = nn.Parameter(torch.randn(6, 4).to(torch.float8_e4m3fn), requires_grad=False)
+        self.w_fp32 = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.w_fp32 + self.w_fp8.float()).t()
+
+
+@distributed(world_size=2)
+def test_a_unit_with_a_frozen_float8_parameter_beside_float32_gathers_like_torch():
+    """torch's test_mixed_dtypes_no_grad_param: one unit holding a frozen float8 parameter and a
+    trainable fp32 one runs forward (and, here, backward) as torch's FSDP2 does."""
+
+    def body(lib: types.SimpleNamespace) -> list[Any]:
+        model = _FrozenFloat8BesideFloat32()
+        lib.fully_shard(model)
+        out = model(torch.ones(3, 4))
+        out.sum().backward()
+        # gloo has no float8 collective: the frozen shard is compared where it lies
+        return [out.detach(), full_value(model.w_fp32.grad), model.w_fp8.to_local().float()]
+
+    runs = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        runs[lib] = body(api(lib))
+    assert_same_run(runs)
