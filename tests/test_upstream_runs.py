@@ -260,3 +260,191 @@ def test_a_unit_with_a_frozen_float8_parameter_beside_float32_gathers_like_torch
         torch.manual_seed(0)
         runs[lib] = body(api(lib))
     assert_same_run(runs)
+
+
+def _tensor_parallel_state_dict_round_trip(lib: types.SimpleNamespace) -> dict[str, Any]:
+    """torch's test_dp_tp_state_dict_save_load without its storage check (fullshard's values are
+    copies, docs/api.md): MLPs tensor-parallel on ``tp`` and sharded on ``dp``, filled with 1;
+    the state dict's keys and DTensor values; a dict of new DTensors (42 + rank) loaded in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {
+        f"{i}.{name}": style()
+        for i in range(2)
+        for name, style in (("in_proj", ColwiseParallel), ("out_proj", RowwiseParallel))
+    }
+    model = parallelize_module(nn.Sequential(MLP(6), MLP(6)), mesh["tp"], plan)
+    for mlp in model:
+        lib.fully_shard(mlp, mesh=mesh["dp"])
+    lib.fully_shard(model, mesh=mesh["dp"])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(1.0)
+    params = {name: param for name, param in model.named_parameters()}
+    state = model.state_dict()
+    seen = {
+        "keys": sorted(state) == sorted(params),
+        "all DTensors": all(isinstance(value, DTensor) for value in state.values()),
+        "placements": [tuple(state[name].placements) == tuple(params[name].placements) for name in sorted(state)],
+        "values": [state[name].to_local().clone() for name in sorted(state)],
+    }
+    model.load_state_dict({name: value.detach().clone().fill_(42.0 + dist.get_rank()) for name, value in state.items()})
+    seen["loaded"] = [params[name].to_local().clone() for name in sorted(params)]
+    seen["loaded in place"] = all(param is params[name] for name, param in model.named_parameters())
+    return seen
+
+
+@distributed(world_size=4)
+def test_tensor_parallel_state_dict_saves_and_loads_in_place_like_torch():
+    """torch's test_dp_tp_state_dict_save_load on a (dp, tp) mesh: keys, DTensor values and
+    their placements, and a dict of new DTensors loaded into the same parameter objects, each
+    as torch's FSDP2 does (the storage each value shares is the documented difference)."""
+    runs = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        runs[lib] = _tensor_parallel_state_dict_round_trip(api(lib))
+    assert runs["torch"]["keys"] and runs["torch"]["all DTensors"] and runs["torch"]["loaded in place"]
+    assert_same_run(runs)
+
+
+class _ChunkedHead(nn.Module):
+    """Embedding, body, norm and a head that a chunked loss may call on its own (torch's
+    ChunkedHeadModel in test_fully_shard_training)."""
+
+    def __init__(self, dim: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+class _Pair(nn.Module):
+    """Two linears whose second gets an fp32 input: bf16 weights need the group's cast there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).float())
+
+
+def _grouped_units_cases(lib: types.SimpleNamespace) -> dict[str, Any]:
+    """Three of torch's grouped-unit (``fully_shard([a, b])``) cases, their observable results."""
+    seen: dict[str, Any] = {}
+    tokens = torch.arange(8).reshape(2, 4) % 16
+    # test_grouped_module_cast_forward_inputs: every module of the group casts its inputs.
+    torch.manual_seed(0)
+    pair = _Pair()
+    bf16 = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    lib.fully_shard([pair.a, pair.b], mp_policy=bf16)
+    lib.fully_shard(pair, mp_policy=bf16)
+    out = pair(torch.ones(2, 8))
+    out.sum().backward()
+    seen["cast output dtype"] = str(out.dtype)
+    seen["cast grads"] = [full_value(p.grad) for p in pair.parameters()]
+    # test_partial_group_reshard_toggle: the head kept gathered across chunks, then resharded.
+    torch.manual_seed(0)
+    model = _ChunkedHead()
+    lib.fully_shard(model.embed)
+    lib.fully_shard(model.body)
+    lib.fully_shard([model.norm, model.head], reshard_after_forward=False)
+    lib.fully_shard(model)
+    h = model(tokens, skip_head=True)
+    model.head.set_reshard_after_forward(False)
+    model.head.set_reshard_after_backward(False)
+    grads, kept = [], []
+    for chunk in torch.chunk(h.detach(), 2, dim=1):
+        chunk = chunk.contiguous().requires_grad_(True)
+        model.head(chunk).sum().backward()
+        grads.append(chunk.grad)
+        kept.append(not isinstance(model.head.weight, DTensor))
+    model.head.set_reshard_after_forward(True)
+    model.head.set_reshard_after_backward(True)
+    model.head.reshard()
+    h.backward(torch.cat(grads, dim=1))
+    seen["head gathered across chunks"] = kept
+    seen["head sharded after reshard()"] = isinstance(model.head.weight, DTensor)
+    seen["toggle grads"] = {name: full_value(p.grad) for name, p in model.named_parameters()}
+    # test_double_partial_forward_then_backward: two partial forwards, one backward.
+    torch.manual_seed(0)
+    model = _ChunkedHead()
+    lib.fully_shard([model.norm, model.head])
+    lib.fully_shard(model)
+    (model(tokens, skip_head=True).sum() + model(tokens + 1, skip_head=True).sum()).backward()
+    seen["double partial grads"] = {
+        name: None if p.grad is None else full_value(p.grad) for name, p in model.named_parameters()
+    }
+    return seen
+
+
+@distributed(world_size=2)
+def test_grouped_units_cast_toggle_and_run_partially_like_torch():
+    """torch's test_grouped_module_cast_forward_inputs, test_partial_group_reshard_toggle and
+    test_double_partial_forward_then_backward (each passes against fullshard when torch's file is
+    run): the same dtypes, kept/resharded forms and gradients as torch's FSDP2."""
+    runs = {}
+    for lib in LIBS:
+        runs[lib] = _grouped_units_cases(api(lib))
+    assert runs["torch"]["head gathered across chunks"] == [True, True]
+    assert runs["torch"]["double partial grads"]["head.weight"] is None
+    assert_same_run(runs)
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn1, self.bn2, self.bn3 = nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm3d(4)
+        self.sync_bn = nn.SyncBatchNorm(4)
+
+
+class _HoldsBatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn_container = _BatchNormNet()
+
+
+@distributed(world_size=2)
+def test_torchs_function_policies_wrap_batch_norms_individually_like_torch():
+    """torch's test_wrap_batchnorm_individually and test_bn_always_wrapped_individually pass its
+    private policy functions (``_or_policy``, ``_wrap_module_cls_individually``) as the wrapper's
+    ``auto_wrap_policy``: every batch norm becomes a unit of its own, also inside a container a
+    second policy wraps; the wrapper takes those functions and wraps the same modules."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import _or_policy, _wrap_module_cls_individually
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    def never(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def container(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return True if recurse else isinstance(module, _BatchNormNet)
+
+    each_bn = functools.partial(_wrap_module_cls_individually, module_classes=[_BatchNorm])
+    cases = {
+        "batch norms alone": (_BatchNormNet, each_bn),
+        "or never": (_BatchNormNet, functools.partial(_or_policy, policies=[never, each_bn])),
+        "inside a wrapped container": (
+            _HoldsBatchNormNet,
+            functools.partial(_or_policy, policies=[container, each_bn]),
+        ),
+    }
+    for name, (model_class, policy) in cases.items():
+        wrapped = {}
+        for lib in LIBS:
+            FSDP = api(lib).FSDP
+            model = FSDP(model_class(), auto_wrap_policy=policy, device_id=CPU)
+            wrapped[lib] = sorted(clean(path) for path, m in model.named_modules() if isinstance(m, FSDP))
+        assert wrapped["fullshard"] == wrapped["torch"], (name, wrapped)
+        assert any("bn1" in path for path in wrapped["torch"]), (name, wrapped)
