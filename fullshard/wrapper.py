@@ -259,6 +259,21 @@ class FullyShardedDataParallel(nn.Module):
         busy = state.group.training_state if state.group is not None else state.training_state
         return TrainingState.IDLE if busy is EngineState.IDLE else TrainingState.FORWARD_BACKWARD
 
+    def _assert_state(self, state: Any) -> None:
+        """FSDP1's private check, which torch's test harness (``_test_fsdp_parity``) calls: the
+        unit is in ``state`` (a member, or a list of them, of ours or of torch's ``TrainingState``,
+        compared by name).
+
+        Raises:
+            ValueError: it is in another state.
+        """
+        expected = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state.name not in {s.name for s in expected}:
+            raise ValueError(
+                f"expected to be in states {[s.name for s in expected]} but current state is "
+                f"{self.training_state.name} ({module_class_name(self.module)})"
+            )
+
     @property
     def _inter_node_pg(self) -> dist.ProcessGroup | None:
         """The group gradients are all-reduced over between replicas (hybrid strategies)."""

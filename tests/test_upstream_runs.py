@@ -448,3 +448,172 @@ def test_torchs_function_policies_wrap_batch_norms_individually_like_torch():
             wrapped[lib] = sorted(clean(path) for path, m in model.named_modules() if isinstance(m, FSDP))
         assert wrapped["fullshard"] == wrapped["torch"], (name, wrapped)
         assert any("bn1" in path for path in wrapped["torch"]), (name, wrapped)
+
+
+def _nested(lib: types.SimpleNamespace, seed: int, checkpointed: bool = False, **kwargs: Any) -> nn.Module:
+    """FSDP(Sequential(FSDP(Linear), Linear)) as torch's state-dict tests build it, each Linear
+    possibly inside torch's checkpoint wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(seed)
+    first, second = nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False)
+    if checkpointed:
+        first, second = checkpoint_wrapper(first), checkpoint_wrapper(second)
+    return lib.FSDP(nn.Sequential(lib.FSDP(first, device_id=CPU, **kwargs), second), device_id=CPU, **kwargs)
+
+
+def _summoned(lib: types.SimpleNamespace, model: nn.Module) -> list[torch.Tensor]:
+    with lib.FSDP.summon_full_params(model):
+        return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+
+
+@distributed(world_size=2)
+def test_wrapper_state_dicts_cross_checkpoint_wrappers_and_keep_full_precision_units_like_one_process():
+    """torch's test_fsdp_state_dict_with_activation_checkpoint and
+    test_buffers_save_and_load_state_dict, both of which torch's FSDP1 fails on CPU (its summon
+    and offload need an accelerator) and fullshard passes when torch's file is run: a full or
+    sharded dict moves between models with and without checkpoint wrappers; a model whose
+    BatchNorm unit keeps fp32 among fp16 units saves its buffers and parameters in fp32 and loads
+    back exactly. The source model is the reference."""
+    from fullshard import CPUOffload, FullStateDictConfig, MixedPrecision, StateDictType
+
+    lib = api("fullshard")
+    for kind, source_ckpt, dest_ckpt in itertools.product(
+        (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT), (False, True), (False, True)
+    ):
+        source, dest = _nested(lib, 0, source_ckpt), _nested(lib, 1, dest_ckpt)
+        with lib.FSDP.state_dict_type(source, kind):
+            state = source.state_dict()
+        with lib.FSDP.state_dict_type(dest, kind):
+            dest.load_state_dict(state, strict=True)
+        for ours, ref in zip(_summoned(lib, dest), _summoned(lib, source)):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=f"{kind}, checkpointed {source_ckpt}/{dest_ckpt}")
+
+    fp16 = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
+    fp32 = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+
+    def with_norm(seed: int, offload: bool) -> nn.Module:
+        torch.manual_seed(seed)
+        extra = {"device_id": CPU, "cpu_offload": CPUOffload(offload_params=offload)}
+        norm = nn.BatchNorm1d(10)
+        norm.running_mean.uniform_()  # a buffer a zeroed model does not share
+        layers = [
+            lib.FSDP(nn.Linear(10, 10), mixed_precision=fp16, **extra),
+            lib.FSDP(norm, mixed_precision=fp32, **extra),
+        ]
+        return lib.FSDP(nn.Sequential(*layers, nn.Linear(10, 10)), **extra)
+
+    for offload, rank0_only in itertools.product((False, True), repeat=2):
+        source, dest = with_norm(0, offload), with_norm(1, offload)
+        config = FullStateDictConfig(rank0_only=rank0_only, offload_to_cpu=rank0_only)
+        with lib.FSDP.state_dict_type(source, StateDictType.FULL_STATE_DICT, config):
+            state = source.state_dict()
+        state = [state]
+        dist.broadcast_object_list(state, src=0)
+        assert all(value.dtype == torch.float32 for value in state[0].values() if value.is_floating_point())
+        with lib.FSDP.state_dict_type(dest, StateDictType.FULL_STATE_DICT):
+            dest.load_state_dict(state[0], strict=True)
+        for ours, ref in zip(_summoned(lib, dest), _summoned(lib, source)):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=f"offload {offload}, rank0_only {rank0_only}")
+
+
+@distributed(world_size=2)
+def test_a_module_left_out_of_enable_wrap_saves_and_loads_like_torch():
+    """torch's test_state_dict_skip_module: a submodule detached while ``wrap`` builds the units
+    and attached again afterwards stays plain inside the root; the state dict has the plain
+    model's keys, loads into a new wrapper and into the plain model (full, sharded)."""
+    from torch.distributed.fsdp.wrap import enable_wrap as torch_enable_wrap
+    from torch.distributed.fsdp.wrap import wrap as torch_wrap
+
+    from fullshard.wrap import enable_wrap, wrap
+
+    class Skip(nn.Module):
+        def __init__(self, wrap_fn: Callable[[nn.Module], nn.Module]) -> None:
+            super().__init__()
+            self.linear = wrap_fn(nn.Linear(10, 10, bias=False))
+            self.linear_skip = nn.Linear(10, 10, bias=False)
+            self.nested = nn.Sequential(wrap_fn(nn.Linear(10, 10, bias=False)), nn.Linear(10, 10, bias=False))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.nested(self.linear_skip(self.linear(x)))
+
+    def build(lib_name: str, seed: int) -> nn.Module:
+        lib = api(lib_name)
+        enable, wrap_fn = (torch_enable_wrap, torch_wrap) if lib_name == "torch" else (enable_wrap, wrap)
+        torch.manual_seed(seed)
+        with enable(wrapper_cls=lib.FSDP, device_id=CPU):
+            module = Skip(wrap_fn)
+            skipped = module.linear_skip
+            del module.linear_skip
+            model = wrap_fn(module)
+            module.linear_skip = skipped
+        return model
+
+    runs = {}
+    for lib_name in LIBS:
+        lib = api(lib_name)
+        seen: dict[str, Any] = {}
+        model = build(lib_name, 0)
+        model(torch.ones(2, 10)).sum().backward()
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            state_type = _state_dict_type(lib_name, kind)
+            with lib.FSDP.state_dict_type(model, state_type):
+                state = model.state_dict()
+            seen[f"{kind} keys"] = sorted(clean(key) for key in state)
+            fresh = build(lib_name, 1)
+            with lib.FSDP.state_dict_type(fresh, state_type):
+                fresh.load_state_dict(state, strict=True)
+            seen[f"{kind} loaded"] = _summoned(lib, fresh)
+        with lib.FSDP.state_dict_type(model, _state_dict_type(lib_name, "FULL_STATE_DICT")):
+            full = {clean(key): value for key, value in model.state_dict().items()}
+        plain = Skip(lambda module: module)
+        plain.load_state_dict(full, strict=True)
+        seen["plain"] = [p.detach().clone() for p in plain.parameters()]
+        runs[lib_name] = seen
+    assert runs["torch"]["FULL_STATE_DICT keys"] == sorted(Skip(lambda module: module).state_dict())
+    assert_same_run(runs)
+
+
+def _state_dict_type(lib_name: str, name: str) -> Any:
+    if lib_name == "torch":
+        from torch.distributed.fsdp import StateDictType
+    else:
+        from fullshard import StateDictType
+    return StateDictType[name]
+
+
+@distributed(world_size=2)
+def test_fsdp1_private_state_check_behaves_like_torchs():
+    """torch's FSDP1 parity harness (``_test_fsdp_parity``, behind every parity test of
+    test_fsdp_core) calls the wrapper's private ``_assert_state``: fullshard had none, so every
+    such test failed with ``AttributeError``. It takes torch's ``TrainingState`` members (or ours)
+    and raises ``ValueError`` outside them, as torch's does."""
+    from torch.distributed.fsdp._common_utils import TrainingState
+
+    def outcomes(lib: types.SimpleNamespace) -> list[str]:
+        model = lib.FSDP(nn.Linear(4, 4), device_id=CPU)
+        seen = []
+
+        def check(*expected: TrainingState) -> None:
+            try:
+                model._assert_state(list(expected) if len(expected) > 1 else expected[0])
+                seen.append("ok")
+            except ValueError:
+                seen.append("ValueError")
+
+        check(TrainingState.IDLE)
+        check(TrainingState.FORWARD_BACKWARD)
+
+        def in_forward(*args: Any) -> None:
+            check(TrainingState.IDLE)
+            check(TrainingState.IDLE, TrainingState.FORWARD_BACKWARD)
+
+        handle = model.module.register_forward_hook(in_forward)
+        model(torch.ones(2, 4)).sum().backward()
+        handle.remove()
+        check(TrainingState.IDLE)
+        return seen
+
+    runs = {lib: outcomes(api(lib)) for lib in LIBS}
+    assert runs["torch"] == ["ok", "ValueError", "ValueError", "ok", "ok"], runs
+    assert runs["fullshard"] == runs["torch"]
