@@ -617,3 +617,61 @@ def test_fsdp1_private_state_check_behaves_like_torchs():
     runs = {lib: outcomes(api(lib)) for lib in LIBS}
     assert runs["torch"] == ["ok", "ValueError", "ValueError", "ok", "ok"], runs
     assert runs["fullshard"] == runs["torch"]
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin_b = nn.Linear(8, 8)
+        self.module_c = nn.Linear(8, 8)
+        self.subtrahend = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin_b(self.module_c(x)) - self.subtrahend
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module_b = _Inner()
+        self.addend = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.module_b(x) + self.addend).sum()
+
+
+@distributed(world_size=2)
+def test_fully_shard_inside_ddp_with_ignored_parameters_trains_like_ddp():
+    """torch's test_ddp_A_fsdp_B_ddp_C: ``fully_shard`` on B and its linear, C's parameters
+    ignored by it; DDP over the whole model, told to ignore what fully_shard manages (so C's
+    parameters are DDP's): three Adam steps equal a DDP-only model's, as with torch's FSDP2."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(84))
+
+    def train(lib: types.SimpleNamespace | None) -> list[Any]:
+        torch.manual_seed(42)
+        model = _Outer()
+        if lib is not None:
+            ignored = set(model.module_b.module_c.parameters())
+            lib.fully_shard(model.module_b.lin_b, ignored_params=ignored)
+            lib.fully_shard(model.module_b, ignored_params=ignored)
+            managed = [f"module_b.{name}" for name, p in model.module_b.named_parameters() if p not in ignored]
+            DDP._set_params_and_buffers_to_ignore_for_model(module=model, params_and_buffers_to_ignore=managed)
+        model = DDP(model, broadcast_buffers=False)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss = model(x)
+            loss.backward()
+            with implicit_replication():
+                optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        return [losses, {clean(name.removeprefix("module.")): full_value(p) for name, p in model.named_parameters()}]
+
+    reference = train(None)
+    runs = {lib: train(api(lib)) for lib in LIBS}
+    assert_same_run({"torch": reference, "fullshard": runs["torch"]}, atol=1e-6, rtol=1e-5)
+    assert_same_run(runs)
