@@ -675,3 +675,53 @@ def test_fully_shard_inside_ddp_with_ignored_parameters_trains_like_ddp():
     runs = {lib: train(api(lib)) for lib in LIBS}
     assert_same_run({"torch": reference, "fullshard": runs["torch"]}, atol=1e-6, rtol=1e-5)
     assert_same_run(runs)
+
+
+def _experts_model(lib: types.SimpleNamespace | None, expert_groups: list[Any]) -> nn.Module:
+    """torch's MixtureOfExperts: a shared layer wrapped over every rank and this rank's own
+    expert (different values on each rank) wrapped over a group of this rank alone."""
+    rank = dist.get_rank()
+    torch.manual_seed(42 + rank)
+    expert = nn.Linear(6, 4)
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 6)
+    if lib is not None:
+        expert = lib.FSDP(expert, process_group=expert_groups[rank], device_id=CPU)
+        shared = lib.FSDP(shared, device_id=CPU)
+    model = nn.Sequential(nn.Linear(3, 4), shared, expert, nn.Linear(4, 3))
+    return model if lib is None else lib.FSDP(model, device_id=CPU)
+
+
+@distributed(world_size=2)
+def test_experts_on_a_group_of_their_own_train_like_the_reference_reduction():
+    """torch's test_mixture_of_experts (which passes against fullshard when torch's file is run):
+    an expert wrapped over a process group of one rank keeps its own values and gradient, the rest
+    is averaged over all ranks; three SGD steps equal a local model reduced that way, and torch's
+    FSDP1's."""
+    expert_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    batches = rank_batches(3, 5, 3)
+
+    def train(lib: types.SimpleNamespace | None) -> list[Any]:
+        model = _experts_model(lib, expert_groups)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x in batches:
+            loss = model(x).sum()
+            loss.backward()
+            if lib is None:  # the reference reduction: experts keep their own gradient
+                for name, param in model.named_parameters():
+                    if not name.startswith("2."):
+                        param.grad.div_(dist.get_world_size())
+                        dist.all_reduce(param.grad)
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        if lib is None:
+            return [losses, [p.detach().clone() for p in model.parameters()]]
+        with lib.FSDP.summon_full_params(model):
+            return [losses, [p.detach().clone() for p in model.parameters()]]
+
+    reference = train(None)
+    runs = {lib: train(api(lib)) for lib in LIBS}
+    assert_same_run({"torch": reference, "fullshard": runs["fullshard"]}, atol=1e-6, rtol=1e-5)
+    assert_same_run(runs, atol=1e-6, rtol=1e-5)
