@@ -725,3 +725,40 @@ def test_experts_on_a_group_of_their_own_train_like_the_reference_reduction():
     runs = {lib: train(api(lib)) for lib in LIBS}
     assert_same_run({"torch": reference, "fullshard": runs["fullshard"]}, atol=1e-6, rtol=1e-5)
     assert_same_run(runs, atol=1e-6, rtol=1e-5)
+
+
+@distributed(world_size=2)
+def test_summoning_through_a_plain_root_over_several_wrappers_shows_the_local_models_parameters():
+    """torch's test_unshard_params_param_data: ``summon_full_params`` called on a plain module
+    holding several wrapper roots shows, on every rank (on rank 0 only with ``rank0_only``),
+    parameters equal to the local model's in shape, original dtype (under fp16 mixed precision
+    too), value and type; the managed ones on the CPU with ``offload_to_cpu``; other ranks keep
+    their shards. Reference: the local model."""
+    from fullshard import FSDP, CPUOffload, MixedPrecision
+
+    torch.manual_seed(0)
+    local = nn.Sequential(
+        nn.Linear(3, 4), nn.Linear(4, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 4)), nn.Linear(4, 3)
+    )
+    for rank0_only, offload_to_cpu, offload_params, fp16, use_orig_params in itertools.product((False, True), repeat=5):
+        kwargs = {
+            "device_id": CPU,
+            "cpu_offload": CPUOffload(offload_params=offload_params),
+            "mixed_precision": MixedPrecision(param_dtype=torch.float16) if fp16 else None,
+            "use_orig_params": use_orig_params,
+        }
+        model = copy.deepcopy(local)
+        model[1], model[2] = FSDP(model[1], **kwargs), FSDP(model[2], **kwargs)
+        where = f"rank0_only {rank0_only}, offload_to_cpu {offload_to_cpu}, offload {offload_params}, fp16 {fp16}"
+        with FSDP.summon_full_params(
+            model, rank0_only=rank0_only, writeback=not rank0_only, offload_to_cpu=offload_to_cpu
+        ):
+            shown = list(model.named_parameters())
+            if rank0_only and dist.get_rank() != 0:
+                managed = [p for name, p in shown if "_fsdp_wrapped_module" in name]
+                assert sum(p.numel() for p in managed) < sum(p.numel() for p in local[1:3].parameters()), where
+                continue
+            assert len(shown) == len(list(local.parameters())), where
+            for (name, ours), ref in zip(shown, local.parameters()):
+                assert isinstance(ours, nn.Parameter) and ours.dtype == ref.dtype, (where, name)
+                torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=f"{where}: {name}")
