@@ -762,3 +762,78 @@ def test_summoning_through_a_plain_root_over_several_wrappers_shows_the_local_mo
             for (name, ours), ref in zip(shown, local.parameters()):
                 assert isinstance(ours, nn.Parameter) and ours.dtype == ref.dtype, (where, name)
                 torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=f"{where}: {name}")
+
+
+def _optim_dict_forms(lib: types.SimpleNamespace) -> dict[str, Any]:
+    """torch's test_interface_arguments: what ``FSDP.optim_state_dict`` gives per config, and what
+    ``optim_state_dict_to_load(load_directly=True)`` restores."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if lib.lib == "torch":
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
+    else:
+        from fullshard import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
+    torch.manual_seed(0)
+    model = lib.FSDP(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), device_id=CPU)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = rank_batches(1, 3, 4)[0]
+
+    def step() -> None:
+        model(x).sum().backward()
+        optim.step()
+
+    def kinds(osd: dict) -> list[str]:
+        return sorted({type(s).__name__ for state in osd.get("state", {}).values() for s in state.values() if s.dim()})
+
+    seen: dict[str, Any] = {}
+    step()
+    original = copy.deepcopy(optim.state_dict())
+    osd = lib.FSDP.optim_state_dict(model, optim, optim_state_dict=original)
+    seen["default"] = lib.FSDP.optim_state_dict(model, optim)
+    seen["from the given dict"] = osd
+    step()
+    lib.FSDP.optim_state_dict_to_load(model, optim, osd, load_directly=True)
+    seen["restored"] = optim.state_dict()["state"]
+    seen["default kinds"] = kinds(lib.FSDP.optim_state_dict(model, optim, optim_state_dict=original))
+    with lib.FSDP.state_dict_type(
+        model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(),
+        ShardedOptimStateDictConfig(offload_to_cpu=False),
+    ):
+        sharded = lib.FSDP.optim_state_dict(model, optim, optim_state_dict=original)
+        seen["sharded kinds"] = kinds(sharded)
+        assert all(isinstance(s, ShardedTensor) for st in sharded["state"].values() for s in st.values() if s.dim())
+    with lib.FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(),
+        FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
+    ):
+        full = lib.FSDP.optim_state_dict(model, optim, optim_state_dict=original)
+        seen["rank0_only empty elsewhere"] = full == {} if dist.get_rank() > 0 else kinds(full)
+    return seen
+
+
+@distributed(world_size=2)
+def test_optimizer_state_dict_forms_per_config_like_torch():
+    """torch's test_interface_arguments: the optimizer dict from a given ``optim_state_dict``
+    equals the optimizer's own; ``load_directly=True`` restores it; plain tensors by default,
+    ShardedTensors under SHARDED_STATE_DICT, nothing off rank 0 with ``rank0_only``, as torch's
+    FSDP1 (same values)."""
+    runs = {lib: _optim_dict_forms(api(lib)) for lib in LIBS}
+    assert runs["torch"]["sharded kinds"] == ["ShardedTensor"]
+    assert_same_run({lib: {k: v for k, v in run.items() if k != "from the given dict"} for lib, run in runs.items()})
+    assert_same_run({"torch": runs["fullshard"]["default"], "fullshard": runs["fullshard"]["from the given dict"]})
