@@ -837,3 +837,41 @@ def test_optimizer_state_dict_forms_per_config_like_torch():
     assert runs["torch"]["sharded kinds"] == ["ShardedTensor"]
     assert_same_run({lib: {k: v for k, v in run.items() if k != "from the given dict"} for lib, run in runs.items()})
     assert_same_run({"torch": runs["fullshard"]["default"], "fullshard": runs["fullshard"]["from the given dict"]})
+
+
+@distributed(world_size=2)
+def test_parameter_groups_with_their_own_hyperparameters_under_cpu_offload_train_like_one_process():
+    """torch's test_diff_hyperparams_cpu_offload (its FSDP1 needs an accelerator to offload): with
+    ``use_orig_params=True`` and CPU offload, an AdamW over two parameter groups (weights and
+    biases, each its own lr and weight decay) steps as one process does on the whole batch."""
+    from fullshard import FSDP, CPUOffload
+    from fullshard.wrap import ModuleWrapPolicy
+
+    def groups(model: nn.Module) -> list[dict[str, Any]]:
+        named = list(model.named_parameters())
+        return [
+            {"params": [p for n, p in named if n.endswith("weight")], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "lr": 1e-3, "weight_decay": 0.0},
+        ]
+
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    model = FSDP(
+        copy.deepcopy(local),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+        cpu_offload=CPUOffload(offload_params=True),
+        device_id=CPU,
+    )
+    optim, local_optim = torch.optim.AdamW(groups(model)), torch.optim.AdamW(groups(local))
+    world = dist.get_world_size()
+    for step in range(3):
+        batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        model(batches[dist.get_rank()]).sum().backward()
+        (local(torch.cat(batches)).sum() / world).backward()
+        for opt in (optim, local_optim):
+            opt.step()
+            opt.zero_grad()
+    with FSDP.summon_full_params(model):
+        for (name, ours), ref in zip(model.named_parameters(), local.parameters()):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
