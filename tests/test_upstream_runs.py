@@ -875,3 +875,103 @@ def test_parameter_groups_with_their_own_hyperparameters_under_cpu_offload_train
     with FSDP.summon_full_params(model):
         for (name, ours), ref in zip(model.named_parameters(), local.parameters()):
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class _Lin4(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.nested_lin = nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.nested_lin(x)
+
+
+class _FourLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.lin3 = (nn.Linear(1, 1, bias=False) for _ in range(3))
+        self.lin4 = _Lin4()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin4(self.lin3(self.lin2(self.lin1(x))))
+
+
+@distributed(world_size=2)
+def test_every_auto_wrapped_unit_takes_the_roots_settings_like_torch():
+    """torch's test_main_wrap_api: with a size policy wrapping every module, each unit (the three
+    linears, the nested linear, its container, the root) holds the CPU offload, backward and forward
+    prefetch given to the root, and six SGD steps run; the same units and losses as torch's FSDP1
+    (whose offload needs an accelerator: without offload on its side)."""
+    import functools
+
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    from fullshard import BackwardPrefetch
+
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=0)
+    for prefetch, forward_prefetch, offload in itertools.product(
+        ("BACKWARD_POST", "BACKWARD_PRE"), (False, True), (False, True)
+    ):
+        runs = {}
+        for lib_name in LIBS:
+            if lib_name == "torch" and offload:
+                continue
+            lib = api(lib_name)
+            torch.manual_seed(0)
+            backward_prefetch = (TorchPrefetch if lib_name == "torch" else BackwardPrefetch)[prefetch]
+            cpu_offload = lib.CPUOffload(offload_params=offload)
+            model = lib.FSDP(
+                _FourLinears(),
+                auto_wrap_policy=policy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                forward_prefetch=forward_prefetch,
+                device_id=CPU,
+            )
+            units = sorted(clean(path) for path, m in model.named_modules() if isinstance(m, lib.FSDP))
+            settings = {
+                (m.cpu_offload.offload_params, m.backward_prefetch.name, m.forward_prefetch)
+                for m in model.modules()
+                if isinstance(m, lib.FSDP)
+            }
+            assert settings == {(offload, prefetch, forward_prefetch)}, (lib_name, settings)
+            optim = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+            losses = []
+            for _ in range(6):
+                optim.zero_grad()
+                loss = model(torch.ones(1)).sum()
+                loss.backward()
+                optim.step()
+                losses.append(loss.detach())
+            runs[lib_name] = [units, losses]
+        if "torch" in runs:
+            assert runs["torch"][0] == ["", "lin1", "lin2", "lin3", "lin4", "lin4.nested_lin"], runs["torch"][0]
+            assert_same_run(runs)
+        else:
+            assert runs["fullshard"][0] == ["", "lin1", "lin2", "lin3", "lin4", "lin4.nested_lin"]
+
+
+@distributed(world_size=2)
+def test_units_sharing_a_comm_context_train_like_torch():
+    """torch's test_share_comm_context: three root units (no parent unit) made to share one
+    communication context (``share_comm_ctx``) give the same loss and gradients as torch's FSDP2
+    (whose test lazily initializes each unit first, through its private state)."""
+    from torch.distributed.fsdp import share_comm_ctx as torch_share
+
+    from fullshard import share_comm_ctx
+
+    def body(lib: types.SimpleNamespace) -> list[Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(MLP(8) for _ in range(3)))
+        for layer in model:
+            lib.fully_shard(layer)
+            if lib.lib == "torch":
+                layer._get_fsdp_state()._lazy_init()
+        (torch_share if lib.lib == "torch" else share_comm_ctx)(list(model))
+        loss = model(rank_batches(1, 4, 3, 8)[0]).sum()
+        loss.backward()
+        return [loss.detach(), {name: full_value(p.grad) for name, p in model.named_parameters()}]
+
+    runs = {lib: body(api(lib)) for lib in LIBS}
+    assert_same_run(runs)
