@@ -975,3 +975,105 @@ def test_units_sharing_a_comm_context_train_like_torch():
 
     runs = {lib: body(api(lib)) for lib in LIBS}
     assert_same_run(runs)
+
+
+def _hsdp_with_tensor_parallel(lib: types.SimpleNamespace, reshard_after_forward: bool) -> list[Any]:
+    """torch's _test_3d_mlp_with_nd_mesh on a (dp_replicate 2, dp_shard 1, tp 2) mesh of 4 ranks:
+    MLPs tensor-parallel on ``tp``, units over the 2-D data-parallel mesh (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(6), MLP(6))
+    plan = {
+        f"{i}.{name}": style()
+        for i in range(2)
+        for name, style in (("in_proj", ColwiseParallel), ("out_proj", RowwiseParallel))
+    }
+    parallelize_module(model, mesh["tp"], plan)
+    for mlp in model:
+        lib.fully_shard(mlp, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    lib.fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(mesh["dp_replicate"].get_local_rank())
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, 6, generator=gen)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    layout = [(p.device_mesh.mesh_dim_names, [str(x) for x in p.placements]) for p in model.parameters()]
+    return [losses, layout, full_params(model)]
+
+
+@distributed(world_size=4)
+def test_hybrid_sharding_with_tensor_parallelism_on_a_3d_mesh_trains_like_torch():
+    """torch's test_3d_mlp_with_nd_mesh (its 8-rank (2, 2, 2) mesh as (2, 1, 2) here): parameters
+    become DTensors on the three-dim mesh with torch's placements, and the losses and parameters of
+    three Adam steps equal torch's FSDP2's, with and without resharding after forward."""
+    for reshard_after_forward in (True, False):
+        runs = {}
+        for lib in LIBS:
+            runs[lib] = _hsdp_with_tensor_parallel(api(lib), reshard_after_forward)
+        assert all(names == ("dp_replicate", "dp_shard", "tp") for names, _ in runs["torch"][1])
+        assert_same_run(runs)
+
+
+def _gathers_in_a_step(lib_name: str, prefetch: str | None) -> list[int]:
+    """The bytes of each all-gather of a training step's forward and backward (the second step,
+    once the order is recorded) of four wrapped Linears of distinct sizes, in the order issued."""
+    from fullshard import set_all_gather_bucket_size
+    from fullshard._core import comm
+
+    lib = api(lib_name)
+    prefetch_enum = None
+    if prefetch is not None:
+        from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+
+        from fullshard import BackwardPrefetch
+
+        prefetch_enum = (TorchPrefetch if lib_name == "torch" else BackwardPrefetch)[prefetch]
+    torch.manual_seed(0)
+    sizes = [4, 6, 8, 10, 12]
+    model = lib.FSDP(
+        nn.Sequential(*(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))),
+        auto_wrap_policy=lib.ModuleWrapPolicy({nn.Linear}),
+        backward_prefetch=prefetch_enum,
+        device_id=CPU,
+    )
+    if lib_name == "fullshard":
+        set_all_gather_bucket_size(model, 0)  # one all-gather per unit, as torch (see docs/api.md)
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    gathered: list[int] = []
+    if lib_name == "torch":
+        original = dist.all_gather_into_tensor
+
+        def spy(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            gathered.append(output.numel() * output.element_size())
+            return original(output, *args, **kwargs)
+
+        dist.all_gather_into_tensor = spy
+        try:
+            model(x).sum().backward()
+        finally:
+            dist.all_gather_into_tensor = original
+    else:
+        with comm.record_comms() as records:
+            model(x).sum().backward()
+        gathered = [record.nbytes for record in records if record.op == "all_gather"]
+    return gathered
+
+
+@distributed(world_size=2)
+def test_backward_prefetch_gathers_units_in_torchs_order():
+    """torch's test_backward_prefetch: with BACKWARD_PRE, BACKWARD_POST or no prefetch, which unit
+    is gathered when in forward and backward (by their distinct sizes) is torch's FSDP1 order,
+    once fullshard gathers unit by unit (its small-unit buckets off)."""
+    for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None):
+        runs = {lib: _gathers_in_a_step(lib, prefetch) for lib in LIBS}
+        assert len(runs["torch"]) >= 5, runs
+        assert runs["fullshard"] == runs["torch"], (prefetch, runs)
