@@ -1050,17 +1050,17 @@ def _gathers_in_a_step(lib_name: str, prefetch: str | None) -> list[int]:
     model(x).sum().backward()
     gathered: list[int] = []
     if lib_name == "torch":
-        original = dist.all_gather_into_tensor
+        original = dist.all_gather  # torch's FSDP1 gathers a CPU flat parameter into a list
 
-        def spy(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            gathered.append(output.numel() * output.element_size())
-            return original(output, *args, **kwargs)
+        def spy(outputs: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            gathered.append(sum(t.numel() * t.element_size() for t in outputs))
+            return original(outputs, *args, **kwargs)
 
-        dist.all_gather_into_tensor = spy
+        dist.all_gather = spy
         try:
             model(x).sum().backward()
         finally:
-            dist.all_gather_into_tensor = original
+            dist.all_gather = original
     else:
         with comm.record_comms() as records:
             model(x).sum().backward()
