@@ -1077,3 +1077,101 @@ def test_backward_prefetch_gathers_units_in_torchs_order():
         runs = {lib: _gathers_in_a_step(lib, prefetch) for lib in LIBS}
         assert len(runs["torch"]) >= 5, runs
         assert runs["fullshard"] == runs["torch"], (prefetch, runs)
+
+
+class _Widening(nn.Module):
+    """Linears of distinct sizes (``sizes[i] -> sizes[i + 1]``), so an all-gather's bytes name its unit."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _fully_shard_gathers(lib_name: str, grouped: bool) -> list[int]:
+    """The bytes of each all-gather of a second training step (forward and backward, implicit
+    prefetching), one unit per layer or the middle two layers as one unit."""
+    from fullshard import set_all_gather_bucket_size
+    from fullshard._core import comm
+
+    lib = api(lib_name)
+    torch.manual_seed(0)
+    model = _Widening([4, 6, 8, 10, 12, 14])
+    layers = list(model.layers)
+    units = [layers[0], [layers[1], layers[2]], *layers[3:]] if grouped else layers
+    for unit in units:
+        lib.fully_shard(unit)
+    lib.fully_shard(model)
+    if lib_name == "fullshard":
+        set_all_gather_bucket_size(model, 0)  # one all-gather per unit, as torch (see docs/api.md)
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    if lib_name == "fullshard":
+        with comm.record_comms() as records:
+            model(x).sum().backward()
+        return [record.nbytes for record in records if record.op == "all_gather"]
+    gathered: list[int] = []
+    original = dist.all_gather_single
+
+    def spy(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        gathered.append(output.numel() * output.element_size())
+        return original(output, *args, **kwargs)
+
+    dist.all_gather_single = spy
+    try:
+        model(x).sum().backward()
+    finally:
+        dist.all_gather_single = original
+    return gathered
+
+
+@distributed(world_size=2)
+def test_fully_shard_gathers_units_in_torchs_order():
+    """torch's test_fully_shard_backward_prefetch and test_fully_shard_multi_module_backward_prefetch
+    (which read FSDP2's private unshard events): the order of a step's all-gathers, forward and
+    backward with implicit prefetching, by unit size, equals torch's FSDP2's, one unit per layer
+    or two layers in one unit, with fullshard's small-unit buckets off."""
+    for grouped in (False, True):
+        runs = {lib: _fully_shard_gathers(lib, grouped) for lib in LIBS}
+        assert len(runs["torch"]) >= 8, runs
+        assert runs["fullshard"] == runs["torch"], (grouped, runs)
+
+
+def _full_optimizer_dict_reloaded(lib: types.SimpleNamespace) -> list[Any]:
+    """torch's test_optim_state_dict_tensor_matching: Adam states of two ``fully_shard`` Linears
+    (DTensors), a full optimizer dict from torch's ``get_optimizer_state_dict``, loaded into a new
+    Adam with ``set_optimizer_state_dict``: the states come back as DTensors of the same values."""
+    from torch.distributed.checkpoint import state_dict as dsd
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(2)))
+    for layer in model:
+        lib.fully_shard(layer)
+    lib.fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(rank_batches(1, 4, 4)[0]).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    before = [{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()} for s in optim.state.values()]
+    full = dsd.get_optimizer_state_dict(model, optim, options=dsd.StateDictOptions(full_state_dict=True))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dsd.set_optimizer_state_dict(
+        model, optim, optim_state_dict=full, options=dsd.StateDictOptions(full_state_dict=True)
+    )
+    after = [{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()} for s in optim.state.values()]
+    kinds = sorted({type(v).__name__ for s in optim.state.values() for k, v in s.items() if k != "step"})
+    return [kinds, before, after]
+
+
+@distributed(world_size=2)
+def test_a_full_optimizer_dict_loads_back_as_dtensor_states_like_torch():
+    """torch's test_optim_state_dict_tensor_matching with fullshard's ``fully_shard``, against torch's FSDP2."""
+    runs = {lib: _full_optimizer_dict_reloaded(api(lib)) for lib in LIBS}
+    assert runs["torch"][0] == ["DTensor"], runs["torch"][0]
+    assert_same_run({"torch": runs["fullshard"][1], "fullshard": runs["fullshard"][2]})
+    assert_same_run(runs)
