@@ -1175,3 +1175,79 @@ def test_a_full_optimizer_dict_loads_back_as_dtensor_states_like_torch():
     assert runs["torch"][0] == ["DTensor"], runs["torch"][0]
     assert_same_run({"torch": runs["fullshard"][1], "fullshard": runs["fullshard"][2]})
     assert_same_run(runs)
+
+
+def _hybrid_wrapper() -> nn.Module:
+    """An HSDP wrapper on a (2, 2) mesh over Linears of even and uneven sizes (torch's
+    test_hsdp_checkpoint checks both)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import FSDP, ShardingStrategy
+    from fullshard.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    return FSDP(
+        model,
+        device_mesh=mesh,
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+    )
+
+
+def _sharded_dicts(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from fullshard import FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+
+
+@distributed(world_size=4)
+def test_dcp_saves_hybrid_wrapper_dicts_and_loads_them_whole_async_or_in_part(tmp_path):
+    """torch's test_hsdp_checkpoint, test_e2e_async_cached and test_partial_load with the wrapper:
+    an HSDP wrapper's sharded model and optimizer dicts saved with torch's DCP (``save``, and
+    ``async_save`` on a thread) load back after the model has moved on; loading only the model
+    part of a model-and-optimizer checkpoint restores the model and leaves the optimizer as it
+    is. The values saved are the reference."""
+    import torch.distributed.checkpoint as dcp
+
+    from fullshard import FSDP, StateDictType
+
+    model = _hybrid_wrapper()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        model(rank_batches(1, 4, 8)[0]).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    def snapshot() -> list[Any]:
+        with FSDP.summon_full_params(model):
+            params = [p.detach().clone() for p in model.parameters()]
+        states = [{k: v.clone() for k, v in s.items()} for s in optim.state.values()]
+        return [params, states]
+
+    step()
+    saved = snapshot()
+    for name, save in (
+        ("save", dcp.save),
+        ("async_save", lambda sd, checkpoint_id: dcp.async_save(sd, checkpoint_id=checkpoint_id).result()),
+    ):
+        path = str(tmp_path / name)
+        save(_sharded_dicts(model, optim), checkpoint_id=path)
+        step()
+        state = _sharded_dicts(model, optim)
+        dcp.load(state, checkpoint_id=path)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+        assert_same_run({"torch": saved, "fullshard": snapshot()})
+    step()
+    moved_on = snapshot()
+    state = {"model": _sharded_dicts(model, optim)["model"]}
+    dcp.load(state, checkpoint_id=str(tmp_path / "save"))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(state["model"])
+    assert_same_run({"torch": [saved[0], moved_on[1]], "fullshard": snapshot()})
