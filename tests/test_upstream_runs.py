@@ -1251,3 +1251,63 @@ def test_dcp_saves_hybrid_wrapper_dicts_and_loads_them_whole_async_or_in_part(tm
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(state["model"])
     assert_same_run({"torch": [saved[0], moved_on[1]], "fullshard": snapshot()})
+
+
+def _sharded_wrapper(seed: int, group: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from fullshard import FSDP
+    from fullshard.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(seed)
+    model = FSDP(
+        nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6)),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        process_group=group,
+        device_id=CPU,
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+@distributed(world_size=4)
+def test_dcp_sharded_optimizer_loads_into_wrappers_on_the_same_or_half_size_groups(tmp_path):
+    """torch's test_distributed_tensor_planner and test_fsdp_checkpoint_with_resharding: a
+    wrapper's sharded model and optimizer dicts saved with DCP after one Adam step; DCP's
+    ``load_sharded_optimizer_state_dict`` then ``FSDP.optim_state_dict_to_load`` give a wrapper
+    with other values, on the same 4 ranks or on process groups of 2, the saved parameters and
+    Adam states."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    from fullshard import FSDP, StateDictType
+
+    def full_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        return FSDP.full_optim_state_dict(model, optim, rank0_only=False)["state"]
+
+    path = str(tmp_path / "checkpoint")
+    model, optim = _sharded_wrapper(0)
+    model(rank_batches(1, 4, 8)[0]).sum().backward()
+    optim.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
+    with FSDP.summon_full_params(model):
+        saved_params = [p.detach().clone() for p in model.parameters()]
+    saved_states = full_optimizer_state(model, optim)
+
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for group in (None, halves[rank // 2]):
+        new_model, new_optim = _sharded_wrapper(1, group)
+        with FSDP.state_dict_type(new_model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": new_model.state_dict()}
+            dcp.load(state, checkpoint_id=path)
+            new_model.load_state_dict(state["model"])
+            loaded = load_sharded_optimizer_state_dict(
+                model_state_dict=state["model"], optimizer_key="optim", storage_reader=dcp.FileSystemReader(path)
+            )
+            new_optim.load_state_dict(FSDP.optim_state_dict_to_load(new_model, new_optim, loaded["optim"]))
+        with FSDP.summon_full_params(new_model):
+            params = [p.detach().clone() for p in new_model.parameters()]
+        where = "the same ranks" if group is None else "groups of 2"
+        assert_same_run(
+            {"torch": [saved_params, saved_states], "fullshard": [params, full_optimizer_state(new_model, new_optim)]}
+        )
+        assert where
