@@ -121,6 +121,13 @@ class CommSettings:
                 "its communication buffers come from torch's caching allocator",
             )
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's private setter (its tests and some recipes call it): ``True`` makes FSDP2's
+        pre-forward and pre-backward all-gathers allocate in the current stream. No effect:
+        fullshard's already do."""
+        if async_op:
+            _warn_no_effect("_set_unshard_async_op", "its all-gathers already allocate in the current stream")
+
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """No effect: fullshard's all-gathers do not use symmetric memory (and a CPU
         mesh has none)."""

@@ -259,6 +259,21 @@ class FullyShardedDataParallel(nn.Module):
         busy = state.group.training_state if state.group is not None else state.training_state
         return TrainingState.IDLE if busy is EngineState.IDLE else TrainingState.FORWARD_BACKWARD
 
+    def _assert_state(self, state: Any) -> None:
+        """FSDP1's private check, which torch's test harness (``_test_fsdp_parity``) calls: the
+        unit is in ``state`` (a member, or a list of them, of ours or of torch's ``TrainingState``,
+        compared by name).
+
+        Raises:
+            ValueError: it is in another state.
+        """
+        expected = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state.name not in {s.name for s in expected}:
+            raise ValueError(
+                f"expected to be in states {[s.name for s in expected]} but current state is "
+                f"{self.training_state.name} ({module_class_name(self.module)})"
+            )
+
     @property
     def _inter_node_pg(self) -> dist.ProcessGroup | None:
         """The group gradients are all-reduced over between replicas (hybrid strategies)."""
@@ -338,23 +353,24 @@ class FullyShardedDataParallel(nn.Module):
         the root, before the first forward.
 
         Raises:
-            RuntimeError: not the root, a hook is already registered, or a unit
-                uses a hybrid strategy (two collectives: no single hook fits).
-            TypeError: ``hook`` is not callable.
+            AssertionError: not the root, a unit uses a hybrid strategy (two
+                collectives: no single hook fits), or a hook is already
+                registered (torch's type and words, which its tests match).
+            ValueError: ``hook`` is not callable.
         """
         if not callable(hook):
-            raise TypeError(f"register_comm_hook expects a callable hook but got {hook!r}")
+            raise ValueError(f"The communication hook must be callable but got {hook!r}")
         if not self.check_is_root():
-            raise RuntimeError("register_comm_hook must be called on the root FullyShardedDataParallel instance")
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
         units = FullyShardedDataParallel.fsdp_modules(self)
         for unit in units:
             if unit.sharding_strategy in HYBRID_STRATEGIES:
-                raise RuntimeError(
-                    f"register_comm_hook does not support hybrid strategies, but {module_class_name(unit.module)} "
-                    f"uses {unit.sharding_strategy.name} (reduce-scatter and all-reduce: no single hook fits)"
+                raise AssertionError(
+                    f"Communication hook is not supported for hybrid strategies: {unit.sharding_strategy} "
+                    f"({module_class_name(unit.module)} reduce-scatters and all-reduces: no single hook fits)"
                 )
             if unit._state.group is not None and unit._state.group.settings.reduce.comm_hook is not None:
-                raise RuntimeError("register_comm_hook was already called: a communication hook is registered")
+                raise AssertionError("A communication hook is already registered")
         for unit in units:
             if unit._state.group is not None:
                 unit._state.group.settings.reduce.comm_hook = (hook, state)

@@ -87,9 +87,17 @@ def _show_full_params(
     for group in groups:
         adopt_user_params(group)
     summoned: list[ParamGroup] = []
+    # A unit kept gathered in its own dtype (the root between forward and backward) stays gathered
+    # after the block, as in FSDP1; a low-precision gathered copy is dropped: the block's values
+    # (and any writeback) are full precision. A kept form the writeback made stale is gathered
+    # again at its next use (see [Note: Kept forms go stale]).
+    kept = [group for group in groups if group.is_unsharded and _gathered_in_own_dtype(group)]
     try:
         for group in groups:
-            group.reshard()  # drop a low-precision unsharded copy kept after forward
+            if group in kept:
+                group.show_shards()  # the block shows full values where the shards are registered
+            else:
+                group.reshard()
             values = full_params.gather_full_values(group)
             grads = full_params.gather_full_grads(group) if with_grads else [None] * len(values)
             if rank0_only and _group_rank(group) != 0:
@@ -111,6 +119,8 @@ def _show_full_params(
                 param.end_show_full()
             if group.buffers.view is not None:
                 group.buffers.view.show()
+            if group in kept:
+                group.show_shards()  # registered sharded, still gathered for the next use
 
 
 def adopt_user_params_before_forward(wrapper: nn.Module, _args: Any) -> None:
@@ -132,6 +142,10 @@ def adopt_assignments(unit: ParamGroup) -> None:
         view.adopt_assigned_data()
     else:
         adopt_user_params(unit)
+
+
+def _gathered_in_own_dtype(group: ParamGroup) -> bool:
+    return all(param.param_dtype == param.orig_dtype for param in group.spec.params)
 
 
 @torch.no_grad()

@@ -130,7 +130,7 @@ def test_parameter_shared_by_two_units():
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
     model[1].weight = model[0].weight  # tied
     fully_shard(model[0])
-    with pytest.raises(ValueError, match=r"managed by one unit, but a parameter of Linear is already sharded by fully_shard on Embedding"):
+    with pytest.raises(ValueError, match=r"managed by one unit, but a parameter of Linear is already managed by another \(fully_shard on Embedding\)"):
         fully_shard(model[1])
 
 

@@ -181,6 +181,54 @@ def test_toy_subclass_both_hook_signatures_gather_bf16_and_train_as_torch_fsdp2(
             torch.testing.assert_close(param.to_local(), ref_param.to_local(), rtol=0, atol=0)
 
 
+class PadsItsShard(Bf16GatheredNewHooks):
+    """A pre-hook that pads an uneven shard itself to the even shard size, from ``outer_size``
+    and the mesh (torch's BFloat16AllGatherTensor in test_all_gather_extension_outer_size_stride)."""
+
+    def fsdp_pre_all_gather(  # type: ignore[override]
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple, module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        rows = -(-outer_size[0] // mesh.size())
+        padded = self._tensor.new_zeros((rows, *self._tensor.shape[1:]), dtype=torch.bfloat16)
+        padded[: self._tensor.size(0)].copy_(self._tensor)
+        self.log.append(("padded", self._tensor.size(0), rows))
+        return (padded,), "metadata"
+
+    def fsdp_post_all_gather(
+        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: Any = None
+    ) -> Any:
+        if out is not None:  # the gathered rows include this hook's padding: refresh the real ones
+            return super().fsdp_post_all_gather((outputs[0][: out.size(0)],), metadata, param_dtype, out=out)
+        return super().fsdp_post_all_gather(outputs, metadata, param_dtype)
+
+
+def uneven_model(log: list) -> nn.Sequential:
+    """A toy model whose first weight (9 rows) shards unevenly over 2 ranks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 4))
+    for index in (0, 2):
+        weight = model[index].weight
+        model[index].weight = nn.Parameter(PadsItsShard(weight.detach().clone(), log))
+    return model
+
+
+@distributed(world_size=2)
+def test_a_pre_hook_that_pads_an_uneven_shard_itself_trains_as_torch_fsdp2():
+    """torch's test_all_gather_extension_outer_size_stride: a pre-hook given ``outer_size`` pads
+    the shorter shard of an uneven weight to the even size; with parameters kept after forward,
+    training equals torch's FSDP2 with the same subclass."""
+    runs = {}
+    for name, shard in (("fullshard", fully_shard), ("torch", torch_fully_shard)):
+        log: list = []
+        model = shard_units(uneven_model(log), shard, reshard_after_forward=False)
+        runs[name] = (train(model, steps=3), [p.to_local().clone() for p in model.parameters()], log)
+    if dist.get_rank() == 1:  # the shorter shard: 4 of the weight's 9 rows, padded to 5
+        assert ("padded", 4, 5) in runs["torch"][2] and ("padded", 4, 5) in runs["fullshard"][2], runs
+    assert runs["fullshard"][0] == runs["torch"][0]
+    for ours, theirs in zip(runs["fullshard"][1], runs["torch"][1]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 class LateHooks(Bf16Gathered):
     """Bf16Gathered without its hooks until a test patches them onto the class (torch's tests do so
     after ``fully_shard``, to show the hooks are looked up at run time)."""

@@ -12,8 +12,9 @@ version: ``DTensor._local_tensor`` (the local tensor itself, where
 ``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
 (is backward running: recomputation), ``torch._C._DisableFuncTorch`` (buffer
 transitions under ``torch.func.jvp``), ``torch._C._autograd._profiler_enabled``
-(profiler labels only while one runs) and ``distributed_c10d._world._default_pg``
-(``dist.is_initialized()`` without its property chain, before every collective).
+(profiler labels only while one runs) and ``distributed_c10d._world``
+(``dist.is_initialized()`` without its property chain, before every collective; read
+at each call: torch's thread harness swaps in a per-thread world).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _world
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -72,8 +73,9 @@ if _DIRECT:
 
 def is_initialized() -> bool:
     """``dist.is_initialized()``: whether the default process group exists (read directly:
-    torch's function climbs three properties, asked before every collective)."""
-    return _world._default_pg is not None
+    torch's function climbs three properties, asked before every collective). The world is
+    looked up each time: torch's threaded test harness replaces it with one per thread."""
+    return c10d._world.default_pg is not None
 
 
 def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -84,7 +86,7 @@ def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup)
         and type(input) is torch.Tensor
         and not torch._C._has_torch_function((output, input))
         and not input.is_complex()
-        and group not in _world.pg_coalesce_state
+        and group not in c10d._world.pg_coalesce_state
     )
 
 

@@ -453,7 +453,7 @@ def claim_params(params: list[nn.Parameter], infos: list[ParamModuleInfo], owner
         if previous is not None:
             raise ValueError(
                 f"{api} expects each parameter to be managed by one unit, but a parameter of "
-                f"{owner} is already sharded by {previous}. Shared (tied) parameters "
+                f"{owner} is already managed by another ({previous}). Shared (tied) parameters "
                 f"must live in one unit: apply {api} to a common parent of the modules sharing it, or "
                 f"{api}([module_a, module_b]) to the modules themselves."
             )

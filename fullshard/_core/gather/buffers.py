@@ -187,7 +187,13 @@ class UnitBuffers:
             return policy.reduce_dtype
         if policy.param_dtype is not None and not full_precision:
             return policy.param_dtype
-        dtypes = {p.orig_dtype for p in self.params} or {torch.float32}
+        # The parameters that get gradients decide: a frozen float8 weight beside them gets none
+        # (and float8 types do not promote). With every parameter frozen, any but float8.
+        dtypes = (
+            {p.orig_dtype for p in self.params if p.sharded_param.requires_grad}
+            or {p.orig_dtype for p in self.params if p.orig_dtype.itemsize > 1}
+            or {torch.float32}
+        )
         result = dtypes.pop()
         for dtype in dtypes:
             result = torch.promote_types(result, dtype)
