@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from ._core.mesh import GroupInfo
+from ._core.comm import GroupInfo
 
 if TYPE_CHECKING:
     from ._core.step import ModuleState

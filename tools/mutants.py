@@ -124,7 +124,7 @@ TARGETS: tuple[Target, ...] = (
         6,
     ),
     Target(
-        "fullshard/_core/reduce/grads.py",
+        "fullshard/_core/reduce/reduction.py",  # grads.py merged into it (issue 34)
         ("per_param", "GradIntake", "_pop_unsharded_grad", "_local_grad"),
         (NEW, AUTOGRAD),
         6,

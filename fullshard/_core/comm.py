@@ -11,7 +11,8 @@ beyond one empty-list check. The object collectives (``broadcast_object``,
 not the step: they are not recorded.
 
 Callers decide whether a collective is needed: a unit whose role has one rank
-does not call in here at all (see ``GroupInfo``).
+does not call in here at all (see ``GroupInfo``, the address of a collective:
+a process group and this rank's place in it).
 
 [Note: Gloo collectives]
 Gloo's all-gather allocates two output-sized temporaries, and its
@@ -68,10 +69,36 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _world
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from . import compat
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group and this rank's place in it (size 1: no group needed)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    @staticmethod
+    def trivial() -> GroupInfo:
+        return GroupInfo(None, 1, 0)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group of a collective over these ranks (one of size > 1 always has one)."""
+        if self.group is None:
+            raise AssertionError(f"a group of size {self.size} has no process group (rank {self.rank})")
+        return self.group
+
+    @staticmethod
+    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
+        return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
 
 
 @dataclass(frozen=True)
@@ -117,7 +144,7 @@ def _notify_record(record: CommRecord, tensors: list[torch.Tensor]) -> None:
 
 
 def _check_alive(group: dist.ProcessGroup | None) -> None:
-    if not compat.is_initialized():
+    if _world._default_pg is None:  # dist.is_initialized() without its property chain
         raise RuntimeError(
             "fullshard needs a collective but the default process group was destroyed "
             "(torch.distributed.destroy_process_group was called); re-initialize it and "
@@ -186,6 +213,60 @@ def _latency_bound(buffer: torch.Tensor, bound: int) -> bool:
     return buffer.numel() * buffer.element_size() <= bound
 
 
+# [Note: Direct collective calls]
+# torch.distributed's Python functions spend a few microseconds per call before the
+# process group's own method (an exception logger, argument checks, the default-group
+# and coalescing look-ups): with three collectives per unit and step that is a
+# measurable share of a small unit's step (benchmarks/RESULTS.md, issue 24). Where
+# the process group has the ``*_single`` methods the functions end in
+# (``compat.DIRECT_COLLECTIVES``), plain, non-complex tensors outside a torch-function
+# mode and outside a coalescing block go to the method directly (it checks sizes and
+# layout itself, as it does behind the functions); anything else takes the functions.
+def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether the collective can skip torch.distributed's Python (see the Note above)."""
+    return (
+        compat.DIRECT_COLLECTIVES
+        and type(output) is torch.Tensor
+        and type(input) is torch.Tensor
+        and not torch._C._has_torch_function((output, input))
+        and not input.is_complex()
+        and group not in _world.pg_coalesce_state
+    )
+
+
+def _finished(work: dist.Work | None, async_op: bool) -> dist.Work | None:
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+def native_all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    """The backend's own all-gather of ``input`` into ``output`` (group size x input)."""
+    if _direct(output, input, group):
+        return _finished(group.all_gather_single(output, input, compat.GATHER_OPTIONS[async_op]), async_op)
+    return compat.ALL_GATHER_INTO_TENSOR(output, input, group=group, async_op=async_op)
+
+
+def native_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> dist.Work | None:
+    """The backend's own reduce-scatter of ``input`` into ``output``."""
+    if _direct(output, input, group):
+        options = compat.ReduceScatterOptions()
+        options.reduceOp = op
+        options.asyncOp = async_op
+        return _finished(group.reduce_scatter_single(output, input, options), async_op)
+    return compat.REDUCE_SCATTER_TENSOR(output, input, op=op, group=group, async_op=async_op)
+
+
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | _Pending | None:
@@ -194,9 +275,9 @@ def all_gather(
     if _listeners:
         _notify("all_gather", group, output, [output, input])
     if not _is_gloo(group):
-        return compat.all_gather_into(output, input, group, async_op)
+        return native_all_gather(output, input, group, async_op)
     if group.size() > 2 and _latency_bound(output, GLOO_NATIVE_ALL_GATHER_BYTES):
-        return compat.all_gather_into(output.view(-1), input, group, async_op)  # gloo: a flat output only
+        return native_all_gather(output.view(-1), input, group, async_op)  # gloo: a flat output only
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))
     works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
@@ -272,7 +353,7 @@ def reduce_scatter(
     if _listeners:
         _notify("reduce_scatter", group, input, [output, input])
     if not _is_gloo(group):
-        return compat.reduce_scatter_into(output, input, op, group, async_op)
+        return native_reduce_scatter(output, input, op, group, async_op)
     if op in _LOCALLY_REDUCED and _latency_bound(input, GLOO_GATHERED_REDUCE_SCATTER_BYTES):
         return _reduce_scatter_by_all_gather(output, input, group, op, async_op)
     mine = input.view(group.size(), -1)[group.rank()]
@@ -290,7 +371,7 @@ def _reduce_scatter_by_all_gather(
     all-gather, then this rank's chunks summed here (see [Note: Gloo collectives])."""
     world, rank = group.size(), group.rank()
     gathered = torch.empty(world, input.numel(), dtype=input.dtype, device=input.device)
-    work = compat.all_gather_into(gathered.view(-1), input.view(-1), group, async_op=True)
+    work = native_all_gather(gathered.view(-1), input.view(-1), group, async_op=True)
 
     def reduce_mine() -> None:
         torch.sum(gathered.view(world, world, -1)[:, rank], dim=0, out=output.view(-1))

@@ -33,9 +33,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import CPUOffloadPolicy
 from . import comm
+from .comm import GroupInfo
 from .common import ParamModuleInfo, module_class_name
 from .gather import ShardParam, UnitSpec, flat_pieces
-from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
+from .mesh import MeshInfo, post_forward_group, validate_mesh_backend
 from .presentation import DTENSOR_SHARDS
 from .settings import UnitConfig, UnitSettings
 from .step import ModuleState, get_state
@@ -89,7 +90,7 @@ def manage_module(
     modules = get_managed_modules(roots, ignored_modules)
     params, buffers = get_managed_states(modules, ignored)
     infos = get_param_module_infos(params, roots)
-    names = {id(p): config.model_name(name) for root in roots for name, p in root.named_parameters()}
+    names = {id(p): config.name_in_model(name) for root in roots for name, p in root.named_parameters()}
     owner = (
         "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
     )

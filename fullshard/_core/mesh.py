@@ -14,7 +14,6 @@ mesh (n, 1) therefore still all-reduces across its n replicas.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,30 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from . import comm, compat
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """A process group and this rank's place in it (size 1: no group needed)."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-
-    @staticmethod
-    def trivial() -> GroupInfo:
-        return GroupInfo(None, 1, 0)
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        """The group of a collective over these ranks (one of size > 1 always has one)."""
-        if self.group is None:
-            raise AssertionError(f"a group of size {self.size} has no process group (rank {self.rank})")
-        return self.group
-
-    @staticmethod
-    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
-        return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
+from .comm import GroupInfo
 
 
 class MeshInfo:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, offload, trace
-from ..mesh import GroupInfo
+from ..comm import GroupInfo
 from .buffers import UnitBuffers
 from .codec import QuantizedGather
 from .extension import GatherExtension
@@ -150,6 +150,9 @@ class AllGather:
         self.params = spec.params
         self.buffers = buffers
         self.device = spec.device  # where compute and communication happen
+        # An accelerator's copy-in and collective run on a side stream (see [Note: Streams] in offload.py);
+        # on a CPU everything runs in order, and the gather makes no stream call at all.
+        self.side_streams = self.device.type != "cpu"
         self.codec: QuantizedGather | None = None  # set_all_gather_quantization
         self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
         self._targets: CopyOutTargets | None = None  # the plain path's, see CopyOutTargets
@@ -157,7 +160,7 @@ class AllGather:
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
         issued (see [Note: Streams] in offload.py)."""
-        return offload.on_stream(self.device, offload.ALL_GATHER)
+        return offload.on_stream(self.device, offload.ALL_GATHER) if self.side_streams else offload.IN_ORDER
 
     def input(self, labels: trace.UnitLabels, group: GroupInfo) -> GatherInput:
         """This rank's shards on the compute device, in the gather dtype (copy-in),
@@ -229,6 +232,8 @@ class AllGather:
         extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
+        if not self.side_streams:
+            return self._issue(gather_input, async_op, labels)
         return offload.run_on_stream(self.device, offload.ALL_GATHER, self._issue, gather_input, async_op, labels)
 
     def _issue(self, gather_input: GatherInput, async_op: bool, labels: trace.UnitLabels) -> AllGatherInFlight:
@@ -272,14 +277,16 @@ class AllGather:
                 source = self._encode(source, layout, labels)
                 scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
                 comm.all_gather(scratch, source, group.process_group, async_op=False)
-            offload.join_stream(self.device, offload.ALL_GATHER)
+            if self.side_streams:
+                offload.join_stream(self.device, offload.ALL_GATHER)
 
     def copy_out(self, in_flight: AllGatherInFlight, labels: trace.UnitLabels) -> None:
         """Waits for ``in_flight`` and fills the unsharded parameters' storage (and
         the extensions' outputs, from which their parameters are then rebuilt)."""
         if in_flight.work is not None:
             in_flight.work.wait()
-        offload.join_stream(self.device, offload.ALL_GATHER)
+        if self.side_streams:
+            offload.join_stream(self.device, offload.ALL_GATHER)
         targets = self._targets
         if targets is None or not targets.serves(in_flight):
             targets = self._targets = self._plain_targets(in_flight)
@@ -382,7 +389,10 @@ def gather_bucket(gathers: list[AllGather], group: GroupInfo, labels: trace.Unit
         starts.append(starts[-1] + layout.total)
     output = torch.empty(group.size, starts[-1], dtype=layouts[0].dtype, device=device)
     row = output[group.rank]
-    work = offload.run_on_stream(device, offload.ALL_GATHER, _issue, gathers, starts, output, row, group, labels)
+    if gathers[0].side_streams:
+        work = offload.run_on_stream(device, offload.ALL_GATHER, _issue, gathers, starts, output, row, group, labels)
+    else:
+        work = _issue(gathers, starts, output, row, group, labels)
     shared = _SharedWork(work)
     return [
         AllGatherInFlight(shared, row[start:stop], output[:, start:stop], layout, group.size)

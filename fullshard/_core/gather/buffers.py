@@ -71,15 +71,16 @@ class UnitBuffers:
             param.register_sharded = False
             param.to_sharded()
 
-    def check_materialized(self) -> None:
-        if self.shard_buffer.is_meta:
-            names = [p.fqn for p in self.params]
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {names}\n"
-                "For example, call module.to_empty(device=...) and then reset_parameters() "
-                "on each module."
-            )
+    def unmaterialized(self) -> RuntimeError:
+        """What a gather raises while ``shard_buffer`` is on the meta device (a unit asks the
+        buffer's ``is_meta`` itself before every gather: no call on the way)."""
+        names = [p.fqn for p in self.params]
+        return RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, "
+            f"but the following were still on meta device: {names}\n"
+            "For example, call module.to_empty(device=...) and then reset_parameters() "
+            "on each module."
+        )
 
     def rebind(self, owner: str) -> None:
         """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``);

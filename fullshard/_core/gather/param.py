@@ -273,7 +273,7 @@ class ShardParam:
         local = self._unpadded(padded_shard)
         known = self._gradient_spec
         if known is not None and known[1] is local.dtype and getattr(self.sharded_param, "_spec", None) is known[0]:
-            return compat.dtensor_with_spec(local, known[0])
+            return compat.dtensor_with_spec(local, known[0], requires_grad=False)
         presented = self.present(local)
         spec = getattr(self.sharded_param, "_spec", None)
         if isinstance(presented, DTensor) and spec is not None and presented._spec is spec:
@@ -376,7 +376,7 @@ class ShardParam:
             # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
             spec = sharded._spec
             if spec.mesh is self.spmd_mesh or compat.same_groups(spec.mesh, self.spmd_mesh):
-                return compat.dtensor_with_spec(local, spec)
+                return compat.dtensor_with_spec(local, spec, requires_grad=False)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_from_full(self, value: torch.Tensor) -> DTensor:
