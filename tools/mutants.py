@@ -93,7 +93,7 @@ TARGETS: tuple[Target, ...] = (
         7,
     ),
     Target(
-        "fullshard/_core/gather/layout.py",
+        "fullshard/_core/layout.py",
         ("Layout", "flat_pieces"),
         (NEW, AUTOGRAD, "tests/test_kept_forms.py::test_wrapper_evaluation_forward_before_step", FLOAT8),
         5,

@@ -56,6 +56,34 @@ the ranks of each of those groups first compare what they are about to run
 (call, shape, dtype, both layouts) and all raise naming two differing ranks,
 where a mismatch would otherwise pair the wrong tensors or hang (the same
 promise as [Note: Execution order] for the units' collectives).
+
+[Note: Wires]
+A unit's all-gather is four steps, whatever carries it: allocate the output,
+encode this rank's chunk (the copy-in's result) into what goes on the wire,
+run the collective, decode the output into the unsharded parameters. A
+``GatherWire`` is those four steps; every unit has one (``UnitSettings.gather_wire``,
+never None), and the all-gather (gather/all_gather.py) calls them without asking
+which one it holds:
+  - ``PlainGatherWire`` (the default): the engine's own ``(W, chunk)`` output, the chunk
+    as it is, ``comm.all_gather``, and ``Layout.copy_out``;
+  - ``CustomGatherWire``: the user's all-gather object (``FSDPModule.set_custom_all_gather``,
+    torch's ``AllGather``) allocates and gathers; the chunk travels as it is;
+  - ``QuantizedWire`` (gather/codec/quantized_gather.py): block-wise codes
+    (``set_all_gather_quantization``) encoded and decoded around the collective of
+    the wire that carries it (plain or custom).
+Each says whether its unit may share one all-gather with others (``joins_buckets``,
+see [Note: Gather buckets] in gather/all_gather.py): only the plain wire may. A
+tensor-subclass parameter's own all-gather (see [Note: Gather extensions]) is a
+per-parameter strategy instead: one unit mixes such parameters with plain ones
+in one collective, so extensions shape the chunk before the wire takes it.
+
+The reduce-scatter has the same two carriers (``ScatterWire``: allocate, then
+the collective; ``ReduceSettings.reduce_scatter``): the engine's own, which may
+reuse a finished reduction's input (see [Note: Reduction pipeline]), or the
+user's object (``FSDPModule.set_custom_reduce_scatter``, torch's ``ReduceScatter``).
+
+Setters write the settings field; a unit reads it when it reaches the step it
+governs, as it reads every run-time setting.
 """
 
 from __future__ import annotations
@@ -65,7 +93,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -75,6 +103,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from . import compat
+
+if TYPE_CHECKING:
+    from .layout import Layout
 
 
 @dataclass(frozen=True)
@@ -536,3 +567,182 @@ def _check_same_dtensor_call(call: str, value: DTensor, target: Sequence[Placeme
 def _describe(call: tuple) -> str:
     name, shape, dtype, source, target = call
     return f"{name} of a {list(shape)} {dtype} DTensor from ({', '.join(source)}) to ({', '.join(target)})"
+
+
+# -- wires: how a unit's collectives travel, see [Note: Wires] ----------------------------------
+# A parameter's per-rank views inside its padded unsharded storage (sharded on a dim other than 0).
+SplitViews = list[list[torch.Tensor] | None] | None
+
+
+class GatherWire(Protocol):
+    """See [Note: Wires]."""
+
+    # Whether a unit on this wire may gather in one collective with others (see [Note: Gather buckets]).
+    joins_buckets: bool
+    # Whether the chunk travels as it is (no encoding): copy-out may then take the fused path.
+    as_is: bool
+    # Whether the collective's input may be this rank's row of its own output: the copy-in (or the
+    # encoding) then writes there and nothing is copied onto itself (the engine's all-gather).
+    in_place: bool
+
+    @property
+    def user(self) -> Any:
+        """The object the user gave that allocates and gathers (named in messages); None: the engine's own."""
+        ...
+
+    @property
+    def carrier(self) -> GatherWire:
+        """The wire that allocates and runs the collective (itself, unless this one only encodes)."""
+        ...
+
+    def carried_by(self, carrier: GatherWire) -> GatherWire:
+        """This wire's encoding on ``carrier``'s collective."""
+        ...
+
+    def wire_numel(self, layout: Layout, numel: int) -> int:
+        """Elements one rank sends for a chunk of ``layout`` of ``numel`` elements."""
+        ...
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype on the wire of a chunk of ``dtype``."""
+        ...
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The output of a gather of ``numel`` elements per rank: ``(group_size, numel)``, or flat."""
+        ...
+
+    def encode(
+        self, source: torch.Tensor, layout: Layout, output: torch.Tensor | None, group: GroupInfo
+    ) -> torch.Tensor:
+        """What goes on the wire for ``source`` (one chunk of ``layout``), written into this rank's row
+        of ``output`` where the collective takes it in place."""
+        ...
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> Waitable | None:
+        """Gathers every rank's ``input`` into ``output`` (flat)."""
+        ...
+
+    def decode(
+        self, output: torch.Tensor, num_chunks: int, layout: Layout, padded: list[torch.Tensor], views: SplitViews
+    ) -> None:
+        """Fills each parameter's padded unsharded storage (``padded``) from the gathered ``output``."""
+        ...
+
+
+class PlainGatherWire:
+    """The engine's own all-gather of the chunk as it is (see [Note: Wires])."""
+
+    joins_buckets = True
+    as_is = True
+    in_place = True
+    user: Any = None
+
+    @property
+    def carrier(self) -> GatherWire:
+        return self
+
+    def carried_by(self, carrier: GatherWire) -> GatherWire:
+        return carrier
+
+    def wire_numel(self, layout: Layout, numel: int) -> int:
+        return numel
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
+        return torch.empty(group_size, numel, dtype=dtype, device=device)
+
+    def encode(
+        self, source: torch.Tensor, layout: Layout, output: torch.Tensor | None, group: GroupInfo
+    ) -> torch.Tensor:
+        return source
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> Waitable | None:
+        return all_gather(output, input, group.process_group, async_op)
+
+    def decode(
+        self, output: torch.Tensor, num_chunks: int, layout: Layout, padded: list[torch.Tensor], views: SplitViews
+    ) -> None:
+        layout.copy_out(output, num_chunks, padded, views)
+
+
+PLAIN_GATHER_WIRE = PlainGatherWire()
+
+
+class CustomGatherWire(PlainGatherWire):
+    """The user's all-gather object (torch's ``AllGather``) allocates the output and gathers."""
+
+    joins_buckets = False
+    in_place = False  # the user's collective is not handed a view of its own output
+
+    def __init__(self, user: CustomAllGather) -> None:
+        self.user = user
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.user.allocate((group_size * numel,), dtype=dtype, device=device)
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> Waitable | None:
+        return custom_all_gather(self.user, output, input, group.process_group, async_op)
+
+
+class ScatterWire(Protocol):
+    """See [Note: Wires]."""
+
+    # Whether a finished reduction's input may serve as this one's (see [Note: Reduction pipeline]).
+    reuses_inputs: bool
+    # The object the user gave that allocates and reduce-scatters (named in messages); None: the engine's own.
+    user: Any
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer of ``numel`` elements: the collective's input or output."""
+        ...
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, op: dist.ReduceOp.RedOpType
+    ) -> Waitable | None:
+        """Starts reducing ``input`` over ``group`` into ``output`` (this rank's chunk); ``input`` is
+        scratch afterwards."""
+        ...
+
+
+class PlainScatterWire:
+    """The engine's own reduce-scatter (see [Note: Wires])."""
+
+    reuses_inputs = True
+    user: Any = None
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)  # size as an int: a tuple costs a third more
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, op: dist.ReduceOp.RedOpType
+    ) -> Waitable | None:
+        return reduce_scatter(output, input, group.process_group, op, True)
+
+
+PLAIN_SCATTER_WIRE = PlainScatterWire()
+
+
+class CustomScatterWire(PlainScatterWire):
+    """The user's reduce-scatter object (torch's ``ReduceScatter``), called as torch calls it."""
+
+    reuses_inputs = False  # it allocates its own
+
+    def __init__(self, user: CustomReduceScatter) -> None:
+        self.user = user
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.user.allocate((numel,), dtype=dtype, device=device)
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, op: dist.ReduceOp.RedOpType
+    ) -> Waitable | None:
+        return custom_reduce_scatter(self.user, output, input, group.process_group, op)

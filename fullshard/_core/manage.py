@@ -35,7 +35,8 @@ from ..api import CPUOffloadPolicy
 from . import comm
 from .comm import GroupInfo
 from .common import ParamModuleInfo, module_class_name
-from .gather import ShardParam, UnitSpec, flat_pieces
+from .gather import ShardParam, UnitSpec
+from .layout import flat_pieces
 from .mesh import MeshInfo, post_forward_group, validate_mesh_backend
 from .presentation import DTENSOR_SHARDS
 from .settings import UnitConfig, UnitSettings

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
-from . import comm
-from .comm import GroupInfo
+from .comm import PLAIN_GATHER_WIRE, PLAIN_SCATTER_WIRE, GatherWire, GroupInfo, ScatterWire
 from .presentation import DTensorShards
 
 # Units of at most this many gathered bytes are bucketed by default (see [Note: Gather buckets]); the bench GPT's
@@ -70,9 +69,9 @@ class ReduceSettings:
     # The shard ranks' own group for reduce-scatters (set_separate_reduce_scatter_group),
     # so they need not queue behind all-gathers on one communicator; None: the mesh's.
     scatter_group: GroupInfo | None = None
-    # The user's reduce-scatter (FSDPModule.set_custom_reduce_scatter): allocates the
-    # reduce-scatter's input and output and runs it; None: the engine's own.
-    custom_reduce_scatter: comm.CustomReduceScatter | None = None
+    # What allocates the reduce-scatter's input and output and runs it: the engine's own, or the
+    # user's object (FSDPModule.set_custom_reduce_scatter); see [Note: Wires] in comm.py.
+    reduce_scatter: ScatterWire = PLAIN_SCATTER_WIRE
 
 
 @dataclass(slots=True)
@@ -89,3 +88,6 @@ class UnitSettings:
     # Prefetched with the following units in one all-gather up to this many gathered bytes (0: alone);
     # see [Note: Gather buckets].
     all_gather_bucket_bytes: int = DEFAULT_ALL_GATHER_BUCKET_BYTES
+    # How the all-gather travels: the engine's own, the user's object (set_custom_all_gather), block-wise
+    # codes on either (set_all_gather_quantization); see [Note: Wires] in comm.py.
+    gather_wire: GatherWire = PLAIN_GATHER_WIRE

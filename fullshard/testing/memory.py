@@ -140,7 +140,7 @@ def measure_step(
 def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool, flat: bool) -> nn.Module:
     """``model`` under the FSDP1 wrapper, one unit per block plus the root; ``flat``: with
     ``use_orig_params=False``, each unit one flat parameter in FSDP1's layout (see [Note: Flat
-    layout] in _core/gather/layout.py), else per-parameter rows."""
+    layout] in _core/layout.py), else per-parameter rows."""
     from ..wrap import ModuleWrapPolicy
     from ..wrapper import FullyShardedDataParallel
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..layout import Layout
 from ..presentation import BufferView
 from .extension import has_gather_hooks
-from .layout import Layout
 from .param import ShardParam
 from .spec import UnitSpec
 

@@ -110,8 +110,9 @@ class ShardParam:
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
         else:
-            # This rank's rows of the unsharded value until the unit packs them into
-            # its buffer (``bind_shard``); they keep the original storage alive until then.
+            # This rank's rows: until the unit packs them into its buffer (``bind_shard``) a view of
+            # the unsharded value (keeping its storage alive until then), after it their region of
+            # the shard buffer, which the unit gathers and a sharded state dict saves.
             self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
         # The user's own object is rebound by bind_shard, so that a later parameter's
         # error leaves the model untouched. A DTensor (tensor parallel) cannot hold a plain

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import comm, offload
-from ..comm import GroupInfo
+from ..comm import PLAIN_SCATTER_WIRE, GroupInfo, ScatterWire
 from ..gather import ShardParam, UnitBuffers, UnitSpec
 from ..mesh import MeshInfo
 from ..settings import ReduceSettings
@@ -242,22 +242,18 @@ class GradReduction:
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
         total = sum(plan.shard_numels) if plan.flat_chunk is None else plan.flat_chunk
-        custom = settings.custom_reduce_scatter if shard.size > 1 else None
+        # The reduce-scatter's wire (see [Note: Wires] in comm.py); one rank scatters nothing: the engine's.
+        scatter = settings.reduce_scatter if shard.size > 1 else PLAIN_SCATTER_WIRE
         self._spare = spare
         self._spare_on_wait: torch.Tensor | None = None  # the input, kept as spare once its collective is done
         # Taken first either way: a spare of another size is freed before anything is allocated.
         reused = spare.take(shard.size * total, reduce_dtype, device) if spare is not None else None
-        if custom is None:  # sizes as ints: a tuple argument costs a third more
-            self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
-            reduced = self._output
-            if shard.size > 1:
-                reduced = (
-                    reused if reused is not None else torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-                )
-        else:
-            reused = None  # the custom collective allocates its own: the spare is freed first
-            self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
-            reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
+        self._output = scatter.allocate(total, reduce_dtype, device)  # 1D, shard layout
+        reduced = self._output
+        if shard.size > 1:
+            if reused is None or not scatter.reuses_inputs:  # a user's collective allocates its own
+                reused = scatter.allocate(shard.size * total, reduce_dtype, device)
+            reduced = reused
         if plan.flat_chunk is None:
             call(self._labels.reduce_copy_in, chunk_cat, grads, reduced.view(shard.size, -1), plan.shard_dims)
         else:
@@ -268,7 +264,7 @@ class GradReduction:
             self._stages = [lambda: self._run_hook(hook, state, reduced)]
             return
         if shard.size > 1:
-            self._stages.append(lambda: self._reduce_scatter(shard, reduced, custom))
+            self._stages.append(lambda: self._reduce_scatter(shard, reduced, scatter))
         if final and plan.replicate.size > 1:
             self._stages.append(lambda: self._all_reduce(plan.replicate, plan.partial))
         if settings.divide_factor is not None:
@@ -289,15 +285,12 @@ class GradReduction:
         else:
             hook(state, reduced, self._output)
 
-    def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, custom: comm.CustomReduceScatter | None) -> None:
+    def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, scatter: ScatterWire) -> None:
         op = self._averaging_op(shard, reduced)
         self._in_flight = (self._output, reduced)
-        label, pg = self._labels.reduce_scatter, shard.process_group
-        if custom is None:
-            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)
+        self._work = call(self._labels.reduce_scatter, scatter.collective, self._output, reduced, shard, op)
+        if scatter.reuses_inputs:
             self._spare_on_wait = reduced
-        else:
-            self._work = call(label, comm.custom_reduce_scatter, custom, self._output, reduced, pg, op)
 
     def _all_reduce(self, replicate: GroupInfo, partial: torch.Tensor | None) -> None:
         if partial is not None:

@@ -139,7 +139,7 @@ class ParamGroup:
     def __init__(self, spec: UnitSpec, settings: UnitSettings) -> None:
         self.spec = spec
         self.buffers = UnitBuffers(spec, [p.bound_rows for p in spec.params])
-        self.gather = AllGather(spec, self.buffers)
+        self.gather = AllGather(spec, self.buffers, settings)
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
         self._shows_shards_unsharded = False  # see show_shards
