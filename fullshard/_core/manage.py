@@ -35,8 +35,8 @@ from ..api import CPUOffloadPolicy
 from . import comm
 from .comm import GroupInfo
 from .common import ParamModuleInfo, module_class_name
-from .gather import ShardParam, UnitSpec
-from .layout import flat_pieces
+from .gather import ShardParam, UnitSpec, is_tensor_subclass
+from .layout import ROW_SHARDS, ShardLayout, flat_shards
 from .mesh import MeshInfo, post_forward_group, validate_mesh_backend
 from .presentation import DTENSOR_SHARDS
 from .settings import UnitConfig, UnitSettings
@@ -107,11 +107,13 @@ def manage_module(
             f"{config.api_name} does not support an int reshard_after_forward with shard_placement_fn's "
             f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
         )
+    shard_layout = choose_shard_layout(params, dims, mesh_info, config.flat_layout)
+    presentation = config.presentation or DTENSOR_SHARDS
     shard_params = [
         ShardParam(
-            p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS, dim, names.get(id(p))
+            p, info, mesh_info, mp_policy.param_dtype, presentation, dim, names.get(id(p)), shard_layout.pieces_of(i)
         )
-        for p, info, dim in zip(params, infos, dims)
+        for i, (p, info, dim) in enumerate(zip(params, infos, dims))
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
@@ -120,8 +122,7 @@ def manage_module(
     claim_params(params, infos, owner, config.api_name)
     if not shard_params:
         return ModuleState(roots, None, config, device, buffer_dtypes)
-    flat_chunk = _use_flat_layout(shard_params, params, mesh_info) if config.flat_layout else None
-    spec = unit_spec(shard_params, mesh_info, config, owner, flat_chunk)
+    spec = unit_spec(shard_params, mesh_info, config, owner, shard_layout)
     extended = [p.fqn for p in shard_params if p.extension is not None]
     if extended and (post_forward is not None or spec.offload):
         raise NotImplementedError(
@@ -133,31 +134,28 @@ def manage_module(
     return ModuleState(roots, group, config, device, buffer_dtypes)
 
 
-def _use_flat_layout(shard_params: list[ShardParam], params: list[nn.Parameter], mesh_info: MeshInfo) -> int | None:
-    """Shards ``shard_params`` as pieces of FSDP1's flat parameter (see [Note: Flat layout]);
-    returns the chunk each rank holds. Parameters that one flat tensor cannot hold (several
-    dtypes, frozen next to trainable, tensor subclasses) keep their rows: the front end's flat
-    parameter refuses them. Tensor-parallel DTensors and other shard dims keep their rows too
-    (a piece of a DTensor's local tensor is no DTensor); the flat parameter is then the rows
-    buffer, and trains as before the flat layout (issue 35).
-    On one shard rank the row layout is the flat one (each parameter whole, back to back): the
-    parameters keep their rows there."""
+def choose_shard_layout(
+    params: list[nn.Parameter], dims: list[int], mesh_info: MeshInfo, flat_layout: bool
+) -> ShardLayout:
+    """How the unit's parameters are cut into shards, before their ``ShardParam``s exist: FSDP1's
+    flat parameter when the front end asks for it (see [Note: Flat layout]) and one flat tensor
+    can hold them, else rows. Several dtypes, frozen next to trainable, tensor subclasses,
+    tensor-parallel DTensors (a piece of a local tensor is no DTensor) and other shard dims keep
+    their rows: the front end's flat parameter is then the rows buffer, and trains as before the
+    flat layout (issue 35)."""
     if (
-        len({p.dtype for p in params}) > 1
+        not flat_layout
+        or len({p.dtype for p in params}) > 1
         or len({p.requires_grad for p in params}) > 1
-        or any(p.extension is not None or p.tp_mesh is not None or p.shard_dim != 0 for p in shard_params)
+        or any(isinstance(p, DTensor) or is_tensor_subclass(p.detach()) for p in params)
+        or any(dims)
     ):
-        return None
-    if mesh_info.shard.size == 1:
-        return sum(p.numel() for p in params)
-    chunk, pieces = flat_pieces([p.numel() for p in params], mesh_info.shard.size)
-    for shard_param, param, ranges in zip(shard_params, params, pieces):
-        shard_param.use_flat_pieces(ranges, param.detach())
-    return chunk
+        return ROW_SHARDS
+    return flat_shards([p.numel() for p in params], mesh_info.shard.size)
 
 
 def unit_spec(
-    params: list[ShardParam], mesh_info: MeshInfo, config: UnitConfig, name: str, flat_chunk: int | None = None
+    params: list[ShardParam], mesh_info: MeshInfo, config: UnitConfig, name: str, shard_layout: ShardLayout = ROW_SHARDS
 ) -> UnitSpec:
     """The spec of the unit over ``params`` (see [Note: Unit spec])."""
     device, policy = mesh_info.device, config.offload_policy
@@ -172,7 +170,7 @@ def unit_spec(
         mp_policy=config.mp_policy,
         presentation=config.presentation or DTENSOR_SHARDS,
         keep_low_precision_grads=config.keep_low_precision_grads,
-        flat_chunk=flat_chunk,
+        shard_layout=shard_layout,
         name=name,
         labels=unit_labels(""),
     )

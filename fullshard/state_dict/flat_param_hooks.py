@@ -96,7 +96,7 @@ def _flat_layout(unit: ParamGroup, chunk: int, device: torch.device) -> tuple[li
 
 
 def _chunk(unit: ParamGroup) -> int:
-    chunk = unit.spec.flat_chunk
+    chunk = unit.spec.shard_layout.flat_chunk
     if chunk is None:  # the wrapper lays every use_orig_params=False unit out flat
         raise AssertionError(f"rank {dist.get_rank()}: {unit.spec.name}'s flat parameter is not laid out flat")
     return chunk

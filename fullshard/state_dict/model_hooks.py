@@ -116,7 +116,7 @@ def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, pr
     _reshard_unit(group)
     kind = record.model_settings.state_dict_type
     # A flat piece's sharded value is cut from the full one (see [Note: Flat layout] in _core/layout.py).
-    flat_sharded = kind is StateDictType.SHARDED_STATE_DICT and group.spec.flat_chunk is not None
+    flat_sharded = kind is StateDictType.SHARDED_STATE_DICT and group.spec.shard_layout.flat
     if kind is StateDictType.FULL_STATE_DICT or flat_sharded:
         record.full_values = full_params.gather_full_values(group)
 

@@ -226,7 +226,7 @@ def _gather_flat_states(
 ) -> dict[str, list[torch.Tensor]]:
     """A flat parameter's states in FSDP1's flat layout, each gathered once into its original
     parameters' full values (see [Note: Flat layout] in _core/layout.py); {} for any other."""
-    if unit is None or unit.spec.flat_chunk is None or param is not buffer_param(unit):
+    if unit is None or not unit.spec.shard_layout.flat or param is not buffer_param(unit):
         return {}
     return {
         key: full_params.gather_like_shards(unit, value)

@@ -21,6 +21,7 @@ from .all_gather import (
     split_views,
 )
 from .buffers import UnitBuffers
+from .extension import is_tensor_subclass
 from .param import ShardParam
 from .spec import UnitSpec
 
@@ -36,5 +37,6 @@ __all__ = [
     "bucket_key",
     "gather_bucket",
     "gathered_bytes",
+    "is_tensor_subclass",
     "split_views",
 ]

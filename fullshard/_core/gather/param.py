@@ -57,7 +57,10 @@ class ShardParam:
         presentation: DTensorShards = DTENSOR_SHARDS,
         shard_dim: int = 0,
         fqn: str | None = None,
+        pieces: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
+        """``pieces``: this parameter's (start, stop) of its flattened elements on every shard rank
+        under FSDP1's flat layout (``ShardLayout.pieces_of``); None: rows on ``shard_dim``."""
         self.module_info = module_info
         self._owners = tuple(module_info.owners())  # where it is registered (swapped twice per unit and step)
         self.presentation = presentation
@@ -93,14 +96,25 @@ class ShardParam:
             self.placements = tuple(Shard(shard_dim) if p.is_shard() else p for p in mesh_info.dp_placements)
             local = param.detach()
         self.unsharded_size = local.size()  # the TP-local size for TP parameters
-        # "Rows" are the slices along the shard dim (dim 0 unless shard_placement_fn says otherwise).
-        self.num_rows = local.size(shard_dim)
-        self.row_numel = local.numel() // max(self.num_rows, 1)
+        # Each shard rank's (start, stop) of the flattened elements under FSDP1's flat layout
+        # (see [Note: Flat layout] in layout.py); None: rows split as below.
+        self.flat_ranges = list(pieces) if pieces is not None else None
         shard = mesh_info.shard
-        self.shard_rows = -(-self.num_rows // shard.size)  # ceil; padded rows per rank
-        self.shard_numel = self.shard_rows * self.row_numel
-        first_row = shard.rank * self.shard_rows
-        self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
+        if self.flat_ranges is not None:  # a piece of the flat parameter: "rows" are then elements
+            if is_tensor_subclass(local) or shard_dim != 0:
+                raise AssertionError(f"{self.fqn}: a flat piece is a plain parameter's, sharded on dim 0")
+            start, stop = self.flat_ranges[shard.rank]
+            self.num_rows, self.row_numel = local.numel(), 1
+            self.num_valid_rows = self.shard_rows = self.shard_numel = stop - start
+            first_row = start
+        else:
+            # "Rows" are the slices along the shard dim (dim 0 unless shard_placement_fn says otherwise).
+            self.num_rows = local.size(shard_dim)
+            self.row_numel = local.numel() // max(self.num_rows, 1)
+            self.shard_rows = -(-self.num_rows // shard.size)  # ceil; padded rows per rank
+            self.shard_numel = self.shard_rows * self.row_numel
+            first_row = shard.rank * self.shard_rows
+            self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
         self._local_size: tuple[int, ...] | None = None  # this rank's unpadded rows' size (cached: every gradient)
         # (spec, dtype): the sharded parameter's DTensor spec, found to serve gradients of that dtype
@@ -109,6 +123,8 @@ class ShardParam:
         if is_tensor_subclass(local):
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
+        elif self.flat_ranges is not None:
+            self.bound_rows = local.reshape(-1)[first_row : first_row + self.num_valid_rows]
         else:
             # This rank's rows: until the unit packs them into its buffer (``bind_shard``) a view of
             # the unsharded value (keeping its storage alive until then), after it their region of
@@ -116,15 +132,13 @@ class ShardParam:
             self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
         # The user's own object is rebound by bind_shard, so that a later parameter's
         # error leaves the model untouched. A DTensor (tensor parallel) cannot hold a plain
-        # view: a new plain Parameter stands for it, as in FSDP1.
+        # view: a new plain Parameter stands for it, as in FSDP1; so for a flat piece, which
+        # stands for no object of the user's (the flat parameter replaces them all).
         self.sharded_param = (
             param
-            if presentation.keeps_user_param and not isinstance(param, DTensor)
+            if presentation.keeps_user_param and not isinstance(param, DTensor) and self.flat_ranges is None
             else nn.Parameter(self.present(self.bound_rows), requires_grad=param.requires_grad)
         )
-        # Each shard rank's (start, stop) of the flattened elements under FSDP1's flat layout
-        # (see [Note: Flat layout] in layout.py); None: rows split as above.
-        self.flat_ranges: list[tuple[int, int]] | None = None
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
         # 1D, unsharded_numel; its storage is freed and re-allocated, the tensor kept.
@@ -139,19 +153,6 @@ class ShardParam:
         self.unsynced_grad: torch.Tensor | None = None
         # Called once autograd accumulated this step's gradient (set by ParamGroup).
         self.on_grad_ready: Callable[[ShardParam], None] | None = None
-
-    def use_flat_pieces(self, ranges: list[tuple[int, int]], value: torch.Tensor) -> None:
-        """Shards as a piece of FSDP1's flat parameter: ``ranges[r]`` of the flattened
-        ``value`` on shard rank ``r`` (see [Note: Flat layout]); "rows" are then elements."""
-        if self.extension is not None or self.tp_mesh is not None or self.shard_dim != 0:
-            raise AssertionError(f"{self.fqn}: a flat piece is a plain parameter's, sharded on dim 0")
-        self.flat_ranges = ranges
-        self.num_rows, self.row_numel = value.numel(), 1
-        start, stop = ranges[self.mesh_info.shard.rank]
-        self.num_valid_rows = self.shard_rows = self.shard_numel = stop - start
-        self._local_size = None
-        self.bound_rows = value.reshape(-1)[start:stop]
-        self.sharded_param = nn.Parameter(self.present(self.bound_rows), requires_grad=self.sharded_param.requires_grad)
 
     def _init_extension(self, local: torch.Tensor) -> torch.Tensor:
         """Shards a tensor-subclass parameter (see [Note: Gather extensions])."""

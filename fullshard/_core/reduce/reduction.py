@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm, offload
 from ..comm import PLAIN_SCATTER_WIRE, GroupInfo, ScatterWire
 from ..gather import ShardParam, UnitBuffers, UnitSpec
+from ..layout import ROW_SHARDS, ShardLayout
 from ..mesh import MeshInfo
 from ..settings import ReduceSettings
 from ..trace import UnitLabels, call, span, unit_labels
@@ -182,9 +183,9 @@ class ReductionPlan:
     settings: ReduceSettings
     final: bool  # False: stop after the reduce-scatter and keep a partial result
     partial: torch.Tensor | None  # an earlier partial result, added before the all-reduce
-    # FSDP1's flat layout (see [Note: Flat layout] in layout.py): the output's elements, every
-    # parameter's gradient given in order; None: per-parameter chunks.
-    flat_chunk: int | None = None
+    # Rows, or FSDP1's flat pieces (see [Note: Flat layout] in layout.py: every parameter's gradient
+    # given in order, the output the flat chunk).
+    shard_layout: ShardLayout = ROW_SHARDS
 
 
 def stops_partial(settings: ReduceSettings, replicate: GroupInfo) -> bool:
@@ -199,7 +200,7 @@ def plan_reduction(
     settings: ReduceSettings,
     reduce_dtype: torch.dtype,
     partial: torch.Tensor | None = None,
-    flat_chunk: int | None = None,
+    shard_layout: ShardLayout = ROW_SHARDS,
 ) -> ReductionPlan:
     """The plan reducing gradients of ``params`` over ``mesh_info``'s groups under ``settings``."""
     return ReductionPlan(
@@ -211,7 +212,7 @@ def plan_reduction(
         settings,
         not stops_partial(settings, mesh_info.replicate),
         partial,
-        flat_chunk,
+        shard_layout,
     )
 
 
@@ -241,7 +242,7 @@ class GradReduction:
         self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
-        total = sum(plan.shard_numels) if plan.flat_chunk is None else plan.flat_chunk
+        total = plan.shard_layout.gradient_numel(plan.shard_numels)
         # The reduce-scatter's wire (see [Note: Wires] in comm.py); one rank scatters nothing: the engine's.
         scatter = settings.reduce_scatter if shard.size > 1 else PLAIN_SCATTER_WIRE
         self._spare = spare
@@ -254,7 +255,7 @@ class GradReduction:
             if reused is None or not scatter.reuses_inputs:  # a user's collective allocates its own
                 reused = scatter.allocate(shard.size * total, reduce_dtype, device)
             reduced = reused
-        if plan.flat_chunk is None:
+        if not plan.shard_layout.flat:
             call(self._labels.reduce_copy_in, chunk_cat, grads, reduced.view(shard.size, -1), plan.shard_dims)
         else:
             call(self._labels.reduce_copy_in, flat_cat, grads, reduced)
@@ -430,7 +431,7 @@ class GradIntake:
             if grad is not None:
                 params.append(param)
                 grads.append(grad.contiguous())
-        if params and self.spec.flat_chunk is not None and len(params) < len(self.spec.params):
+        if params and self.spec.shard_layout.flat and len(params) < len(self.spec.params):
             # FSDP1's flat gradient covers every parameter: zeros for those autograd did not reach
             given = dict(zip(params, grads))
             params = list(self.spec.params)
@@ -479,14 +480,14 @@ class GradIntake:
             raise AssertionError(f"{spec.name} reduced gradients before its root's lazy init")
         queue.make_room()
         partial_only = stops_partial(settings, spec.mesh_info.replicate)
-        if spec.flat_chunk is not None and (partial_only or self._partial):
+        if spec.shard_layout.flat and (partial_only or self._partial):
             raise NotImplementedError(
                 f"{spec.name}: a flat parameter's gradients are all-reduced in every step (no partial results)"
             )
         partial = None
         if self._partial and not partial_only:
             params, grads, partial = self._take_partial(params, grads)
-        plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.flat_chunk)
+        plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.shard_layout)
         on_done = self._keep_partial if partial_only else self._accept
         reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels, queue.spare)
         del grads  # the copy-in holds them now; free the unsharded gradients
