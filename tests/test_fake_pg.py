@@ -211,9 +211,9 @@ def test_mesh_on_a_device_its_backend_does_not_take(monkeypatch):
         cuda_mesh = mock.Mock(device_type="cuda")
         info = mock.Mock(mesh=cuda_mesh, shard=GroupInfo(dist.group.WORLD, 2, 0), replicate=GroupInfo.trivial())
         with pytest.raises(ValueError, match=r"Block got a cuda mesh over the fake backend; init_process_group\('nccl'\)"):
-            validate_mesh_backend(info, "Block")
+            validate_mesh_backend(info, "Block", "fully_shard")
         monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cuda", "cpu"])  # a native CUDA backend
-        validate_mesh_backend(info, "Block")
+        validate_mesh_backend(info, "Block", "fully_shard")
 
 
 def test_default_device_is_the_visible_accelerator(monkeypatch):

@@ -179,7 +179,7 @@ def _check_alive(group: dist.ProcessGroup | None) -> None:
         raise RuntimeError(
             "fullshard needs a collective but the default process group was destroyed "
             "(torch.distributed.destroy_process_group was called); re-initialize it and "
-            "re-apply fully_shard to a fresh model"
+            "shard a fresh model again (fully_shard, replicate or FullyShardedDataParallel)"
         )
 
 

@@ -101,7 +101,7 @@ def manage_module(
         broadcast_from_first_rank(params, buffers, mesh_info)
     buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
     mp_policy = config.mp_policy
-    dims = shard_dims(params, config.shard_placement_fn, names)
+    dims = shard_dims(params, config.shard_placement_fn, names, config.api_name)
     if post_forward is not None and any(dims):
         raise NotImplementedError(
             f"{config.api_name} does not support an int reshard_after_forward with shard_placement_fn's "
@@ -111,14 +111,23 @@ def manage_module(
     presentation = config.presentation or DTENSOR_SHARDS
     shard_params = [
         ShardParam(
-            p, info, mesh_info, mp_policy.param_dtype, presentation, dim, names.get(id(p)), shard_layout.pieces_of(i)
+            p,
+            info,
+            mesh_info,
+            mp_policy.param_dtype,
+            presentation,
+            dim,
+            names.get(id(p)),
+            shard_layout.pieces_of(i),
+            config.api_name,
         )
         for i, (p, info, dim) in enumerate(zip(params, infos, dims))
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
     # See [Note: Optimizer built before sharding].
-    remember_replaced((p, sp.fqn) for sp, p in zip(shard_params, params) if sp.sharded_param is not p)
+    replaced = [(p, sp.fqn) for sp, p in zip(shard_params, params) if sp.sharded_param is not p]
+    remember_replaced(replaced, config.api_name)
     claim_params(params, infos, owner, config.api_name)
     if not shard_params:
         return ModuleState(roots, None, config, device, buffer_dtypes)
@@ -316,7 +325,10 @@ def reject_torch_fsdp(module: nn.Module, api: str) -> None:
 
 
 def shard_dims(
-    params: list[nn.Parameter], shard_placement_fn: Callable[[nn.Parameter], Any] | None, names: dict[int, str]
+    params: list[nn.Parameter],
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    names: dict[int, str],
+    api: str,
 ) -> list[int]:
     """Each parameter's shard dim from ``shard_placement_fn`` (None: dim 0)."""
     if shard_placement_fn is None:
@@ -330,12 +342,12 @@ def shard_dims(
             continue
         if type(placement) is not Shard:
             raise ValueError(
-                f"fully_shard expects shard_placement_fn to return Shard(dim) or None but got {placement!r} for {name}"
+                f"{api} expects shard_placement_fn to return Shard(dim) or None but got {placement!r} for {name}"
             )
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.ndim:
             raise ValueError(
-                f"fully_shard expects shard_placement_fn to return a dim of {name}'s {param.ndim}D shape "
+                f"{api} expects shard_placement_fn to return a dim of {name}'s {param.ndim}D shape "
                 f"{tuple(param.shape)} but got Shard({placement.dim})"
             )
         dims.append(dim)
@@ -463,16 +475,16 @@ def claim_params(params: list[nn.Parameter], infos: list[ParamModuleInfo], owner
             _REGISTERED.setdefault(module, {})[name] = f"{api} on {owner}"
 
 
-_replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> its name in the model
+_replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the call that sharded it)
 _checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _hook: RemovableHandle | None = None
 
 
-def remember_replaced(pairs: Iterable[tuple[nn.Parameter, str]]) -> None:
-    """Records parameters that sharding took out of the model (with their FQNs)."""
+def remember_replaced(pairs: Iterable[tuple[nn.Parameter, str]], api: str) -> None:
+    """Records parameters that sharding (the front end ``api``) took out of the model (with their FQNs)."""
     global _hook
     for param, name in pairs:
-        _replaced[param] = name
+        _replaced[param] = (name, api)
     if _hook is None and len(_replaced):
         _hook = register_optimizer_step_pre_hook(_check_once)
 
@@ -486,9 +498,10 @@ def _check_once(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if not stale:
         return
     held = "none of the sharded model's" if len(stale) == len(params) else f"{len(params) - len(stale)} others"
+    name, api = stale[0]
     warnings.warn(
-        f"{type(optimizer).__name__} holds {len(stale)} parameter(s) that fully_shard replaced "
-        f"(e.g. {stale[0]}) and {held}: it steps nothing for them. Build the optimizer after sharding, "
+        f"{type(optimizer).__name__} holds {len(stale)} parameter(s) that {api} replaced "
+        f"(e.g. {name}) and {held}: it steps nothing for them. Build the optimizer after sharding, "
         "from the sharded model's parameters()",
         UserWarning,
         stacklevel=3,

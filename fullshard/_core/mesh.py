@@ -35,6 +35,12 @@ class MeshInfo:
         self.replicate = (
             GroupInfo.of_mesh_axis(mesh, replicate_axis) if replicate_axis is not None else GroupInfo.trivial()
         )
+        # Facts every unit and parameter over this mesh reads, fixed once: the device its tensors live
+        # on, and a plain (non-TP) parameter shard's placements.
+        self.device = device_of_mesh(mesh)
+        self.dp_placements: tuple[Placement, ...] = (Replicate(),)
+        if shard_axis is not None:
+            self.dp_placements = (Replicate(), Shard(0)) if replicate_axis is not None else (Shard(0),)
 
     @staticmethod
     def for_fully_shard(mesh: DeviceMesh) -> MeshInfo:
@@ -43,17 +49,6 @@ class MeshInfo:
     @staticmethod
     def for_replicate(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, shard_axis=None, replicate_axis=0)
-
-    @property
-    def dp_placements(self) -> tuple[Placement, ...]:
-        """Placements of a plain (non-TP) parameter's shard on this mesh."""
-        if self.shard_axis is None:
-            return (Replicate(),)
-        return (Replicate(), Shard(0)) if self.replicate_axis is not None else (Shard(0),)
-
-    @property
-    def device(self) -> torch.device:
-        return device_of_mesh(self.mesh)
 
     def __repr__(self) -> str:
         return f"MeshInfo(shard={self.shard.size}, replicate={self.replicate.size})"
@@ -75,7 +70,7 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_mesh(device_type: str | None = None, api: str = "fully_shard") -> DeviceMesh:
+def default_mesh(device_type: str | None, api: str) -> DeviceMesh:
     """A 1-D mesh over all ranks, on ``device_type`` (default: the accelerator, else CPU)."""
     if not dist.is_initialized():
         raise RuntimeError(
@@ -93,14 +88,7 @@ def describe_mesh(mesh: DeviceMesh) -> str:
     return f"DeviceMesh({mesh.mesh.tolist()})"
 
 
-def validate_mesh(mesh: DeviceMesh) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard expects a DeviceMesh for mesh but got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")
-
-
-def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str = "fully_shard") -> None:
+def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str) -> None:
     """Each of the mesh's groups must communicate natively on the mesh's device.
 
     Raises:

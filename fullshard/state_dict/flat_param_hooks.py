@@ -96,10 +96,10 @@ def _flat_layout(unit: ParamGroup, chunk: int, device: torch.device) -> tuple[li
 
 
 def _chunk(unit: ParamGroup) -> int:
-    chunk = unit.spec.shard_layout.flat_chunk
-    if chunk is None:  # the wrapper lays every use_orig_params=False unit out flat
+    layout = unit.spec.shard_layout
+    if not layout.flat:  # the wrapper lays every use_orig_params=False unit out flat
         raise AssertionError(f"rank {dist.get_rank()}: {unit.spec.name}'s flat parameter is not laid out flat")
-    return chunk
+    return layout.flat_chunk
 
 
 def _shard_group(unit: ParamGroup) -> dist.ProcessGroup:

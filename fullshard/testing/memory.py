@@ -101,7 +101,7 @@ def measure_step(
     torch.manual_seed(0)
     base = Transformer(args)
     # CPU explicitly: the default mesh would be CUDA's on a machine with a GPU.
-    mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu")
+    mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu", "fully_shard")
     if front_end in ("wrapper", "wrapper-flat"):
         model: nn.Module = _wrap(base, mesh, strategy, bf16, offload, flat=front_end == "wrapper-flat")
     else:

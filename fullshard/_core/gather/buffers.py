@@ -125,8 +125,10 @@ class UnitBuffers:
         [Note: Gather extensions]). ``owner`` names the unit in errors."""
         if self.view is not None or self.params[0].presentation.keeps_user_param:
             return  # the FSDP1 wrapper's parameters have no gather hooks (nor has torch's FSDP1)
+        # The rows the buffer holds (``bound_rows``): the registered shard's local tensor, the object
+        # the hooks are patched on (parameters the user replaced were adopted just before).
         found = [
-            p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.local_shard)
+            p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.bound_rows)
         ]
         if not found:
             return

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,9 +58,12 @@ class ShardParam:
         shard_dim: int = 0,
         fqn: str | None = None,
         pieces: tuple[tuple[int, int], ...] | None = None,
+        api: str = "fully_shard",
     ) -> None:
         """``pieces``: this parameter's (start, stop) of its flattened elements on every shard rank
-        under FSDP1's flat layout (``ShardLayout.pieces_of``); None: rows on ``shard_dim``."""
+        under FSDP1's flat layout (``ShardLayout.pieces_of``); None: rows on ``shard_dim``. ``api``:
+        the front end the user called, which messages name."""
+        self.api = api
         self.module_info = module_info
         self._owners = tuple(module_info.owners())  # where it is registered (swapped twice per unit and step)
         self.presentation = presentation
@@ -80,12 +83,12 @@ class ShardParam:
         if isinstance(param, DTensor):
             if is_tensor_subclass(param._local_tensor):
                 raise NotImplementedError(
-                    f"fully_shard does not support tensor-subclass parameters with tensor parallelism yet "
+                    f"{api} does not support tensor-subclass parameters with tensor parallelism yet "
                     f"({self.fqn} is a DTensor over {type(param._local_tensor).__name__})"
                 )
             if shard_dim != 0:
                 raise NotImplementedError(
-                    f"fully_shard does not support shard_placement_fn's Shard({shard_dim}) with tensor "
+                    f"{api} does not support shard_placement_fn's Shard({shard_dim}) with tensor "
                     f"parallelism yet ({module_info.param_name} is a DTensor); return None for it"
                 )
             local = self._init_tensor_parallel(param)
@@ -163,9 +166,9 @@ class ShardParam:
                 f"{where}; use fully_shard with dim-0 sharding"
             )
         shard = self.mesh_info.shard
-        rows = shard_subclass(local, shard.size, shard.rank, self.fqn)
+        rows = shard_subclass(local, shard.size, shard.rank, self.fqn, self.api)
         self.extension = TensorHooks(
-            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows
+            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows, self.api
         )
         return rows
 
@@ -180,7 +183,7 @@ class ShardParam:
         self.bound_rows = local
         self.forget_unsharded()
         self.extension = TensorHooks(
-            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows
+            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows, self.api
         )
 
     @property
@@ -196,22 +199,19 @@ class ShardParam:
             return self._init_whole_mesh(param)  # else a 2D "TP" mesh is refused below
         if tp_mesh.ndim != 1:
             raise NotImplementedError(
-                f"fully_shard supports 1D tensor-parallel meshes, but "
+                f"{self.api} supports 1D tensor-parallel meshes, but "
                 f"{self.module_info.param_name} is on a {tp_mesh.ndim}D mesh"
             )
         try:
             self.spmd_mesh = compat.concatenate_meshes([dp_mesh, tp_mesh])
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
             raise ValueError(
-                "fully_shard expects the data-parallel mesh and the tensor-parallel mesh of "
+                f"{self.api} expects the data-parallel mesh and the tensor-parallel mesh of "
                 f"{self.module_info.param_name} to be named slices of one DeviceMesh, e.g. "
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
             ) from exc
         self.tp_mesh, self.tp_placements = tp_mesh, tuple(spec.placements)
-        # TP cuts dim 0 first when it shards it; our dim-0 chunks then live
-        # inside each TP chunk, which DTensor spells _StridedShard.
-        num_tp_chunks = math.prod(tp_mesh.size(i) for i, p in enumerate(self.tp_placements) if p.is_shard(0))
-        shard_placement = compat.StridedShard(0, split_factor=num_tp_chunks) if num_tp_chunks > 1 else Shard(0)
+        shard_placement = _dim0_shard_inside(tp_mesh, self.tp_placements, range(tp_mesh.ndim))
         info = self.mesh_info
         if info.shard_axis is None:
             dp_placements: tuple[Placement, ...] = (Replicate(),)
@@ -236,9 +236,7 @@ class ShardParam:
         placements = list(self.tp_placements)
         if self.mesh_info.shard_axis is not None:
             index = names.index(dp_names[self.mesh_info.shard_axis])
-            # The dims after it that cut dim 0 first make our chunks strided (as in _init_tensor_parallel).
-            later = math.prod(mesh.size(j) for j in range(index + 1, mesh.ndim) if placements[j].is_shard(0))
-            placements[index] = compat.StridedShard(0, split_factor=later) if later > 1 else Shard(0)
+            placements[index] = _dim0_shard_inside(mesh, placements, range(index + 1, mesh.ndim))
         self.placements = tuple(placements)
         return param._local_tensor
 
@@ -398,7 +396,7 @@ class ShardParam:
         shard = self.mesh_info.shard
         if self.extension is not None:  # split as the subclass splits, as at sharding (not dequantized)
             local = value.to(self.local_shard.device)
-            return self.dtensor_from_rows(shard_subclass(local, shard.size, shard.rank, self.fqn))
+            return self.dtensor_from_rows(shard_subclass(local, shard.size, shard.rank, self.fqn, self.api))
         rows = self.rows_per_rank(value)[shard.rank]
         device = value.device if self.local_shard.is_meta else self.local_shard.device
         local = torch.empty(rows.shape, dtype=rows.dtype, device=device)
@@ -548,6 +546,14 @@ class ShardParam:
 
     def __repr__(self) -> str:
         return f"ShardParam({self.fqn}, size={tuple(self.global_size)})"
+
+
+def _dim0_shard_inside(mesh: DeviceMesh, placements: Sequence[Placement], dims: Iterable[int]) -> Placement:
+    """Our dim-0 shard of a tensor-parallel parameter: the mesh ``dims`` whose ``placements`` shard
+    dim 0 cut it first (TP's own dims, or the whole mesh's later dims), so our chunks live inside
+    each of theirs, which DTensor spells ``_StridedShard``. One function for both TP layouts."""
+    split = math.prod(mesh.size(d) for d in dims if placements[d].is_shard(0))
+    return compat.StridedShard(0, split_factor=split) if split > 1 else Shard(0)
 
 
 def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:

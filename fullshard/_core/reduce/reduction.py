@@ -242,7 +242,8 @@ class GradReduction:
         self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
-        total = plan.shard_layout.gradient_numel(plan.shard_numels)
+        layout = plan.shard_layout  # a flat gradient is the flat chunk, padding included
+        total = layout.flat_chunk if layout.flat else sum(plan.shard_numels)
         # The reduce-scatter's wire (see [Note: Wires] in comm.py); one rank scatters nothing: the engine's.
         scatter = settings.reduce_scatter if shard.size > 1 else PLAIN_SCATTER_WIRE
         self._spare = spare
