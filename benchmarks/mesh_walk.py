@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import init_device_mesh
 import fullshard
 from fullshard.testing.fake_group import fake_world
 
-
 DESCRIPTIONS = ("MeshInfo", "GroupInfo", "FSDPMeshInfo", "HSDPMeshInfo", "DDPMeshInfo")
 
 
@@ -47,8 +46,8 @@ def _holds(value: Any, mesh: Any, groups: list[Any]) -> bool:
 def walk(use_torch: bool) -> list[tuple[str, str]]:
     """(file, function) of every stop, in call order."""
     if use_torch:
-        from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp import _fully_shard as package
+        from torch.distributed.fsdp import fully_shard
     else:
         from fullshard import fully_shard
 

@@ -133,6 +133,7 @@ def test_init_enters_few_files(phases: dict[str, set[str]]) -> None:
         count = len(phases[phase])
         assert count <= LIMITS[phase], f"{phase} enters {count} files of fullshard: {sorted(phases[phase])}"
 
+
 if __name__ == "__main__":
     for phase, files in traced_step().items():
         print(f"{phase:11s} {len(files):3d}  {' '.join(sorted(files))}")
