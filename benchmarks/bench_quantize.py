@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from fullshard._core.gather.codec import codec_kernel, fused_codec
-from fullshard._core.gather.layout import Layout
+from fullshard._core.layout import Layout
 from fullshard._core.gather.codec.quantize import BlockQuantizer
 from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer

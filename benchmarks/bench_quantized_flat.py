@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fullshard._core.gather.layout import Layout, flat_pieces
+from fullshard._core.layout import Layout, flat_pieces
 from fullshard._core.gather.codec.quantize import BlockQuantizer
 from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard._core import comm
-from fullshard._core.gather.layout import Layout
+from fullshard._core.layout import Layout
 from fullshard._core.gather.codec.quantize import BlockQuantizer
 from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer

@@ -1,5 +1,5 @@
 """The FSDP1 wrapper's flat parameter (``use_orig_params=False``): a unit's shard
-buffer, in FSDP1's flat layout (see [Note: Flat layout] in _core/gather/layout.py),
+buffer, in FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py),
 registered as one ``nn.Parameter`` that the optimizer steps in place.
 
 The engine sees it only as a ``BufferView`` (``_core/presentation.py``); state
@@ -22,7 +22,7 @@ FLAT_PARAM = "_flat_param"
 
 class FlatPieces(DTensorShards):
     """The presentation of a parameter's piece of the flat shard (see [Note: Flat layout]
-    in _core/gather/layout.py): a plain 1D tensor, since a piece may start mid-row (no DTensor
+    in _core/layout.py): a plain 1D tensor, since a piece may start mid-row (no DTensor
     describes it). Only the flat parameter is registered; pieces stand behind it."""
 
     def present(self, param: PresentedParam, rows: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ._core.gather import ShardParam
-from ._core.gather.codec import BlockQuantizer, QuantizedGather
+from ._core.gather.codec import BlockQuantizer, QuantizedGather, QuantizedWire
 from ._core.manage import states_below
 from .api import AllGatherQuantization
 
@@ -47,8 +47,9 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
         group = state.group
         if group is None:
             continue
+        settings = group.settings
         if quantization is None or quantizer is None:
-            group.gather.codec = None
+            settings.gather_wire = settings.gather_wire.carrier  # the chunks as they are, on the same collective
             continue
         if group.buffers.extended:
             names = ", ".join(p.fqn for p in group.buffers.extended)
@@ -69,18 +70,9 @@ def set_all_gather_quantization(module: nn.Module, quantization: AllGatherQuanti
                 f" holds {', '.join(dtypes)}); give its parameters one dtype"
             )
         exact = [_keeps_exact(param, quantization) for param in group.spec.params]
-        group.gather.codec = QuantizedGather(quantizer, exact, _flat_pieces(group.spec.params))
-
-
-def _flat_pieces(params: list[ShardParam]) -> list[list[tuple[int, int]]] | None:
-    """Each parameter's piece on every shard rank under FSDP1's flat layout (see [Note: Quantized
-    flat chunks] in _core/gather/codec/quantized_gather.py), or None for per-parameter rows."""
-    pieces = []
-    for param in params:
-        if param.flat_ranges is None:
-            return None
-        pieces.append(param.flat_ranges)
-    return pieces
+        pieces = group.spec.shard_layout.pieces  # under FSDP1's flat layout: every rank's piece of each
+        codec = QuantizedGather(quantizer, exact, None if pieces is None else [list(ranges) for ranges in pieces])
+        settings.gather_wire = QuantizedWire(codec, carrier=settings.gather_wire)
 
 
 def _keeps_exact(param: ShardParam, quantization: AllGatherQuantization) -> bool:

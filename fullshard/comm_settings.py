@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from ._core.mesh import GroupInfo
+from ._core.comm import CustomGatherWire, CustomScatterWire, GroupInfo
 
 if TYPE_CHECKING:
     from ._core.step import ModuleState
@@ -54,7 +54,7 @@ class CommSettings:
         device=)`` and run as ``comm(output_tensor=, input_tensor=, group=, async_op=)``
         (torch's ``AllGather``), in place of fullshard's own; the comm spy still counts them."""
         for group in self._groups(recurse=False):
-            group.gather.custom = comm
+            group.settings.gather_wire = group.settings.gather_wire.carried_by(CustomGatherWire(comm))
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """This unit's gradient reduce-scatters allocate their input and output with
@@ -62,7 +62,7 @@ class CommSettings:
         (torch's ``ReduceScatter``, called without ``async_op`` as torch calls it), in place of
         fullshard's own; averaging, HSDP's all-reduce and the hooks stay as they are."""
         for group in self._groups(recurse=False):
-            group.settings.reduce.custom_reduce_scatter = comm
+            group.settings.reduce.reduce_scatter = CustomScatterWire(comm)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Validated as torch does; no effect: fullshard allocates each reduce-scatter
@@ -108,7 +108,7 @@ class CommSettings:
                 allocates its own buffers (torch raises the same type).
         """
         for group in self._groups(recurse=False):
-            custom = group.gather.custom or group.settings.reduce.custom_reduce_scatter
+            custom = group.settings.gather_wire.user or group.settings.reduce.reduce_scatter.user
             if custom is not None:
                 raise AssertionError(
                     "cannot call set_allocate_memory_from_process_group_for_comm() on a unit with a custom "

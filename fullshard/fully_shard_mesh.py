@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ._core import compat
 from ._core.common import module_class_name
 from ._core.manage import get_managed_modules, get_managed_states, validate_dtensor_meshes
-from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, validate_mesh
+from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh
 from .api import HYBRID_STRATEGIES, DataParallelMeshDims, ShardingStrategy
 
 
@@ -53,7 +53,7 @@ def _resolve_strategy(
 ) -> tuple[DeviceMesh, bool, bool | int | None]:
     """Maps an FSDP1 strategy onto (mesh, replicate only?, resharding choice)."""
     if strategy is None:
-        mesh = mesh if mesh is not None else default_mesh()
+        mesh = mesh if mesh is not None else default_mesh(None, "fully_shard")
         validate_mesh(mesh)
         return mesh, False, reshard_after_forward
     keeps = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -73,7 +73,7 @@ def _resolve_strategy(
         if mesh.ndim != 2:
             raise ValueError(f"fully_shard expects a 2D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
         return mesh, False, reshard
-    mesh = mesh if mesh is not None else default_mesh()
+    mesh = mesh if mesh is not None else default_mesh(None, "fully_shard")
     if mesh.ndim != 1:
         raise ValueError(f"fully_shard expects a 1D DeviceMesh for {strategy.name} but got {describe_mesh(mesh)}")
     if strategy is ShardingStrategy.NO_SHARD:
@@ -96,7 +96,7 @@ def resolve_dp_mesh_dims(
         raise NotImplementedError(
             f"fully_shard does not support an int reshard_after_forward with dp_mesh_dims yet ({owner}); pass a bool"
         )
-    mesh = mesh if mesh is not None else default_mesh()
+    mesh = mesh if mesh is not None else default_mesh(None, "fully_shard")
     names = {id(p): name for root in roots for name, p in root.named_parameters()}
     params, _ = get_managed_states(get_managed_modules(roots))  # not those of units below
     return data_parallel_mesh(mesh, dims, [(names[id(p)], p) for p in params])
@@ -170,3 +170,10 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
     if len(names) == 1:
         return mesh[names[0]]
     return mesh[names]._flatten("_".join(names))
+
+
+def validate_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects a DeviceMesh for mesh but got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")

@@ -43,7 +43,7 @@ def replicate(
         mp_policy, offload_policy, ignored_params: as for ``fully_shard``.
     """
     validate_module(module, "replicate")
-    mesh = mesh if mesh is not None else default_mesh(api="replicate")
+    mesh = mesh if mesh is not None else default_mesh(None, "replicate")
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1D DeviceMesh but got {describe_mesh(mesh)}")
     validate_dtensor_meshes(module, mesh.device_type)

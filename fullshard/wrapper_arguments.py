@@ -275,7 +275,7 @@ def unit_config(strategy: ShardingStrategy, settings: WrapperSettings) -> UnitCo
         )
         if settings.use_orig_params
         else FLAT_PIECES,
-        # One flat parameter per unit, in FSDP1's layout (see [Note: Flat layout] in _core/gather/layout.py).
+        # One flat parameter per unit, in FSDP1's layout (see [Note: Flat layout] in _core/layout.py).
         flat_layout=not settings.use_orig_params,
         sync_module_states=settings.sync_module_states,
     )

@@ -22,7 +22,7 @@ from test_quantize_fused import (
 )
 
 from fullshard._core.gather.codec import codec_kernel, fused_codec
-from fullshard._core.gather.layout import Layout, flat_pieces
+from fullshard._core.layout import Layout, flat_pieces
 from fullshard._core.gather.codec.quantize import BlockQuantizer
 from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.testing import distributed

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from fullshard._core import compat
+from fullshard._core import comm, compat
 from fullshard.testing import distributed
 
 
@@ -20,7 +20,7 @@ class _Passthrough(TorchFunctionMode):
 def _counting_functions() -> tuple[dict[str, int], list]:
     """Counts the calls that go through torch.distributed's Python functions."""
     calls = {"functions": 0}
-    real_gather, real_scatter = compat._all_gather, compat._reduce_scatter
+    real_gather, real_scatter = compat.ALL_GATHER_INTO_TENSOR, compat.REDUCE_SCATTER_TENSOR
 
     def counted(real):
         def call(*args, **kwargs):
@@ -30,8 +30,8 @@ def _counting_functions() -> tuple[dict[str, int], list]:
         return call
 
     patches = [
-        mock.patch.object(compat, "_all_gather", counted(real_gather)),
-        mock.patch.object(compat, "_reduce_scatter", counted(real_scatter)),
+        mock.patch.object(compat, "ALL_GATHER_INTO_TENSOR", counted(real_gather)),
+        mock.patch.object(compat, "REDUCE_SCATTER_TENSOR", counted(real_scatter)),
     ]
     return calls, patches
 
@@ -39,14 +39,14 @@ def _counting_functions() -> tuple[dict[str, int], list]:
 def _gather_and_scatter(dtype: torch.dtype, async_op: bool) -> None:
     world, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     output = torch.empty(world * 3, dtype=dtype)  # gloo takes a flat output only
-    work = compat.all_gather_into(output, torch.full((3,), rank + 1, dtype=dtype), group, async_op)
+    work = comm.native_all_gather(output, torch.full((3,), rank + 1, dtype=dtype), group, async_op)
     if async_op:
         work.wait()
     expected = torch.arange(1, world + 1).repeat_interleave(3).to(dtype)
     torch.testing.assert_close(output, expected, rtol=0, atol=0)
     reduced = torch.empty(2, dtype=dtype)
     source = (torch.arange(2 * world) + rank).to(dtype)
-    work = compat.reduce_scatter_into(reduced, source, dist.ReduceOp.SUM, group, async_op)
+    work = comm.native_reduce_scatter(reduced, source, dist.ReduceOp.SUM, group, async_op)
     if async_op:
         work.wait()
     total = (world * torch.arange(2 * world) + sum(range(world))).to(dtype)

@@ -2,7 +2,7 @@
 
 The fake backend is not gloo, so every collective takes the native path NCCL
 takes (``all_gather_into_tensor`` / ``reduce_scatter_tensor``, through
-``fullshard._core.compat``); collectives move no data, so shapes, padding,
+``fullshard._core.comm``); collectives move no data, so shapes, padding,
 bytes handed to each collective and memory are real and values are not. Per-
 rank memory is the bytes of live tensors in a step (see [Note: Measured step
 memory on CPU] in ``fullshard.testing.memory``), compared with ``fullshard
@@ -50,8 +50,8 @@ def _gloo_substitutes_forbidden():
         raise AssertionError("a gloo substitution ran on a non-gloo backend")
 
     patches = [
-        mock.patch.object(compat, "all_gather_into", native("all_gather", compat.all_gather_into)),
-        mock.patch.object(compat, "reduce_scatter_into", native("reduce_scatter", compat.reduce_scatter_into)),
+        mock.patch.object(comm, "native_all_gather", native("all_gather", comm.native_all_gather)),
+        mock.patch.object(comm, "native_reduce_scatter", native("reduce_scatter", comm.native_reduce_scatter)),
         mock.patch.object(dist, "broadcast", forbidden),
         mock.patch.object(dist, "all_reduce", forbidden),
     ]
@@ -211,9 +211,9 @@ def test_mesh_on_a_device_its_backend_does_not_take(monkeypatch):
         cuda_mesh = mock.Mock(device_type="cuda")
         info = mock.Mock(mesh=cuda_mesh, shard=GroupInfo(dist.group.WORLD, 2, 0), replicate=GroupInfo.trivial())
         with pytest.raises(ValueError, match=r"Block got a cuda mesh over the fake backend; init_process_group\('nccl'\)"):
-            validate_mesh_backend(info, "Block")
+            validate_mesh_backend(info, "Block", "fully_shard")
         monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cuda", "cpu"])  # a native CUDA backend
-        validate_mesh_backend(info, "Block")
+        validate_mesh_backend(info, "Block", "fully_shard")
 
 
 def test_default_device_is_the_visible_accelerator(monkeypatch):

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard._core import comm, compat
+from fullshard._core import comm
 from fullshard.testing import distributed
 
 
 def _gather_counting(numel: int) -> dict[str, int]:
     """All-gathers ``numel`` floats holding each rank's index; counts the calls made."""
     calls = {"native": 0, "broadcast": 0}
-    real_native, real_broadcast = compat.all_gather_into, dist.broadcast
+    real_native, real_broadcast = comm.native_all_gather, dist.broadcast
 
     def native(*args, **kwargs):
         calls["native"] += 1
@@ -25,7 +25,7 @@ def _gather_counting(numel: int) -> dict[str, int]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     output = torch.empty(world * numel)
-    with mock.patch.object(compat, "all_gather_into", native), mock.patch.object(dist, "broadcast", broadcast):
+    with mock.patch.object(comm, "native_all_gather", native), mock.patch.object(dist, "broadcast", broadcast):
         comm.all_gather(output, torch.full((numel,), float(rank)), dist.group.WORLD, async_op=False)
     expected = torch.arange(world, dtype=torch.float32).repeat_interleave(numel)
     torch.testing.assert_close(output, expected, rtol=0, atol=0)
@@ -54,7 +54,7 @@ def _reduce_scatter_counting(numel: int, op: dist.ReduceOp.RedOpType) -> dict[st
     """Reduce-scatters ``numel`` floats (rank r holds r + i / numel at i); checks the chunk
     against the sum or average over ranks and counts the collectives called."""
     calls = {"all_gather": 0, "all_reduce": 0}
-    real_native, real_all_reduce = compat.all_gather_into, dist.all_reduce
+    real_native, real_all_reduce = comm.native_all_gather, dist.all_reduce
 
     def native(*args, **kwargs):
         calls["all_gather"] += 1
@@ -67,7 +67,7 @@ def _reduce_scatter_counting(numel: int, op: dist.ReduceOp.RedOpType) -> dict[st
     world, rank = dist.get_world_size(), dist.get_rank()
     ramp = torch.arange(numel, dtype=torch.float32) / numel
     output = torch.empty(numel // world)
-    with mock.patch.object(compat, "all_gather_into", native), mock.patch.object(dist, "all_reduce", all_reduce):
+    with mock.patch.object(comm, "native_all_gather", native), mock.patch.object(dist, "all_reduce", all_reduce):
         comm.reduce_scatter(output, ramp + rank, dist.group.WORLD, op, async_op=False)
     total = world * ramp + sum(range(world))
     expected = (total if op == dist.ReduceOp.SUM else total / world).view(world, -1)[rank]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
 from fullshard._core.gather.codec import codec_kernel, fused_codec
 from fullshard._core.gather.codec.fused_codec import Span, spans
-from fullshard._core.gather.layout import Layout
+from fullshard._core.layout import Layout
 from fullshard._core.gather.codec.quantize import BlockQuantizer
 from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.models import ModelArgs, Transformer

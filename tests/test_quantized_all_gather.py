@@ -94,7 +94,7 @@ def test_every_rank_computes_with_the_decoded_shards(code: torch.dtype, param_dt
     # wq is one of the unit's coded parameters: blocks run over all of them back to back,
     # so rebuild this rank's codes the same way from the unit's shards.
     group = get_state(model.layers[0]).group
-    codec = group.gather.codec
+    codec = group.settings.gather_wire.codec
     plan = codec._plan(group.buffers.gather_layout)
     layout, storage = group.buffers.gather_layout, group.buffers.storage_layout
     shard_buffer = group.buffers.shard_buffer  # fp32, as the optimizer steps on it

@@ -27,7 +27,7 @@ from fullshard import (
 )
 from fullshard._core import comm
 from fullshard._core.gather.codec import fused_codec
-from fullshard._core.gather.layout import Layout, flat_pieces
+from fullshard._core.layout import Layout, flat_pieces
 from fullshard._core.gather.codec.quantize import BlockQuantizer
 from fullshard._core.gather.codec.quantized_gather import QuantizedGather
 from fullshard.api import keeps_exact_by_default

@@ -4,8 +4,9 @@ A reader follows a step by following its calls; every file a call crosses into i
 one more file to open. The measure is the set of fullshard's files a phase enters
 (any function of the file runs), for init (the ``fully_shard`` calls), lazy init
 (the root's first-forward setup), a steady-state forward and backward, and a
-``state_dict()``. torch's FSDP2 enters 7 / 3 / 6 / 5 / 1 files; ours may not enter
-more than ``CEILINGS``, and issue 34 aims at ``LIMITS``. ``fullshard/testing/`` (the
+``state_dict()``. torch's FSDP2 enters 7 / 3 / 6 / 5 / 1 files. A step (forward,
+backward) and ``state_dict()`` may not enter more than issue 34's ``LIMITS``; init and
+lazy init, not there yet, no more than ``CEILINGS``. ``fullshard/testing/`` (the
 harness) is not counted.
 """
 
@@ -30,10 +31,12 @@ from fullshard.testing.fake_group import fake_world
 PACKAGE = Path(fullshard.__file__).resolve().parent
 NOT_COUNTED = PACKAGE / "testing"
 LIMITS = {"init": 12, "lazy init": 6, "forward": 8, "backward": 8, "state dict": 3}  # issue 34's targets
-# What the engine in rooms enters (before them: 23 / 11 / 15 / 18 / 7); a change may lower these, not raise them
-# without saying why here. Lazy init 9 -> 11: gather hooks patched onto a shard after sharding are looked for
-# there, as torch's FSDP2 does (gather/buffers.py, param.py, extension.py; issue 35).
-CEILINGS = {"init": 21, "lazy init": 11, "forward": 11, "backward": 15, "state dict": 6}
+REACHED = ("forward", "backward", "state dict")  # held to LIMITS by a plain test
+# Init and lazy init are above their targets (docs/architecture.md, "What a step enters", says why); a
+# change may lower these, not raise them without saying why here. Before the rooms: 23 / 11; the rooms:
+# 21 / 11. Lazy init 9 -> 11 came from issue 35 (gather hooks patched onto a shard after sharding are
+# looked for there, as torch's FSDP2 does); the root's schedule and reduction queue are made there too.
+CEILINGS = {"init": 19, "lazy init": 10}
 
 
 def _ours(filename: str) -> str | None:
@@ -112,17 +115,23 @@ def phases() -> dict[str, set[str]]:
     return traced_step()
 
 
-def test_a_step_enters_no_more_files_than_now(phases: dict[str, set[str]]) -> None:
-    counts = {phase: len(files) for phase, files in phases.items()}
-    for phase, ceiling in CEILINGS.items():
-        assert counts[phase] <= ceiling, f"{phase} enters {counts[phase]} files of fullshard: {sorted(phases[phase])}"
-
-
-@pytest.mark.xfail(reason="issue 34's targets: not reached by the rooms alone (benchmarks/RESULTS.md)", strict=True)
 def test_a_step_enters_few_files(phases: dict[str, set[str]]) -> None:
-    counts = {phase: len(files) for phase, files in phases.items()}
-    for phase, limit in LIMITS.items():
-        assert counts[phase] <= limit, f"{phase} enters {counts[phase]} files of fullshard: {sorted(phases[phase])}"
+    for phase in REACHED:
+        count = len(phases[phase])
+        assert count <= LIMITS[phase], f"{phase} enters {count} files of fullshard: {sorted(phases[phase])}"
+
+
+def test_init_enters_no_more_files_than_now(phases: dict[str, set[str]]) -> None:
+    for phase, ceiling in CEILINGS.items():
+        count = len(phases[phase])
+        assert count <= ceiling, f"{phase} enters {count} files of fullshard: {sorted(phases[phase])}"
+
+
+@pytest.mark.xfail(reason="issue 34's init targets: not reached (docs/architecture.md says why)", strict=True)
+def test_init_enters_few_files(phases: dict[str, set[str]]) -> None:
+    for phase in CEILINGS:
+        count = len(phases[phase])
+        assert count <= LIMITS[phase], f"{phase} enters {count} files of fullshard: {sorted(phases[phase])}"
 
 
 if __name__ == "__main__":

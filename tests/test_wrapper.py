@@ -19,7 +19,7 @@ from fullshard import (
     hybrid_mesh,
     set_all_gather_bucket_size,
 )
-from fullshard._core.gather.layout import flat_pieces
+from fullshard._core.layout import flat_pieces
 from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
 from fullshard.testing import DataParallelReference, assert_params_equal, case, distributed, mean_over
 from fullshard.wrap import ModuleWrapPolicy

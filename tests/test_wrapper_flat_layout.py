@@ -1,7 +1,7 @@
 """The wrapper's flat parameter (``use_orig_params=False``) in FSDP1's layout (issue 23):
 each unit's ``_flat_param`` holds ceil(total / W) elements, and its values and gradient
 equal torch's FSDP1 flat shard on every rank, at 2 and 4 ranks, with sizes that divide
-unevenly and a parameter smaller than W elements (see [Note: Flat layout] in _core/gather/layout.py).
+unevenly and a parameter smaller than W elements (see [Note: Flat layout] in _core/layout.py).
 """
 
 import warnings

@@ -93,7 +93,7 @@ TARGETS: tuple[Target, ...] = (
         7,
     ),
     Target(
-        "fullshard/_core/gather/layout.py",
+        "fullshard/_core/layout.py",
         ("Layout", "flat_pieces"),
         (NEW, AUTOGRAD, "tests/test_kept_forms.py::test_wrapper_evaluation_forward_before_step", FLOAT8),
         5,
@@ -124,7 +124,7 @@ TARGETS: tuple[Target, ...] = (
         6,
     ),
     Target(
-        "fullshard/_core/reduce/grads.py",
+        "fullshard/_core/reduce/reduction.py",  # grads.py merged into it (issue 34)
         ("per_param", "GradIntake", "_pop_unsharded_grad", "_local_grad"),
         (NEW, AUTOGRAD),
         6,

@@ -11,7 +11,8 @@ beyond one empty-list check. The object collectives (``broadcast_object``,
 not the step: they are not recorded.
 
 Callers decide whether a collective is needed: a unit whose role has one rank
-does not call in here at all (see ``GroupInfo``).
+does not call in here at all (see ``GroupInfo``, the address of a collective:
+a process group and this rank's place in it).
 
 [Note: Gloo collectives]
 Gloo's all-gather allocates two output-sized temporaries, and its
@@ -55,6 +56,34 @@ the ranks of each of those groups first compare what they are about to run
 (call, shape, dtype, both layouts) and all raise naming two differing ranks,
 where a mismatch would otherwise pair the wrong tensors or hang (the same
 promise as [Note: Execution order] for the units' collectives).
+
+[Note: Wires]
+A unit's all-gather is four steps, whatever carries it: allocate the output,
+encode this rank's chunk (the copy-in's result) into what goes on the wire,
+run the collective, decode the output into the unsharded parameters. A
+``GatherWire`` is those four steps; every unit has one (``UnitSettings.gather_wire``,
+never None), and the all-gather (gather/all_gather.py) calls them without asking
+which one it holds:
+  - ``PlainGatherWire`` (the default): the engine's own ``(W, chunk)`` output, the chunk
+    as it is, ``comm.all_gather``, and ``Layout.copy_out``;
+  - ``CustomGatherWire``: the user's all-gather object (``FSDPModule.set_custom_all_gather``,
+    torch's ``AllGather``) allocates and gathers; the chunk travels as it is;
+  - ``QuantizedWire`` (gather/codec/quantized_gather.py): block-wise codes
+    (``set_all_gather_quantization``) encoded and decoded around the collective of
+    the wire that carries it (plain or custom).
+Each says whether its unit may share one all-gather with others (``joins_buckets``,
+see [Note: Gather buckets] in gather/all_gather.py): only the plain wire may. A
+tensor-subclass parameter's own all-gather (see [Note: Gather extensions]) is a
+per-parameter strategy instead: one unit mixes such parameters with plain ones
+in one collective, so extensions shape the chunk before the wire takes it.
+
+The reduce-scatter has the same two carriers (``ScatterWire``: allocate, then
+the collective; ``ReduceSettings.reduce_scatter``): the engine's own, which may
+reuse a finished reduction's input (see [Note: Reduction pipeline]), or the
+user's object (``FSDPModule.set_custom_reduce_scatter``, torch's ``ReduceScatter``).
+
+Setters write the settings field; a unit reads it when it reaches the step it
+governs, as it reads every run-time setting.
 """
 
 from __future__ import annotations
@@ -64,14 +93,43 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from . import compat
+
+if TYPE_CHECKING:
+    from .layout import Layout
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group and this rank's place in it (size 1: no group needed)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    @staticmethod
+    def trivial() -> GroupInfo:
+        return GroupInfo(None, 1, 0)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group of a collective over these ranks (one of size > 1 always has one)."""
+        if self.group is None:
+            raise AssertionError(f"a group of size {self.size} has no process group (rank {self.rank})")
+        return self.group
+
+    @staticmethod
+    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
+        return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
 
 
 @dataclass(frozen=True)
@@ -117,11 +175,13 @@ def _notify_record(record: CommRecord, tensors: list[torch.Tensor]) -> None:
 
 
 def _check_alive(group: dist.ProcessGroup | None) -> None:
-    if not compat.is_initialized():
+    # dist.is_initialized() without its property chain; the world is looked up at each call:
+    # torch's threaded test harness swaps in one per thread
+    if c10d._world.default_pg is None:
         raise RuntimeError(
             "fullshard needs a collective but the default process group was destroyed "
             "(torch.distributed.destroy_process_group was called); re-initialize it and "
-            "re-apply fully_shard to a fresh model"
+            "shard a fresh model again (fully_shard, replicate or FullyShardedDataParallel)"
         )
 
 
@@ -186,6 +246,60 @@ def _latency_bound(buffer: torch.Tensor, bound: int) -> bool:
     return buffer.numel() * buffer.element_size() <= bound
 
 
+# [Note: Direct collective calls]
+# torch.distributed's Python functions spend a few microseconds per call before the
+# process group's own method (an exception logger, argument checks, the default-group
+# and coalescing look-ups): with three collectives per unit and step that is a
+# measurable share of a small unit's step (benchmarks/RESULTS.md, issue 24). Where
+# the process group has the ``*_single`` methods the functions end in
+# (``compat.DIRECT_COLLECTIVES``), plain, non-complex tensors outside a torch-function
+# mode and outside a coalescing block go to the method directly (it checks sizes and
+# layout itself, as it does behind the functions); anything else takes the functions.
+def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether the collective can skip torch.distributed's Python (see the Note above)."""
+    return (
+        compat.DIRECT_COLLECTIVES
+        and type(output) is torch.Tensor
+        and type(input) is torch.Tensor
+        and not torch._C._has_torch_function((output, input))
+        and not input.is_complex()
+        and group not in c10d._world.pg_coalesce_state
+    )
+
+
+def _finished(work: dist.Work | None, async_op: bool) -> dist.Work | None:
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+def native_all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    """The backend's own all-gather of ``input`` into ``output`` (group size x input)."""
+    if _direct(output, input, group):
+        return _finished(group.all_gather_single(output, input, compat.GATHER_OPTIONS[async_op]), async_op)
+    return compat.ALL_GATHER_INTO_TENSOR(output, input, group=group, async_op=async_op)
+
+
+def native_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> dist.Work | None:
+    """The backend's own reduce-scatter of ``input`` into ``output``."""
+    if _direct(output, input, group):
+        options = compat.ReduceScatterOptions()
+        options.reduceOp = op
+        options.asyncOp = async_op
+        return _finished(group.reduce_scatter_single(output, input, options), async_op)
+    return compat.REDUCE_SCATTER_TENSOR(output, input, op=op, group=group, async_op=async_op)
+
+
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | _Pending | None:
@@ -194,9 +308,9 @@ def all_gather(
     if _listeners:
         _notify("all_gather", group, output, [output, input])
     if not _is_gloo(group):
-        return compat.all_gather_into(output, input, group, async_op)
+        return native_all_gather(output, input, group, async_op)
     if group.size() > 2 and _latency_bound(output, GLOO_NATIVE_ALL_GATHER_BYTES):
-        return compat.all_gather_into(output.view(-1), input, group, async_op)  # gloo: a flat output only
+        return native_all_gather(output.view(-1), input, group, async_op)  # gloo: a flat output only
     chunks = output.view(group.size(), -1)  # see [Note: Gloo collectives]
     chunks[group.rank()].copy_(input.view(-1))
     works = [dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(group.size())]
@@ -272,7 +386,7 @@ def reduce_scatter(
     if _listeners:
         _notify("reduce_scatter", group, input, [output, input])
     if not _is_gloo(group):
-        return compat.reduce_scatter_into(output, input, op, group, async_op)
+        return native_reduce_scatter(output, input, op, group, async_op)
     if op in _LOCALLY_REDUCED and _latency_bound(input, GLOO_GATHERED_REDUCE_SCATTER_BYTES):
         return _reduce_scatter_by_all_gather(output, input, group, op, async_op)
     mine = input.view(group.size(), -1)[group.rank()]
@@ -290,7 +404,7 @@ def _reduce_scatter_by_all_gather(
     all-gather, then this rank's chunks summed here (see [Note: Gloo collectives])."""
     world, rank = group.size(), group.rank()
     gathered = torch.empty(world, input.numel(), dtype=input.dtype, device=input.device)
-    work = compat.all_gather_into(gathered.view(-1), input.view(-1), group, async_op=True)
+    work = native_all_gather(gathered.view(-1), input.view(-1), group, async_op=True)
 
     def reduce_mine() -> None:
         torch.sum(gathered.view(world, world, -1)[:, rank], dim=0, out=output.view(-1))
@@ -455,3 +569,182 @@ def _check_same_dtensor_call(call: str, value: DTensor, target: Sequence[Placeme
 def _describe(call: tuple) -> str:
     name, shape, dtype, source, target = call
     return f"{name} of a {list(shape)} {dtype} DTensor from ({', '.join(source)}) to ({', '.join(target)})"
+
+
+# -- wires: how a unit's collectives travel, see [Note: Wires] ----------------------------------
+# A parameter's per-rank views inside its padded unsharded storage (sharded on a dim other than 0).
+SplitViews = list[list[torch.Tensor] | None] | None
+
+
+class GatherWire(Protocol):
+    """See [Note: Wires]."""
+
+    # Whether a unit on this wire may gather in one collective with others (see [Note: Gather buckets]).
+    joins_buckets: bool
+    # Whether the chunk travels as it is (no encoding): copy-out may then take the fused path.
+    as_is: bool
+    # Whether the collective's input may be this rank's row of its own output: the copy-in (or the
+    # encoding) then writes there and nothing is copied onto itself (the engine's all-gather).
+    in_place: bool
+
+    @property
+    def user(self) -> Any:
+        """The object the user gave that allocates and gathers (named in messages); None: the engine's own."""
+        ...
+
+    @property
+    def carrier(self) -> GatherWire:
+        """The wire that allocates and runs the collective (itself, unless this one only encodes)."""
+        ...
+
+    def carried_by(self, carrier: GatherWire) -> GatherWire:
+        """This wire's encoding on ``carrier``'s collective."""
+        ...
+
+    def wire_numel(self, layout: Layout, numel: int) -> int:
+        """Elements one rank sends for a chunk of ``layout`` of ``numel`` elements."""
+        ...
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype on the wire of a chunk of ``dtype``."""
+        ...
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The output of a gather of ``numel`` elements per rank: ``(group_size, numel)``, or flat."""
+        ...
+
+    def encode(
+        self, source: torch.Tensor, layout: Layout, output: torch.Tensor | None, group: GroupInfo
+    ) -> torch.Tensor:
+        """What goes on the wire for ``source`` (one chunk of ``layout``), written into this rank's row
+        of ``output`` where the collective takes it in place."""
+        ...
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> Waitable | None:
+        """Gathers every rank's ``input`` into ``output`` (flat)."""
+        ...
+
+    def decode(
+        self, output: torch.Tensor, num_chunks: int, layout: Layout, padded: list[torch.Tensor], views: SplitViews
+    ) -> None:
+        """Fills each parameter's padded unsharded storage (``padded``) from the gathered ``output``."""
+        ...
+
+
+class PlainGatherWire:
+    """The engine's own all-gather of the chunk as it is (see [Note: Wires])."""
+
+    joins_buckets = True
+    as_is = True
+    in_place = True
+    user: Any = None
+
+    @property
+    def carrier(self) -> GatherWire:
+        return self
+
+    def carried_by(self, carrier: GatherWire) -> GatherWire:
+        return carrier
+
+    def wire_numel(self, layout: Layout, numel: int) -> int:
+        return numel
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
+        return torch.empty(group_size, numel, dtype=dtype, device=device)
+
+    def encode(
+        self, source: torch.Tensor, layout: Layout, output: torch.Tensor | None, group: GroupInfo
+    ) -> torch.Tensor:
+        return source
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> Waitable | None:
+        return all_gather(output, input, group.process_group, async_op)
+
+    def decode(
+        self, output: torch.Tensor, num_chunks: int, layout: Layout, padded: list[torch.Tensor], views: SplitViews
+    ) -> None:
+        layout.copy_out(output, num_chunks, padded, views)
+
+
+PLAIN_GATHER_WIRE = PlainGatherWire()
+
+
+class CustomGatherWire(PlainGatherWire):
+    """The user's all-gather object (torch's ``AllGather``) allocates the output and gathers."""
+
+    joins_buckets = False
+    in_place = False  # the user's collective is not handed a view of its own output
+
+    def __init__(self, user: CustomAllGather) -> None:
+        self.user = user
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.user.allocate((group_size * numel,), dtype=dtype, device=device)
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> Waitable | None:
+        return custom_all_gather(self.user, output, input, group.process_group, async_op)
+
+
+class ScatterWire(Protocol):
+    """See [Note: Wires]."""
+
+    # Whether a finished reduction's input may serve as this one's (see [Note: Reduction pipeline]).
+    reuses_inputs: bool
+    # The object the user gave that allocates and reduce-scatters (named in messages); None: the engine's own.
+    user: Any
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer of ``numel`` elements: the collective's input or output."""
+        ...
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, op: dist.ReduceOp.RedOpType
+    ) -> Waitable | None:
+        """Starts reducing ``input`` over ``group`` into ``output`` (this rank's chunk); ``input`` is
+        scratch afterwards."""
+        ...
+
+
+class PlainScatterWire:
+    """The engine's own reduce-scatter (see [Note: Wires])."""
+
+    reuses_inputs = True
+    user: Any = None
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)  # size as an int: a tuple costs a third more
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, op: dist.ReduceOp.RedOpType
+    ) -> Waitable | None:
+        return reduce_scatter(output, input, group.process_group, op, True)
+
+
+PLAIN_SCATTER_WIRE = PlainScatterWire()
+
+
+class CustomScatterWire(PlainScatterWire):
+    """The user's reduce-scatter object (torch's ``ReduceScatter``), called as torch calls it."""
+
+    reuses_inputs = False  # it allocates its own
+
+    def __init__(self, user: CustomReduceScatter) -> None:
+        self.user = user
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.user.allocate((numel,), dtype=dtype, device=device)
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, op: dist.ReduceOp.RedOpType
+    ) -> Waitable | None:
+        return custom_reduce_scatter(self.user, output, input, group.process_group, op)

@@ -9,21 +9,23 @@ version. The private names used elsewhere are the same in every supported
 version: ``DTensor._local_tensor`` (the local tensor itself, where
 ``to_local()`` returns an autograd view), ``torch._foreach_copy_``, ``torch._foreach_zero_``,
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``,
-``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
+``torch._chunk_cat``, ``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
 (is backward running: recomputation), ``torch._C._DisableFuncTorch`` (buffer
 transitions under ``torch.func.jvp``), ``torch._C._autograd._profiler_enabled``
-(profiler labels only while one runs) and ``distributed_c10d._world``
-(``dist.is_initialized()`` without its property chain, before every collective; read
-at each call: torch's thread harness swaps in a per-thread world).
+(profiler labels only while one runs) and ``distributed_c10d._world`` (its ``default_pg``:
+``dist.is_initialized()`` without its property chain, before every collective; its
+``pg_coalesce_state``: whether a coalescing block is open, see comm.py; looked up at each
+call, as torch's thread harness swaps in a per-thread world).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -31,17 +33,18 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
+    "ALL_GATHER_INTO_TENSOR",
+    "DIRECT_COLLECTIVES",
+    "GATHER_OPTIONS",
+    "REDUCE_SCATTER_TENSOR",
+    "ReduceScatterOptions",
     "StridedShard",
-    "all_gather_into",
     "backend_device_types",
-    "chunk_cat",
     "concatenate_meshes",
     "dtensor_of_local",
     "dtensor_with_spec",
-    "is_initialized",
     "local_region",
     "native_device_type",
-    "reduce_scatter_into",
     "set_grad_dtype",
 ]
 
@@ -49,78 +52,25 @@ __all__ = [
 StridedShard = _StridedShard
 
 # Newer torch names the tensor collectives ``*_single``; older releases only have
-# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same semantics).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same semantics). Values, not
+# wrappers: ``comm.py`` calls them (see [Note: Direct collective calls] there).
+ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Whether the process group has the ``*_single`` methods those functions end in, and their
+# options: an all-gather's, per async_op flag, built once; a reduce-scatter's class (its op varies).
+DIRECT_COLLECTIVES = hasattr(dist.ProcessGroup, "all_gather_single") and hasattr(
+    dist.ProcessGroup, "reduce_scatter_single"
+)
+GATHER_OPTIONS: dict[bool, Any] = {}
+ReduceScatterOptions: Any = None
+if DIRECT_COLLECTIVES:
+    from torch._C._distributed_c10d import AllgatherOptions
+    from torch._C._distributed_c10d import ReduceScatterOptions as _ReduceScatterOptions
 
-# [Note: Direct collective calls]
-# torch.distributed's Python functions spend a few microseconds per call before the
-# process group's own method (an exception logger, argument checks, the default-group
-# and coalescing look-ups): with three collectives per unit and step that is a
-# measurable share of a small unit's step (benchmarks/RESULTS.md, issue 24). Where
-# the process group has the ``*_single`` methods the functions end in, plain,
-# non-complex tensors outside a torch-function mode and outside a coalescing block
-# go to the method directly (it checks sizes and layout itself, as it does behind
-# the functions); anything else takes the functions.
-_DIRECT = hasattr(dist.ProcessGroup, "all_gather_single") and hasattr(dist.ProcessGroup, "reduce_scatter_single")
-if _DIRECT:
-    from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
-
-    _GATHER_OPTIONS = {flag: AllgatherOptions() for flag in (False, True)}
-    for _flag, _options in _GATHER_OPTIONS.items():
-        _options.asyncOp = _flag
-
-
-def is_initialized() -> bool:
-    """``dist.is_initialized()``: whether the default process group exists (read directly:
-    torch's function climbs three properties, asked before every collective). The world is
-    looked up each time: torch's threaded test harness replaces it with one per thread."""
-    return c10d._world.default_pg is not None
-
-
-def _direct(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether the collective can skip torch.distributed's Python (see the Note above)."""
-    return (
-        _DIRECT
-        and type(output) is torch.Tensor
-        and type(input) is torch.Tensor
-        and not torch._C._has_torch_function((output, input))
-        and not input.is_complex()
-        and group not in c10d._world.pg_coalesce_state
-    )
-
-
-def _finished(work: dist.Work | None, async_op: bool) -> dist.Work | None:
-    if async_op:
-        return work
-    if work is not None:
-        work.wait()
-    return None
-
-
-def all_gather_into(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-) -> dist.Work | None:
-    """The backend's native all-gather of ``input`` into ``output`` (group size x input)."""
-    if _direct(output, input, group):
-        return _finished(group.all_gather_single(output, input, _GATHER_OPTIONS[async_op]), async_op)
-    return _all_gather(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_into(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: dist.ReduceOp.RedOpType,
-    group: dist.ProcessGroup,
-    async_op: bool,
-) -> dist.Work | None:
-    """The backend's native reduce-scatter of ``input`` into ``output``."""
-    if _direct(output, input, group):
-        options = ReduceScatterOptions()
-        options.reduceOp = op  # type: ignore[assignment]  # pybind converts the op type
-        options.asyncOp = async_op
-        return _finished(group.reduce_scatter_single(output, input, options), async_op)
-    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    ReduceScatterOptions = _ReduceScatterOptions
+    for _flag in (False, True):
+        GATHER_OPTIONS[_flag] = AllgatherOptions()
+        GATHER_OPTIONS[_flag].asyncOp = _flag
 
 
 def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
@@ -160,7 +110,7 @@ def dtensor_of_local(
     and make the parameter a copy of its buffer region instead of a view.
     """
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return dtensor_with_spec(local, spec)
+    return dtensor_with_spec(local, spec, requires_grad=False)
 
 
 def same_groups(a: DeviceMesh, b: DeviceMesh) -> bool:
@@ -172,13 +122,12 @@ def same_groups(a: DeviceMesh, b: DeviceMesh) -> bool:
     return a == b and list(a._dim_group_names) == list(b._dim_group_names)
 
 
-def dtensor_with_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """A DTensor around ``local`` under an existing ``spec`` (its dtype ``local``'s).
-
-    Calls ``DTensor.__new__`` alone: newer torch's ``DTensor.__init__`` only enters the
-    base class's, through a dynamo-disabled wrapper that costs three times the
-    construction (once per gradient and step on the hot path)."""
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+# ``dtensor_with_spec(local, spec, requires_grad=False)``: a DTensor around ``local`` under an
+# existing ``spec`` (its dtype ``local``'s). ``DTensor.__new__`` alone: newer torch's
+# ``DTensor.__init__`` only enters the base class's, through a dynamo-disabled wrapper that costs
+# three times the construction (once per gradient and step on the hot path). A value, not a
+# wrapper: no call of ours on that path.
+dtensor_with_spec = functools.partial(DTensor.__new__, DTensor)
 
 
 def local_region(value: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
@@ -207,11 +156,6 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     if root is meshes[0] or len(names) != sum(mesh.ndim for mesh in meshes):
         raise ValueError("the meshes are not named slices of one DeviceMesh")
     return root[names]
-
-
-def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
-    """``torch._chunk_cat`` (one fused kernel on accelerators)."""
-    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
 
 
 def set_grad_dtype(param: torch.Tensor, dtype: torch.dtype, owner: str) -> None:

@@ -33,9 +33,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import CPUOffloadPolicy
 from . import comm
+from .comm import GroupInfo
 from .common import ParamModuleInfo, module_class_name
-from .gather import ShardParam, UnitSpec, flat_pieces
-from .mesh import GroupInfo, MeshInfo, post_forward_group, validate_mesh_backend
+from .gather import ShardParam, UnitSpec, is_tensor_subclass
+from .layout import ROW_SHARDS, ShardLayout, flat_shards
+from .mesh import MeshInfo, post_forward_group, validate_mesh_backend
 from .presentation import DTENSOR_SHARDS
 from .settings import UnitConfig, UnitSettings
 from .step import ModuleState, get_state
@@ -89,7 +91,7 @@ def manage_module(
     modules = get_managed_modules(roots, ignored_modules)
     params, buffers = get_managed_states(modules, ignored)
     infos = get_param_module_infos(params, roots)
-    names = {id(p): config.model_name(name) for root in roots for name, p in root.named_parameters()}
+    names = {id(p): config.name_in_model(name) for root in roots for name, p in root.named_parameters()}
     owner = (
         "[" + ", ".join(module_class_name(m) for m in roots) + "]" if len(roots) > 1 else module_class_name(roots[0])
     )
@@ -99,27 +101,37 @@ def manage_module(
         broadcast_from_first_rank(params, buffers, mesh_info)
     buffer_dtypes = move_buffers(modules, device, config.buffer_dtype)
     mp_policy = config.mp_policy
-    dims = shard_dims(params, config.shard_placement_fn, names)
+    dims = shard_dims(params, config.shard_placement_fn, names, config.api_name)
     if post_forward is not None and any(dims):
         raise NotImplementedError(
             f"{config.api_name} does not support an int reshard_after_forward with shard_placement_fn's "
             f"non-zero shard dims yet ({module_class_name(roots[0])}); pass a bool"
         )
+    shard_layout = choose_shard_layout(params, dims, mesh_info, config.flat_layout)
+    presentation = config.presentation or DTENSOR_SHARDS
     shard_params = [
         ShardParam(
-            p, info, mesh_info, mp_policy.param_dtype, config.presentation or DTENSOR_SHARDS, dim, names.get(id(p))
+            p,
+            info,
+            mesh_info,
+            mp_policy.param_dtype,
+            presentation,
+            dim,
+            names.get(id(p)),
+            shard_layout.pieces_of(i),
+            config.api_name,
         )
-        for p, info, dim in zip(params, infos, dims)
+        for i, (p, info, dim) in enumerate(zip(params, infos, dims))
     ]
     for shard_param, param in zip(shard_params, params):
         shard_param.fqn = names.get(id(param), shard_param.fqn)  # root-relative after lazy init
     # See [Note: Optimizer built before sharding].
-    remember_replaced((p, sp.fqn) for sp, p in zip(shard_params, params) if sp.sharded_param is not p)
+    replaced = [(p, sp.fqn) for sp, p in zip(shard_params, params) if sp.sharded_param is not p]
+    remember_replaced(replaced, config.api_name)
     claim_params(params, infos, owner, config.api_name)
     if not shard_params:
         return ModuleState(roots, None, config, device, buffer_dtypes)
-    flat_chunk = _use_flat_layout(shard_params, params, mesh_info) if config.flat_layout else None
-    spec = unit_spec(shard_params, mesh_info, config, owner, flat_chunk)
+    spec = unit_spec(shard_params, mesh_info, config, owner, shard_layout)
     extended = [p.fqn for p in shard_params if p.extension is not None]
     if extended and (post_forward is not None or spec.offload):
         raise NotImplementedError(
@@ -131,31 +143,28 @@ def manage_module(
     return ModuleState(roots, group, config, device, buffer_dtypes)
 
 
-def _use_flat_layout(shard_params: list[ShardParam], params: list[nn.Parameter], mesh_info: MeshInfo) -> int | None:
-    """Shards ``shard_params`` as pieces of FSDP1's flat parameter (see [Note: Flat layout]);
-    returns the chunk each rank holds. Parameters that one flat tensor cannot hold (several
-    dtypes, frozen next to trainable, tensor subclasses) keep their rows: the front end's flat
-    parameter refuses them. Tensor-parallel DTensors and other shard dims keep their rows too
-    (a piece of a DTensor's local tensor is no DTensor); the flat parameter is then the rows
-    buffer, and trains as before the flat layout (issue 35).
-    On one shard rank the row layout is the flat one (each parameter whole, back to back): the
-    parameters keep their rows there."""
+def choose_shard_layout(
+    params: list[nn.Parameter], dims: list[int], mesh_info: MeshInfo, flat_layout: bool
+) -> ShardLayout:
+    """How the unit's parameters are cut into shards, before their ``ShardParam``s exist: FSDP1's
+    flat parameter when the front end asks for it (see [Note: Flat layout]) and one flat tensor
+    can hold them, else rows. Several dtypes, frozen next to trainable, tensor subclasses,
+    tensor-parallel DTensors (a piece of a local tensor is no DTensor) and other shard dims keep
+    their rows: the front end's flat parameter is then the rows buffer, and trains as before the
+    flat layout (issue 35)."""
     if (
-        len({p.dtype for p in params}) > 1
+        not flat_layout
+        or len({p.dtype for p in params}) > 1
         or len({p.requires_grad for p in params}) > 1
-        or any(p.extension is not None or p.tp_mesh is not None or p.shard_dim != 0 for p in shard_params)
+        or any(isinstance(p, DTensor) or is_tensor_subclass(p.detach()) for p in params)
+        or any(dims)
     ):
-        return None
-    if mesh_info.shard.size == 1:
-        return sum(p.numel() for p in params)
-    chunk, pieces = flat_pieces([p.numel() for p in params], mesh_info.shard.size)
-    for shard_param, param, ranges in zip(shard_params, params, pieces):
-        shard_param.use_flat_pieces(ranges, param.detach())
-    return chunk
+        return ROW_SHARDS
+    return flat_shards([p.numel() for p in params], mesh_info.shard.size)
 
 
 def unit_spec(
-    params: list[ShardParam], mesh_info: MeshInfo, config: UnitConfig, name: str, flat_chunk: int | None = None
+    params: list[ShardParam], mesh_info: MeshInfo, config: UnitConfig, name: str, shard_layout: ShardLayout = ROW_SHARDS
 ) -> UnitSpec:
     """The spec of the unit over ``params`` (see [Note: Unit spec])."""
     device, policy = mesh_info.device, config.offload_policy
@@ -170,7 +179,7 @@ def unit_spec(
         mp_policy=config.mp_policy,
         presentation=config.presentation or DTENSOR_SHARDS,
         keep_low_precision_grads=config.keep_low_precision_grads,
-        flat_chunk=flat_chunk,
+        shard_layout=shard_layout,
         name=name,
         labels=unit_labels(""),
     )
@@ -316,7 +325,10 @@ def reject_torch_fsdp(module: nn.Module, api: str) -> None:
 
 
 def shard_dims(
-    params: list[nn.Parameter], shard_placement_fn: Callable[[nn.Parameter], Any] | None, names: dict[int, str]
+    params: list[nn.Parameter],
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    names: dict[int, str],
+    api: str,
 ) -> list[int]:
     """Each parameter's shard dim from ``shard_placement_fn`` (None: dim 0)."""
     if shard_placement_fn is None:
@@ -330,12 +342,12 @@ def shard_dims(
             continue
         if type(placement) is not Shard:
             raise ValueError(
-                f"fully_shard expects shard_placement_fn to return Shard(dim) or None but got {placement!r} for {name}"
+                f"{api} expects shard_placement_fn to return Shard(dim) or None but got {placement!r} for {name}"
             )
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.ndim:
             raise ValueError(
-                f"fully_shard expects shard_placement_fn to return a dim of {name}'s {param.ndim}D shape "
+                f"{api} expects shard_placement_fn to return a dim of {name}'s {param.ndim}D shape "
                 f"{tuple(param.shape)} but got Shard({placement.dim})"
             )
         dims.append(dim)
@@ -463,16 +475,16 @@ def claim_params(params: list[nn.Parameter], infos: list[ParamModuleInfo], owner
             _REGISTERED.setdefault(module, {})[name] = f"{api} on {owner}"
 
 
-_replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> its name in the model
+_replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the call that sharded it)
 _checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _hook: RemovableHandle | None = None
 
 
-def remember_replaced(pairs: Iterable[tuple[nn.Parameter, str]]) -> None:
-    """Records parameters that sharding took out of the model (with their FQNs)."""
+def remember_replaced(pairs: Iterable[tuple[nn.Parameter, str]], api: str) -> None:
+    """Records parameters that sharding (the front end ``api``) took out of the model (with their FQNs)."""
     global _hook
     for param, name in pairs:
-        _replaced[param] = name
+        _replaced[param] = (name, api)
     if _hook is None and len(_replaced):
         _hook = register_optimizer_step_pre_hook(_check_once)
 
@@ -486,9 +498,10 @@ def _check_once(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if not stale:
         return
     held = "none of the sharded model's" if len(stale) == len(params) else f"{len(params) - len(stale)} others"
+    name, api = stale[0]
     warnings.warn(
-        f"{type(optimizer).__name__} holds {len(stale)} parameter(s) that fully_shard replaced "
-        f"(e.g. {stale[0]}) and {held}: it steps nothing for them. Build the optimizer after sharding, "
+        f"{type(optimizer).__name__} holds {len(stale)} parameter(s) that {api} replaced "
+        f"(e.g. {name}) and {held}: it steps nothing for them. Build the optimizer after sharding, "
         "from the sharded model's parameters()",
         UserWarning,
         stacklevel=3,

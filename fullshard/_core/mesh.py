@@ -14,7 +14,6 @@ mesh (n, 1) therefore still all-reduces across its n replicas.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,30 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from . import comm, compat
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """A process group and this rank's place in it (size 1: no group needed)."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-
-    @staticmethod
-    def trivial() -> GroupInfo:
-        return GroupInfo(None, 1, 0)
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        """The group of a collective over these ranks (one of size > 1 always has one)."""
-        if self.group is None:
-            raise AssertionError(f"a group of size {self.size} has no process group (rank {self.rank})")
-        return self.group
-
-    @staticmethod
-    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
-        return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
+from .comm import GroupInfo
 
 
 class MeshInfo:
@@ -59,6 +35,12 @@ class MeshInfo:
         self.replicate = (
             GroupInfo.of_mesh_axis(mesh, replicate_axis) if replicate_axis is not None else GroupInfo.trivial()
         )
+        # Facts every unit and parameter over this mesh reads, fixed once: the device its tensors live
+        # on, and a plain (non-TP) parameter shard's placements.
+        self.device = device_of_mesh(mesh)
+        self.dp_placements: tuple[Placement, ...] = (Replicate(),)
+        if shard_axis is not None:
+            self.dp_placements = (Replicate(), Shard(0)) if replicate_axis is not None else (Shard(0),)
 
     @staticmethod
     def for_fully_shard(mesh: DeviceMesh) -> MeshInfo:
@@ -67,17 +49,6 @@ class MeshInfo:
     @staticmethod
     def for_replicate(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, shard_axis=None, replicate_axis=0)
-
-    @property
-    def dp_placements(self) -> tuple[Placement, ...]:
-        """Placements of a plain (non-TP) parameter's shard on this mesh."""
-        if self.shard_axis is None:
-            return (Replicate(),)
-        return (Replicate(), Shard(0)) if self.replicate_axis is not None else (Shard(0),)
-
-    @property
-    def device(self) -> torch.device:
-        return device_of_mesh(self.mesh)
 
     def __repr__(self) -> str:
         return f"MeshInfo(shard={self.shard.size}, replicate={self.replicate.size})"
@@ -99,7 +70,7 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_mesh(device_type: str | None = None, api: str = "fully_shard") -> DeviceMesh:
+def default_mesh(device_type: str | None, api: str) -> DeviceMesh:
     """A 1-D mesh over all ranks, on ``device_type`` (default: the accelerator, else CPU)."""
     if not dist.is_initialized():
         raise RuntimeError(
@@ -117,14 +88,7 @@ def describe_mesh(mesh: DeviceMesh) -> str:
     return f"DeviceMesh({mesh.mesh.tolist()})"
 
 
-def validate_mesh(mesh: DeviceMesh) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard expects a DeviceMesh for mesh but got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {describe_mesh(mesh)}")
-
-
-def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str = "fully_shard") -> None:
+def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str) -> None:
     """Each of the mesh's groups must communicate natively on the mesh's device.
 
     Raises:

@@ -77,7 +77,8 @@ def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.empty(numel, dtype=dtype, pin_memory=device.type != "cpu")
 
 
-_ON_CPU: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+# Where a CPU device "switches" stream: nowhere, everything runs in order.
+IN_ORDER: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def on_stream(device: torch.device, name: str) -> contextlib.AbstractContextManager[None]:
@@ -87,7 +88,7 @@ def on_stream(device: torch.device, name: str) -> contextlib.AbstractContextMana
 
     Tensors allocated inside belong to the side stream: allocate outside.
     """
-    return _ON_CPU if device.type == "cpu" else _on_side_stream(device, name)
+    return IN_ORDER if device.type == "cpu" else _on_side_stream(device, name)
 
 
 def run_on_stream(device: torch.device, name: str, fn: Callable[..., _Result], *args: Any) -> _Result:

@@ -2,6 +2,10 @@
 made, and ``UnitSettings`` between steps (what ``FSDPModule``'s setters and the
 wrapper's ``no_sync`` and ``register_comm_hook`` change). The unit owns one
 ``UnitSettings``; its gradient intake reads ``reduce`` (``ReduceSettings``).
+
+Data only: the rules that read these fields live where they apply (the unit,
+the root's lazy init, the reduction), so a step reads settings as plain
+attributes and never calls in here.
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
-from . import comm
-from .mesh import GroupInfo
+from .comm import PLAIN_GATHER_WIRE, PLAIN_SCATTER_WIRE, GatherWire, GroupInfo, ScatterWire
 from .presentation import DTensorShards
 
 # Units of at most this many gathered bytes are bucketed by default (see [Note: Gather buckets]); the bench GPT's
@@ -30,8 +33,8 @@ class UnitConfig:
     api_name: str = "fully_shard"  # the call the user made, for messages: "<api_name> expects ..."
     ignore_argument: str = "ignored_params"  # that call's argument leaving a parameter unsharded, for messages
     # A name from a walk of the module tree as the user's model names it (a wrapper
-    # drops the segments it inserts); None: the name itself.
-    name_in_model: Callable[[str], str] | None = None
+    # drops the segments it inserts); ``str``: the name as it is.
+    name_in_model: Callable[[str], str] = str
     reshard_after_forward: bool | int | None = None  # None: True except for the root
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
@@ -48,10 +51,6 @@ class UnitConfig:
     # As a root, adopt units another root adopted before (FSDP1: wrapping a trained model's inner
     # module again, for inference); FSDP2 refuses any unit lazily initialized before.
     adopts_used_units: bool = False
-
-    def model_name(self, name: str) -> str:
-        """``name`` (from a module-tree walk) as the user's model names it."""
-        return name if self.name_in_model is None else self.name_in_model(name)
 
 
 @dataclass
@@ -70,12 +69,9 @@ class ReduceSettings:
     # The shard ranks' own group for reduce-scatters (set_separate_reduce_scatter_group),
     # so they need not queue behind all-gathers on one communicator; None: the mesh's.
     scatter_group: GroupInfo | None = None
-    # The user's reduce-scatter (FSDPModule.set_custom_reduce_scatter): allocates the
-    # reduce-scatter's input and output and runs it; None: the engine's own.
-    custom_reduce_scatter: comm.CustomReduceScatter | None = None
-
-    def partial_only(self, replicate: GroupInfo) -> bool:
-        return not self.all_reduce and replicate.size > 1
+    # What allocates the reduce-scatter's input and output and runs it: the engine's own, or the
+    # user's object (FSDPModule.set_custom_reduce_scatter); see [Note: Wires] in comm.py.
+    reduce_scatter: ScatterWire = PLAIN_SCATTER_WIRE
 
 
 @dataclass(slots=True)
@@ -92,14 +88,6 @@ class UnitSettings:
     # Prefetched with the following units in one all-gather up to this many gathered bytes (0: alone);
     # see [Note: Gather buckets].
     all_gather_bucket_bytes: int = DEFAULT_ALL_GATHER_BUCKET_BYTES
-
-    def choose_reshard_after_forward(self, reshard_after_forward: bool) -> None:
-        """The user's bool: reshard fully or not at all, no smaller post-forward group."""
-        self.reshard_after_forward = reshard_after_forward
-        self.reshard_after_forward_chosen = True
-        self.post_forward_group = None
-
-    def keep_unsharded_as_root(self) -> None:
-        """Unless the user chose: the root keeps its parameters (backward needs them first)."""
-        if not self.reshard_after_forward_chosen:
-            self.reshard_after_forward = False
+    # How the all-gather travels: the engine's own, the user's object (set_custom_all_gather), block-wise
+    # codes on either (set_all_gather_quantization); see [Note: Wires] in comm.py.
+    gather_wire: GatherWire = PLAIN_GATHER_WIRE

@@ -369,7 +369,7 @@ class StepReplay(EngineReplay):
         t.alloc(ACTIVATIONS, self.td + 2 * self.stat)  # final norm
         t.alloc(ACTIVATIONS, self.logits)
         # The root keeps its parameters after forward under every strategy: backward needs them
-        # first (see UnitSettings.keep_unsharded_as_root), so it is gathered once a step.
+        # first (see RootContext.adopt), so it is gathered once a step.
         # Transformer.loss: fp32 logits, log_softmax (saved); the logits die with the call.
         if self.c != 4:
             t.alloc(ACTIVATIONS, self.logits32)

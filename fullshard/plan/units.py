@@ -5,7 +5,7 @@ unit holds the token and position embeddings, the final norm and (tied to the
 token embedding, so counted once) the output weight. Each parameter is split on
 dim 0 into chunks of ``ceil(rows / shard size)`` rows, padded; a unit's chunks
 sit back to back in one shard buffer (see [Note: Unit buffers] in
-``fullshard/_core/gather/layout.py``). Under the FSDP1 wrapper's ``use_orig_params=False``
+``fullshard/_core/layout.py``). Under the FSDP1 wrapper's ``use_orig_params=False``
 (``PlanConfig.flat_params``) a unit's shard is instead FSDP1's flat piece: its
 parameters flattened and concatenated, cut into ``ceil(numel / shard size)``
 elements per rank, padded once at the end (see [Note: Flat layout] there).
@@ -17,8 +17,8 @@ import functools
 from collections import Counter
 from dataclasses import dataclass
 
-from .._core.gather import flat_pieces
 from .._core.gather.codec import BlockQuantizer
+from .._core.layout import flat_pieces
 from ..models.transformer import ModelArgs
 from .config import EngineSetup
 

@@ -6,7 +6,7 @@ the original parameters' keys carry its values.
 FSDP1 saves a unit's flat parameter as a 1-D ShardedTensor over the
 concatenation of the unit's parameters (flattened, in order, without
 padding), each rank holding its equal-sized contiguous part. Ours is laid out
-so (see [Note: Flat layout] in _core/gather/layout.py): the ShardedTensor is the flat
+so (see [Note: Flat layout] in _core/layout.py): the ShardedTensor is the flat
 shard without its end padding (a view, no copy), so
 ``torch.distributed.checkpoint`` reads it back at any world size, a dict of
 another layout loads by assembling it, and a plain tensor (this rank's padded
@@ -55,7 +55,7 @@ def _save_flat_param(
     _: Any,
 ) -> None:
     key = prefix + name
-    settings = record.model_settings()
+    settings = record.model_settings
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         value = param.detach()
         state_dict[key] = flat_sharded_tensor(unit, value.cpu() if settings.state_dict_config.offload_to_cpu else value)
@@ -74,7 +74,7 @@ def _load_flat_param(
     *_: Any,
 ) -> None:
     key = prefix + name
-    if record.model_settings().state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+    if record.model_settings.state_dict_type is not StateDictType.LOCAL_STATE_DICT:
         # The original parameters' keys carry the values; keep nn.Module from
         # reporting the flat parameter missing (a copy onto itself).
         state_dict[key] = param.detach()
@@ -83,7 +83,7 @@ def _load_flat_param(
 
 
 def _flat_layout(unit: ParamGroup, chunk: int, device: torch.device) -> tuple[list[ShardMetadata], int]:
-    """Under FSDP1's flat layout (see [Note: Flat layout] in _core/gather/layout.py): every rank's one
+    """Under FSDP1's flat layout (see [Note: Flat layout] in _core/layout.py): every rank's one
     contiguous shard of the concatenation, and how many of this rank's elements are not padding."""
     shard, total = unit.spec.mesh_info.shard, _total_numel(unit)
     group = _shard_group(unit)
@@ -96,10 +96,10 @@ def _flat_layout(unit: ParamGroup, chunk: int, device: torch.device) -> tuple[li
 
 
 def _chunk(unit: ParamGroup) -> int:
-    chunk = unit.spec.flat_chunk
-    if chunk is None:  # the wrapper lays every use_orig_params=False unit out flat
+    layout = unit.spec.shard_layout
+    if not layout.flat:  # the wrapper lays every use_orig_params=False unit out flat
         raise AssertionError(f"rank {dist.get_rank()}: {unit.spec.name}'s flat parameter is not laid out flat")
-    return chunk
+    return layout.flat_chunk
 
 
 def _shard_group(unit: ParamGroup) -> dist.ProcessGroup:

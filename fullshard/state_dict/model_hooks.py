@@ -114,16 +114,16 @@ def _warn_if_always_full(record: UnitStateDict) -> None:
 def _gather_unit(group: ParamGroup, record: UnitStateDict, module: nn.Module, prefix: str, keep_vars: bool) -> None:
     _warn_if_always_full(record)
     _reshard_unit(group)
-    kind = record.model_settings().state_dict_type
-    # A flat piece's sharded value is cut from the full one (see [Note: Flat layout] in _core/gather/layout.py).
-    flat_sharded = kind is StateDictType.SHARDED_STATE_DICT and group.spec.flat_chunk is not None
+    kind = record.model_settings.state_dict_type
+    # A flat piece's sharded value is cut from the full one (see [Note: Flat layout] in _core/layout.py).
+    flat_sharded = kind is StateDictType.SHARDED_STATE_DICT and group.spec.shard_layout.flat
     if kind is StateDictType.FULL_STATE_DICT or flat_sharded:
         record.full_values = full_params.gather_full_values(group)
 
 
 def _release_unit(record: UnitStateDict, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
     record.full_values = None
-    settings = record.model_settings()
+    settings = record.model_settings
     if (
         settings.state_dict_type is StateDictType.FULL_STATE_DICT
         and rank0_only(settings.state_dict_config)
@@ -142,7 +142,7 @@ def _save_params(
     prefix: str,
     metadata: Any,
 ) -> None:
-    settings = record.model_settings()
+    settings = record.model_settings
     kind, offload = settings.state_dict_type, settings.state_dict_config.offload_to_cpu
     for name, index in entries:
         key = prefix + name
@@ -155,7 +155,7 @@ def _save_params(
             # Each value owns its memory, as FSDP1's do: views of one shard buffer would make the dict
             # fail ``copy.deepcopy`` (DTensors sharing a storage cannot be deep-copied).
             if param.flat_ranges is None:
-                local = param.shard_as_dtensor()._local_tensor
+                local = param.bound_rows  # what the unit's buffer holds, as FULL values are gathered from it
             else:
                 local = full_params.row_shard(param, _gathered(record, key)[index])._local_tensor
             value = param.dtensor_from_rows(local.cpu() if offload and local.device.type != "cpu" else local.clone())
@@ -179,7 +179,7 @@ def _gathered(record: UnitStateDict, key: str) -> list[torch.Tensor]:
 def _save_buffers_in_original_dtype(
     state: ModuleState, module: nn.Module, state_dict: dict, prefix: str, metadata: Any
 ) -> None:
-    if unit_record(state).model_settings().state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    if unit_record(state).model_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return  # as FSDP1: a local state dict holds the buffers as the unit computes with them
     for name, buffer in module._buffers.items():
         key = prefix + name
@@ -200,7 +200,7 @@ def _load_params(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    if record.model_settings().state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    if record.model_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return  # the flat parameter carries the values
     for name, index in entries:
         key = prefix + name

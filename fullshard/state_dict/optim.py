@@ -225,8 +225,8 @@ def _gather_flat_states(
     param: torch.Tensor, unit: ParamGroup | None, values: dict[str, Any]
 ) -> dict[str, list[torch.Tensor]]:
     """A flat parameter's states in FSDP1's flat layout, each gathered once into its original
-    parameters' full values (see [Note: Flat layout] in _core/gather/layout.py); {} for any other."""
-    if unit is None or unit.spec.flat_chunk is None or param is not buffer_param(unit):
+    parameters' full values (see [Note: Flat layout] in _core/layout.py); {} for any other."""
+    if unit is None or not unit.spec.shard_layout.flat or param is not buffer_param(unit):
         return {}
     return {
         key: full_params.gather_like_shards(unit, value)

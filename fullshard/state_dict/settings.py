@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,23 +45,34 @@ def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
 _ALWAYS_FULL = default_settings(StateDictType.FULL_STATE_DICT)
 
 
-@dataclass
 class UnitStateDict:
-    """What state dicts keep per unit, next to the engine's ``ModuleState``."""
+    """What state dicts keep per unit, next to the engine's ``ModuleState``.
 
-    settings: StateDictSettings
-    full_values: list[torch.Tensor] | None = None  # the unit's full parameters while a FULL save runs
-    # FSDP1's NO_SHARD units: their model state dicts are full whatever type is set (FSDP1 warns so too).
-    always_full: bool = False
-    # FSDP1 wrappers built without a device mesh: SHARDED values are ShardedTensors (see
-    # [Note: ShardedTensor form] in sharded_tensor.py), else DTensors.
-    sharded_tensors: bool = False
+    Args:
+        settings: what ``set_state_dict_type`` set (``settings``; setting it fixes ``model_settings``).
+        always_full: FSDP1's NO_SHARD units: their model state dicts are full whatever type is
+            set (FSDP1 warns so too).
+        sharded_tensors: FSDP1 wrappers built without a device mesh: SHARDED values are
+            ShardedTensors (see [Note: ShardedTensor form] in sharded_tensor.py), else DTensors.
+    """
 
-    def model_settings(self) -> StateDictSettings:
-        """The form this unit's model state dict takes (a FULL type's own configs are kept)."""
-        if self.always_full and self.settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
-            return _ALWAYS_FULL
-        return self.settings
+    def __init__(self, settings: StateDictSettings, always_full: bool = False, sharded_tensors: bool = False) -> None:
+        self.full_values: list[torch.Tensor] | None = None  # the unit's full parameters while a FULL save runs
+        self.always_full = always_full
+        self.sharded_tensors = sharded_tensors
+        self.settings = settings
+
+    @property
+    def settings(self) -> StateDictSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: StateDictSettings) -> None:
+        self._settings = settings
+        # The form this unit's model state dict takes (a FULL type's own configs are kept): fixed when
+        # the type is set, read as a plain attribute by every state-dict hook.
+        full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+        self.model_settings = _ALWAYS_FULL if self.always_full and not full else settings
 
 
 # Keyed weakly by the engine state: the record holds no reference back to it.

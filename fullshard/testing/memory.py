@@ -101,7 +101,7 @@ def measure_step(
     torch.manual_seed(0)
     base = Transformer(args)
     # CPU explicitly: the default mesh would be CUDA's on a machine with a GPU.
-    mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu")
+    mesh = hybrid_mesh("cpu", ranks_per_node) if strategy == "hybrid" else default_mesh("cpu", "fully_shard")
     if front_end in ("wrapper", "wrapper-flat"):
         model: nn.Module = _wrap(base, mesh, strategy, bf16, offload, flat=front_end == "wrapper-flat")
     else:
@@ -140,7 +140,7 @@ def measure_step(
 def _wrap(model: Transformer, mesh: DeviceMesh, strategy: str, bf16: bool, offload: bool, flat: bool) -> nn.Module:
     """``model`` under the FSDP1 wrapper, one unit per block plus the root; ``flat``: with
     ``use_orig_params=False``, each unit one flat parameter in FSDP1's layout (see [Note: Flat
-    layout] in _core/gather/layout.py), else per-parameter rows."""
+    layout] in _core/layout.py), else per-parameter rows."""
     from ..wrap import ModuleWrapPolicy
     from ..wrapper import FullyShardedDataParallel
 

@@ -81,7 +81,7 @@ def build_sharded_model(config: TrainConfig, device: torch.device) -> nn.Module:
         model = Transformer(config.model_args())
     hybrid = config.strategy == "hybrid"
     # The loop's device (its backend's), not whatever this process can see.
-    mesh = hybrid_mesh(device.type, config.shard_size) if hybrid else default_mesh(device.type)
+    mesh = hybrid_mesh(device.type, config.shard_size) if hybrid else default_mesh(device.type, "fully_shard")
     if config.front_end == "wrapper":
         wrapped = _wrap(model, config, device, mesh)
         if config.all_gather_code is not None:

@@ -2,8 +2,8 @@
 
 Each parameter's shard and its views (``param.py``), the unit's spec (``spec.py``:
 what the all-gather, gradient intake and full-parameter I/O read), the shard
-buffer and the layouts that place the shards in it (``buffers.py``,
-``layout.py``: rows, or FSDP1's flat pieces), parameters that gather their own
+buffer (``buffers.py``, placed by the ground's ``layout.py``: rows, or FSDP1's
+flat pieces), parameters that gather their own
 way (``extension.py``), the all-gather's steps and buckets (``all_gather.py``)
 and the quantized wire's codec (``codec/``). This face names what the rooms
 above may use.
@@ -21,7 +21,7 @@ from .all_gather import (
     split_views,
 )
 from .buffers import UnitBuffers
-from .layout import flat_pieces
+from .extension import is_tensor_subclass
 from .param import ShardParam
 from .spec import UnitSpec
 
@@ -35,8 +35,8 @@ __all__ = [
     "UnitBuffers",
     "UnitSpec",
     "bucket_key",
-    "flat_pieces",
     "gather_bucket",
     "gathered_bytes",
+    "is_tensor_subclass",
     "split_views",
 ]

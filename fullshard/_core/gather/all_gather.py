@@ -23,7 +23,8 @@ has one, by parameter count).
 A bucket holds consecutive units of the prefetch order that agree: the same
 shard group, gather dtype (not a mixed-dtype byte layout), layout kind (per
 parameter or FSDP1's flat) and device, with no CPU offload, quantized codes,
-tensor-subclass extension, custom all-gather or kept post-forward shard. It
+tensor-subclass extension, wire other than the plain one (see [Note: Wires] in
+comm.py) or kept post-forward shard. It
 stops at the first unit that needs a gather and cannot join, at a unit
 already in it, or where its gathered bytes would pass the limit (the head
 unit's ``all_gather_bucket_bytes``: bytes of the gathered, padded parameters
@@ -39,17 +40,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import comm, offload, trace
-from ..mesh import GroupInfo
+from ..comm import PLAIN_GATHER_WIRE, GatherWire, GroupInfo
+from ..layout import Layout
 from .buffers import UnitBuffers
-from .codec import QuantizedGather
 from .extension import GatherExtension
-from .layout import Layout
 from .param import ShardParam
 from .spec import UnitSpec
 
@@ -69,7 +69,7 @@ class AllGatherInFlight:
     num_chunks: int
     # Parameters whose extension inputs follow the plain regions, in order (see extension.py).
     extended: tuple[ShardParam, ...] = ()
-    codec: QuantizedGather | None = None  # the output holds its codes (see quantized_gather.py)
+    wire: GatherWire = PLAIN_GATHER_WIRE  # decodes the output (see [Note: Wires] in comm.py)
 
 
 class GatherInput(NamedTuple):
@@ -143,21 +143,29 @@ def split_views(params: list[ShardParam], padded: list[torch.Tensor]) -> list[li
     return [p.split_views(t) for p, t in zip(params, padded)]
 
 
-class AllGather:
-    """The all-gather steps of one unit's parameters."""
+class WireSetting(Protocol):
+    """Where a unit's all-gather finds its wire, read at every gather (``settings.UnitSettings``)."""
 
-    def __init__(self, spec: UnitSpec, buffers: UnitBuffers) -> None:
+    gather_wire: GatherWire
+
+
+class AllGather:
+    """The all-gather steps of one unit's parameters, on the wire its settings name."""
+
+    def __init__(self, spec: UnitSpec, buffers: UnitBuffers, settings: WireSetting) -> None:
         self.params = spec.params
         self.buffers = buffers
+        self.settings = settings
         self.device = spec.device  # where compute and communication happen
-        self.codec: QuantizedGather | None = None  # set_all_gather_quantization
-        self.custom: comm.CustomAllGather | None = None  # FSDPModule.set_custom_all_gather
+        # An accelerator's copy-in and collective run on a side stream (see [Note: Streams] in offload.py);
+        # on a CPU everything runs in order, and the gather makes no stream call at all.
+        self.side_streams = self.device.type != "cpu"
         self._targets: CopyOutTargets | None = None  # the plain path's, see CopyOutTargets
 
     def _copy_stream(self) -> contextlib.AbstractContextManager:
         """Where the shards are cast or copied to the device and their all-gather is
         issued (see [Note: Streams] in offload.py)."""
-        return offload.on_stream(self.device, offload.ALL_GATHER)
+        return offload.on_stream(self.device, offload.ALL_GATHER) if self.side_streams else offload.IN_ORDER
 
     def input(self, labels: trace.UnitLabels, group: GroupInfo) -> GatherInput:
         """This rank's shards on the compute device, in the gather dtype (copy-in),
@@ -169,11 +177,12 @@ class AllGather:
         shard_buffer, gather_layout = buffers.shard_buffer, buffers.gather_layout
         if buffers.extended:
             return GatherInput(*self._input_with_extensions(labels), group)
-        if shard_buffer.device == self.device and (not buffers.needs_cast or self._codec_casts(group)):
+        wire = self.settings.gather_wire
+        if shard_buffer.device == self.device and (not buffers.needs_cast or self._encode_casts(wire, group)):
             return GatherInput(shard_buffer, gather_layout, group)
         output = None
-        if group.size > 1 and self.codec is None and self.custom is None:
-            output = torch.empty(group.size, gather_layout.total, dtype=gather_layout.dtype, device=self.device)
+        if group.size > 1 and wire.in_place:
+            output = wire.allocate(group.size, gather_layout.total, gather_layout.dtype, self.device)
             staged = output[group.rank]
         else:
             staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
@@ -195,11 +204,11 @@ class AllGather:
                 non_blocking=True,
             )
 
-    def _codec_casts(self, group: GroupInfo) -> bool:
-        """Whether the quantized codec reads the shards in their own dtype, casting as it encodes
+    def _encode_casts(self, wire: GatherWire, group: GroupInfo) -> bool:
+        """Whether the wire's encoding reads the shards in their own dtype, casting as it encodes
         (no copy-in pass; see ``QuantizedGather.encode``): same offsets in both layouts."""
         buffers = self.buffers
-        return self.codec is not None and group.size > 1 and buffers.gather_layout.lines_up(buffers.storage_layout)
+        return not wire.as_is and group.size > 1 and buffers.gather_layout.lines_up(buffers.storage_layout)
 
     def _input_with_extensions(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
         """The plain shards (cast) then every extension's inputs, packed as bytes
@@ -229,39 +238,36 @@ class AllGather:
         extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
+        if not self.side_streams:
+            return self._issue(gather_input, async_op, labels)
         return offload.run_on_stream(self.device, offload.ALL_GATHER, self._issue, gather_input, async_op, labels)
 
     def _issue(self, gather_input: GatherInput, async_op: bool, labels: trace.UnitLabels) -> AllGatherInFlight:
-        """``start``'s work on the copy stream, after the copy-in."""
+        """``start``'s work on the copy stream, after the copy-in: the wire's steps (see [Note: Wires])."""
         source, layout, group, output = gather_input
-        custom, codec = self.custom, self.codec
-        if custom is None and codec is not None:  # the codes go straight into this rank's row
-            output = torch.empty(group.size, codec.packed_numel(layout), dtype=torch.uint8, device=self.device)
-            source = self._encode(source, layout, labels, output[group.rank])
-        elif codec is not None:
-            source = self._encode(source, layout, labels)
-        if custom is None:
-            if output is None:  # (W, chunk): the rank blocks copy-out reads, with no view to build per gather
-                output = gathered = torch.empty(group.size, source.numel(), dtype=source.dtype, device=self.device)
-            else:  # the input is the output's row: gathered flat, the in-place form every backend takes
-                gathered = output.view(-1)
-            work = trace.call(labels.all_gather, comm.all_gather, gathered, source, group.process_group, async_op)
-        else:
-            output = custom.allocate((source.numel() * group.size,), dtype=source.dtype, device=self.device)
-            pg = group.process_group
-            work = trace.call(labels.all_gather, comm.custom_all_gather, custom, output, source, pg, async_op)
-        return AllGatherInFlight(work, source, output, layout, group.size, self.buffers.extended, self.codec)
+        wire = self.settings.gather_wire
+        if output is None:  # else the copy-in wrote this rank's chunk into its row of the output
+            numel = wire.wire_numel(layout, source.numel())
+            output = wire.allocate(group.size, numel, wire.wire_dtype(source.dtype), self.device)
+            source = self._encode(wire, source, layout, output, group, labels)
+        # Flat: with the input in the output's row, the in-place form every backend takes.
+        work = trace.call(labels.all_gather, wire.collective, output.view(-1), source, group, async_op)
+        return AllGatherInFlight(work, source, output, layout, group.size, self.buffers.extended, wire)
 
     def _encode(
-        self, source: torch.Tensor, layout: Layout, labels: trace.UnitLabels, into: torch.Tensor | None = None
+        self,
+        wire: GatherWire,
+        source: torch.Tensor,
+        layout: Layout,
+        output: torch.Tensor | None,
+        group: GroupInfo,
+        labels: trace.UnitLabels,
     ) -> torch.Tensor:
-        """What goes on the wire: ``source`` itself, or its codes under a quantized all-gather
-        (written ``into`` this rank's row of the output where given: the collective's copy of
-        its own input is then skipped, as the same memory)."""
-        if self.codec is None:
-            return source
+        """What goes on the wire for ``source`` (see ``GatherWire.encode``), under its profiler label."""
+        if wire.as_is:
+            return source  # nothing to encode: no label to enter
         with trace.span(labels.all_gather_quantize):
-            return self.codec.encode(source, layout, into)
+            return wire.encode(source, layout, output, group)
 
     def join(self, gather_input: GatherInput, labels: trace.UnitLabels) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
@@ -269,17 +275,19 @@ class AllGather:
         source, layout, group, _ = gather_input
         if group.size > 1:
             with self._copy_stream():
-                source = self._encode(source, layout, labels)
+                source = self._encode(self.settings.gather_wire, source, layout, None, group, labels)
                 scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
                 comm.all_gather(scratch, source, group.process_group, async_op=False)
-            offload.join_stream(self.device, offload.ALL_GATHER)
+            if self.side_streams:
+                offload.join_stream(self.device, offload.ALL_GATHER)
 
     def copy_out(self, in_flight: AllGatherInFlight, labels: trace.UnitLabels) -> None:
         """Waits for ``in_flight`` and fills the unsharded parameters' storage (and
         the extensions' outputs, from which their parameters are then rebuilt)."""
         if in_flight.work is not None:
             in_flight.work.wait()
-        offload.join_stream(self.device, offload.ALL_GATHER)
+        if self.side_streams:
+            offload.join_stream(self.device, offload.ALL_GATHER)
         targets = self._targets
         if targets is None or not targets.serves(in_flight):
             targets = self._targets = self._plain_targets(in_flight)
@@ -297,22 +305,23 @@ class AllGather:
         refreshed = [p.unsharded_param for p in in_flight.extended if p.unsharded_param is not None]
         restored = (*padded, *refreshed)
         versions = tuple(tensor._version for tensor in restored)
+        wire, output, num_chunks, layout = in_flight.wire, in_flight.output, in_flight.num_chunks, in_flight.layout
         with torch.no_grad(), trace.span(labels.copy_out):
-            if in_flight.codec is not None:
-                with trace.span(labels.all_gather_dequantize):
-                    in_flight.codec.decode(in_flight.output, in_flight.num_chunks, in_flight.layout, padded)
+            if wire.as_is:
+                wire.decode(output, num_chunks, layout, padded, views)
             else:
-                in_flight.layout.copy_out(in_flight.output, in_flight.num_chunks, padded, views)
+                with trace.span(labels.all_gather_dequantize):
+                    wire.decode(output, num_chunks, layout, padded, views)
             for param in in_flight.extended:
                 param.rebuild_unsharded()
         torch._C._autograd._unsafe_set_version_counter(restored, versions)
 
     def _plain_targets(self, in_flight: AllGatherInFlight) -> CopyOutTargets | None:
         """The copy-out targets of ``in_flight`` when one fused copy serves it (no extension,
-        no codec, every parameter split on dim 0, regions that tile), else None. Not built
+        encoding wire, every parameter split on dim 0, regions that tile), else None. Not built
         under inference mode, whose views may not be written outside it."""
         layout = in_flight.layout
-        if in_flight.extended or in_flight.codec is not None or torch.is_inference_mode_enabled():
+        if in_flight.extended or not in_flight.wire.as_is or torch.is_inference_mode_enabled():
             return None
         if not (layout.tiles or layout.flat) or any(p.shard_dim != 0 for p in self.params):
             return None
@@ -346,9 +355,9 @@ class BucketKey(NamedTuple):
 def bucket_key(gather: AllGather, group: GroupInfo, offloaded: bool) -> BucketKey | None:
     """The key under which ``gather`` (over ``group``) may join a bucket, or None when it gathers alone."""
     layout = gather.buffers.gather_layout
-    if group.size == 1 or offloaded or gather.buffers.extended or gather.codec is not None:
+    if group.size == 1 or offloaded or gather.buffers.extended or not gather.settings.gather_wire.joins_buckets:
         return None
-    if gather.custom is not None or layout.dtype == torch.uint8:
+    if layout.dtype == torch.uint8:
         return None
     return BucketKey(group.process_group, layout.dtype, layout.flat, gather.device)
 
@@ -382,7 +391,10 @@ def gather_bucket(gathers: list[AllGather], group: GroupInfo, labels: trace.Unit
         starts.append(starts[-1] + layout.total)
     output = torch.empty(group.size, starts[-1], dtype=layouts[0].dtype, device=device)
     row = output[group.rank]
-    work = offload.run_on_stream(device, offload.ALL_GATHER, _issue, gathers, starts, output, row, group, labels)
+    if gathers[0].side_streams:
+        work = offload.run_on_stream(device, offload.ALL_GATHER, _issue, gathers, starts, output, row, group, labels)
+    else:
+        work = _issue(gathers, starts, output, row, group, labels)
     shared = _SharedWork(work)
     return [
         AllGatherInFlight(shared, row[start:stop], output[:, start:stop], layout, group.size)
@@ -405,4 +417,4 @@ def _issue(
                 gather.copy_in(row[start:stop])
         else:  # one op for the whole bucket
             torch.cat([g.buffers.shard_buffer for g in gathers], out=row)
-    return trace.call(labels.all_gather, comm.all_gather, output.view(-1), row, group.process_group, True)
+    return trace.call(labels.all_gather, PLAIN_GATHER_WIRE.collective, output.view(-1), row, group, True)

@@ -10,7 +10,6 @@ from torch.distributed.tensor import DTensor
 
 from ..presentation import BufferView
 from .extension import has_gather_hooks
-from .layout import Layout
 from .param import ShardParam
 from .spec import UnitSpec
 
@@ -26,7 +25,7 @@ class UnitBuffers:
         self.storage_device = spec.storage_device  # the host under CPU offload
         self.offload = spec.offload
         self.pin_memory = spec.pin_memory  # pinned host memory: copies to an accelerator are asynchronous
-        self.flat_chunk = spec.flat_chunk  # see [Note: Flat layout] in layout.py
+        self.shard_layout = spec.shard_layout  # rows, or FSDP1's flat pieces (see [Note: Flat layout])
         # A front end's tensor registered in place of the shards (see ``presentation.BufferView``).
         self.view: BufferView | None = None
         self.build(shards)
@@ -36,9 +35,8 @@ class UnitBuffers:
         """(Re)packs this rank's shards into one flat buffer."""
         on_meta = any(s.is_meta for s in shards)
         device = torch.device("meta") if on_meta else self.storage_device
-        self.storage_layout = Layout.build(
-            [p.buffer_numel for p in self.params], [s.dtype for s in shards], flat_chunk=self.flat_chunk
-        )
+        numels = [p.buffer_numel for p in self.params]
+        self.storage_layout = self.shard_layout.buffer_layout(numels, [s.dtype for s in shards])
         buffer = torch.zeros(
             self.storage_layout.total,
             dtype=self.storage_layout.dtype,
@@ -55,7 +53,7 @@ class UnitBuffers:
         """Makes ``buffer`` (the storage a buffer view was given by ``nn.Module._apply``)
         the home of the shards; they take its dtype (``model.half()``)."""
         dtypes = [buffer.dtype] * len(self.params)
-        self.storage_layout = Layout.build([p.buffer_numel for p in self.params], dtypes, flat_chunk=self.flat_chunk)
+        self.storage_layout = self.shard_layout.buffer_layout([p.buffer_numel for p in self.params], dtypes)
         self._bind(buffer, dtypes)
 
     def install_view(self, view: BufferView, owner: str) -> None:
@@ -71,15 +69,16 @@ class UnitBuffers:
             param.register_sharded = False
             param.to_sharded()
 
-    def check_materialized(self) -> None:
-        if self.shard_buffer.is_meta:
-            names = [p.fqn for p in self.params]
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {names}\n"
-                "For example, call module.to_empty(device=...) and then reset_parameters() "
-                "on each module."
-            )
+    def unmaterialized(self) -> RuntimeError:
+        """What a gather raises while ``shard_buffer`` is on the meta device (a unit asks the
+        buffer's ``is_meta`` itself before every gather: no call on the way)."""
+        names = [p.fqn for p in self.params]
+        return RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, "
+            f"but the following were still on meta device: {names}\n"
+            "For example, call module.to_empty(device=...) and then reset_parameters() "
+            "on each module."
+        )
 
     def rebind(self, owner: str) -> None:
         """Re-packs after ``nn.Module._apply`` gave the shards new tensors (``to_empty``, ``.to``);
@@ -126,8 +125,10 @@ class UnitBuffers:
         [Note: Gather extensions]). ``owner`` names the unit in errors."""
         if self.view is not None or self.params[0].presentation.keeps_user_param:
             return  # the FSDP1 wrapper's parameters have no gather hooks (nor has torch's FSDP1)
+        # The rows the buffer holds (``bound_rows``): the registered shard's local tensor, the object
+        # the hooks are patched on (parameters the user replaced were adopted just before).
         found = [
-            p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.local_shard)
+            p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.bound_rows)
         ]
         if not found:
             return
@@ -169,11 +170,7 @@ class UnitBuffers:
         """The all-gather input's layout: the storage layout unless parameters cast."""
         needs_cast = any(p.param_dtype != p.orig_dtype for p in self.params if p.extension is None)
         self.gather_layout = (
-            Layout.build(
-                [p.buffer_numel for p in self.params],
-                [p.param_dtype for p in self.params],
-                flat_chunk=self.flat_chunk,
-            )
+            self.shard_layout.buffer_layout([p.buffer_numel for p in self.params], [p.param_dtype for p in self.params])
             if needs_cast
             else self.storage_layout
         )

@@ -68,15 +68,15 @@ def has_gather_hooks(tensor: torch.Tensor) -> bool:
     )
 
 
-def _no_hooks_error(kind: str, fqn: str) -> NotImplementedError:
+def _no_hooks_error(kind: str, fqn: str, api: str) -> NotImplementedError:
     return NotImplementedError(
-        f"fully_shard does not support the tensor subclass {kind} of parameter {fqn} yet: it defines no "
+        f"{api} does not support the tensor subclass {kind} of parameter {fqn} yet: it defines no "
         "fsdp_pre_all_gather / fsdp_post_all_gather, so its shard has no defined wire format; define both "
         "methods on the subclass (before the first forward) or pass a plain tensor"
     )
 
 
-def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str) -> torch.Tensor:
+def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str, api: str) -> torch.Tensor:
     """This rank's dim-0 chunk of a tensor subclass, copied into storage of its
     own so that the full tensor can be freed. The copy has the first (padded)
     chunk's size; a shorter last chunk is returned as its leading rows."""
@@ -92,9 +92,9 @@ def shard_subclass(full: torch.Tensor, world: int, rank: int, fqn: str) -> torch
         return padded.narrow(0, 0, 0)
     except (NotImplementedError, RuntimeError, AssertionError) as exc:
         if not has_gather_hooks(full):  # what the user can fix first
-            raise _no_hooks_error(kind, fqn) from exc
+            raise _no_hooks_error(kind, fqn, api) from exc
         raise NotImplementedError(
-            f"fully_shard cannot shard parameter {fqn}: its tensor subclass {kind} does not support splitting "
+            f"{api} cannot shard parameter {fqn}: its tensor subclass {kind} does not support splitting "
             f"dim 0 into {world} chunks of equal size ({type(exc).__name__}: {exc}); choose a dim-0 size that "
             f"the subclass splits evenly {world} ways (NF4: a multiple of {world} x its block sizes)"
         ) from exc
@@ -122,6 +122,7 @@ class TensorHooks:
         mesh_info: the unit's data-parallel mesh.
         unsharded_size: the full parameter's size.
         padded_rows: rows of a full (padded) shard; every rank must send that many.
+        api: the front end the user called, which messages name.
     """
 
     def __init__(
@@ -131,8 +132,10 @@ class TensorHooks:
         mesh_info: MeshInfo,
         unsharded_size: torch.Size,
         padded_rows: int,
+        api: str,
     ) -> None:
         self.fqn = fqn
+        self.api = api
         self.module = module
         self.mesh = shard_mesh(mesh_info)
         self.unsharded_size = unsharded_size
@@ -149,7 +152,7 @@ class TensorHooks:
         """The pre-hook's tensors, flattened. The hooks are looked up now, at every gather, so a class
         given them after ``fully_shard`` (patched on) gathers with them (as torch's FSDP2 does)."""
         if not has_gather_hooks(shard):
-            raise _no_hooks_error(type(shard).__name__, self.fqn)
+            raise _no_hooks_error(type(shard).__name__, self.fqn, self.api)
         pre_hook = shard.fsdp_pre_all_gather  # type: ignore[attr-defined]
         num_args = len(inspect.signature(pre_hook).parameters)
         if num_args == 1:
@@ -159,7 +162,7 @@ class TensorHooks:
             inputs, self._metadata = pre_hook(self.mesh, self.unsharded_size, stride, self.module, mp_policy)
         else:
             raise TypeError(
-                f"fully_shard expects {type(shard).__name__}.fsdp_pre_all_gather (parameter {self.fqn}) to take "
+                f"{self.api} expects {type(shard).__name__}.fsdp_pre_all_gather (parameter {self.fqn}) to take "
                 "(mesh) or (mesh, outer_size, outer_stride, module, mp_policy) but got "
                 f"{inspect.signature(pre_hook)}"
             )

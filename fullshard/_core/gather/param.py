@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,7 +57,13 @@ class ShardParam:
         presentation: DTensorShards = DTENSOR_SHARDS,
         shard_dim: int = 0,
         fqn: str | None = None,
+        pieces: tuple[tuple[int, int], ...] | None = None,
+        api: str = "fully_shard",
     ) -> None:
+        """``pieces``: this parameter's (start, stop) of its flattened elements on every shard rank
+        under FSDP1's flat layout (``ShardLayout.pieces_of``); None: rows on ``shard_dim``. ``api``:
+        the front end the user called, which messages name."""
+        self.api = api
         self.module_info = module_info
         self._owners = tuple(module_info.owners())  # where it is registered (swapped twice per unit and step)
         self.presentation = presentation
@@ -77,12 +83,12 @@ class ShardParam:
         if isinstance(param, DTensor):
             if is_tensor_subclass(param._local_tensor):
                 raise NotImplementedError(
-                    f"fully_shard does not support tensor-subclass parameters with tensor parallelism yet "
+                    f"{api} does not support tensor-subclass parameters with tensor parallelism yet "
                     f"({self.fqn} is a DTensor over {type(param._local_tensor).__name__})"
                 )
             if shard_dim != 0:
                 raise NotImplementedError(
-                    f"fully_shard does not support shard_placement_fn's Shard({shard_dim}) with tensor "
+                    f"{api} does not support shard_placement_fn's Shard({shard_dim}) with tensor "
                     f"parallelism yet ({module_info.param_name} is a DTensor); return None for it"
                 )
             local = self._init_tensor_parallel(param)
@@ -93,14 +99,25 @@ class ShardParam:
             self.placements = tuple(Shard(shard_dim) if p.is_shard() else p for p in mesh_info.dp_placements)
             local = param.detach()
         self.unsharded_size = local.size()  # the TP-local size for TP parameters
-        # "Rows" are the slices along the shard dim (dim 0 unless shard_placement_fn says otherwise).
-        self.num_rows = local.size(shard_dim)
-        self.row_numel = local.numel() // max(self.num_rows, 1)
+        # Each shard rank's (start, stop) of the flattened elements under FSDP1's flat layout
+        # (see [Note: Flat layout] in layout.py); None: rows split as below.
+        self.flat_ranges = list(pieces) if pieces is not None else None
         shard = mesh_info.shard
-        self.shard_rows = -(-self.num_rows // shard.size)  # ceil; padded rows per rank
-        self.shard_numel = self.shard_rows * self.row_numel
-        first_row = shard.rank * self.shard_rows
-        self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
+        if self.flat_ranges is not None:  # a piece of the flat parameter: "rows" are then elements
+            if is_tensor_subclass(local) or shard_dim != 0:
+                raise AssertionError(f"{self.fqn}: a flat piece is a plain parameter's, sharded on dim 0")
+            start, stop = self.flat_ranges[shard.rank]
+            self.num_rows, self.row_numel = local.numel(), 1
+            self.num_valid_rows = self.shard_rows = self.shard_numel = stop - start
+            first_row = start
+        else:
+            # "Rows" are the slices along the shard dim (dim 0 unless shard_placement_fn says otherwise).
+            self.num_rows = local.size(shard_dim)
+            self.row_numel = local.numel() // max(self.num_rows, 1)
+            self.shard_rows = -(-self.num_rows // shard.size)  # ceil; padded rows per rank
+            self.shard_numel = self.shard_rows * self.row_numel
+            first_row = shard.rank * self.shard_rows
+            self.num_valid_rows = max(0, min(self.shard_rows, self.num_rows - first_row))
         self.orig_dtype = param.dtype
         self._local_size: tuple[int, ...] | None = None  # this rank's unpadded rows' size (cached: every gradient)
         # (spec, dtype): the sharded parameter's DTensor spec, found to serve gradients of that dtype
@@ -109,21 +126,22 @@ class ShardParam:
         if is_tensor_subclass(local):
             # This rank's rows, for good: a subclass shard stays out of the flat buffer.
             self.bound_rows = self._init_extension(local)
+        elif self.flat_ranges is not None:
+            self.bound_rows = local.reshape(-1)[first_row : first_row + self.num_valid_rows]
         else:
-            # This rank's rows of the unsharded value until the unit packs them into
-            # its buffer (``bind_shard``); they keep the original storage alive until then.
+            # This rank's rows: until the unit packs them into its buffer (``bind_shard``) a view of
+            # the unsharded value (keeping its storage alive until then), after it their region of
+            # the shard buffer, which the unit gathers and a sharded state dict saves.
             self.bound_rows = local.narrow(shard_dim, min(first_row, self.num_rows), self.num_valid_rows)
         # The user's own object is rebound by bind_shard, so that a later parameter's
         # error leaves the model untouched. A DTensor (tensor parallel) cannot hold a plain
-        # view: a new plain Parameter stands for it, as in FSDP1.
+        # view: a new plain Parameter stands for it, as in FSDP1; so for a flat piece, which
+        # stands for no object of the user's (the flat parameter replaces them all).
         self.sharded_param = (
             param
-            if presentation.keeps_user_param and not isinstance(param, DTensor)
+            if presentation.keeps_user_param and not isinstance(param, DTensor) and self.flat_ranges is None
             else nn.Parameter(self.present(self.bound_rows), requires_grad=param.requires_grad)
         )
-        # Each shard rank's (start, stop) of the flattened elements under FSDP1's flat layout
-        # (see [Note: Flat layout] in layout.py); None: rows split as above.
-        self.flat_ranges: list[tuple[int, int]] | None = None
         self._grad_while_full: torch.Tensor | None = None  # the shard's grad while show_full
         self.unsharded_param: nn.Parameter | None = None
         # 1D, unsharded_numel; its storage is freed and re-allocated, the tensor kept.
@@ -139,19 +157,6 @@ class ShardParam:
         # Called once autograd accumulated this step's gradient (set by ParamGroup).
         self.on_grad_ready: Callable[[ShardParam], None] | None = None
 
-    def use_flat_pieces(self, ranges: list[tuple[int, int]], value: torch.Tensor) -> None:
-        """Shards as a piece of FSDP1's flat parameter: ``ranges[r]`` of the flattened
-        ``value`` on shard rank ``r`` (see [Note: Flat layout]); "rows" are then elements."""
-        if self.extension is not None or self.tp_mesh is not None or self.shard_dim != 0:
-            raise AssertionError(f"{self.fqn}: a flat piece is a plain parameter's, sharded on dim 0")
-        self.flat_ranges = ranges
-        self.num_rows, self.row_numel = value.numel(), 1
-        start, stop = ranges[self.mesh_info.shard.rank]
-        self.num_valid_rows = self.shard_rows = self.shard_numel = stop - start
-        self._local_size = None
-        self.bound_rows = value.reshape(-1)[start:stop]
-        self.sharded_param = nn.Parameter(self.present(self.bound_rows), requires_grad=self.sharded_param.requires_grad)
-
     def _init_extension(self, local: torch.Tensor) -> torch.Tensor:
         """Shards a tensor-subclass parameter (see [Note: Gather extensions])."""
         if self.shard_dim != 0 or self.presentation.keeps_user_param:
@@ -161,9 +166,9 @@ class ShardParam:
                 f"{where}; use fully_shard with dim-0 sharding"
             )
         shard = self.mesh_info.shard
-        rows = shard_subclass(local, shard.size, shard.rank, self.fqn)
+        rows = shard_subclass(local, shard.size, shard.rank, self.fqn, self.api)
         self.extension = TensorHooks(
-            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows
+            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows, self.api
         )
         return rows
 
@@ -178,7 +183,7 @@ class ShardParam:
         self.bound_rows = local
         self.forget_unsharded()
         self.extension = TensorHooks(
-            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows
+            self.fqn, self.module_info.module, self.mesh_info, self.unsharded_size, self.shard_rows, self.api
         )
 
     @property
@@ -194,22 +199,19 @@ class ShardParam:
             return self._init_whole_mesh(param)  # else a 2D "TP" mesh is refused below
         if tp_mesh.ndim != 1:
             raise NotImplementedError(
-                f"fully_shard supports 1D tensor-parallel meshes, but "
+                f"{self.api} supports 1D tensor-parallel meshes, but "
                 f"{self.module_info.param_name} is on a {tp_mesh.ndim}D mesh"
             )
         try:
             self.spmd_mesh = compat.concatenate_meshes([dp_mesh, tp_mesh])
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
             raise ValueError(
-                "fully_shard expects the data-parallel mesh and the tensor-parallel mesh of "
+                f"{self.api} expects the data-parallel mesh and the tensor-parallel mesh of "
                 f"{self.module_info.param_name} to be named slices of one DeviceMesh, e.g. "
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
             ) from exc
         self.tp_mesh, self.tp_placements = tp_mesh, tuple(spec.placements)
-        # TP cuts dim 0 first when it shards it; our dim-0 chunks then live
-        # inside each TP chunk, which DTensor spells _StridedShard.
-        num_tp_chunks = math.prod(tp_mesh.size(i) for i, p in enumerate(self.tp_placements) if p.is_shard(0))
-        shard_placement = compat.StridedShard(0, split_factor=num_tp_chunks) if num_tp_chunks > 1 else Shard(0)
+        shard_placement = _dim0_shard_inside(tp_mesh, self.tp_placements, range(tp_mesh.ndim))
         info = self.mesh_info
         if info.shard_axis is None:
             dp_placements: tuple[Placement, ...] = (Replicate(),)
@@ -234,9 +236,7 @@ class ShardParam:
         placements = list(self.tp_placements)
         if self.mesh_info.shard_axis is not None:
             index = names.index(dp_names[self.mesh_info.shard_axis])
-            # The dims after it that cut dim 0 first make our chunks strided (as in _init_tensor_parallel).
-            later = math.prod(mesh.size(j) for j in range(index + 1, mesh.ndim) if placements[j].is_shard(0))
-            placements[index] = compat.StridedShard(0, split_factor=later) if later > 1 else Shard(0)
+            placements[index] = _dim0_shard_inside(mesh, placements, range(index + 1, mesh.ndim))
         self.placements = tuple(placements)
         return param._local_tensor
 
@@ -273,7 +273,7 @@ class ShardParam:
         local = self._unpadded(padded_shard)
         known = self._gradient_spec
         if known is not None and known[1] is local.dtype and getattr(self.sharded_param, "_spec", None) is known[0]:
-            return compat.dtensor_with_spec(local, known[0])
+            return compat.dtensor_with_spec(local, known[0], requires_grad=False)
         presented = self.present(local)
         spec = getattr(self.sharded_param, "_spec", None)
         if isinstance(presented, DTensor) and spec is not None and presented._spec is spec:
@@ -376,7 +376,7 @@ class ShardParam:
             # Its spec serves as it is (a gradient, every step): building one costs more than the rest.
             spec = sharded._spec
             if spec.mesh is self.spmd_mesh or compat.same_groups(spec.mesh, self.spmd_mesh):
-                return compat.dtensor_with_spec(local, spec)
+                return compat.dtensor_with_spec(local, spec, requires_grad=False)
         return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_from_full(self, value: torch.Tensor) -> DTensor:
@@ -396,7 +396,7 @@ class ShardParam:
         shard = self.mesh_info.shard
         if self.extension is not None:  # split as the subclass splits, as at sharding (not dequantized)
             local = value.to(self.local_shard.device)
-            return self.dtensor_from_rows(shard_subclass(local, shard.size, shard.rank, self.fqn))
+            return self.dtensor_from_rows(shard_subclass(local, shard.size, shard.rank, self.fqn, self.api))
         rows = self.rows_per_rank(value)[shard.rank]
         device = value.device if self.local_shard.is_meta else self.local_shard.device
         local = torch.empty(rows.shape, dtype=rows.dtype, device=device)
@@ -546,6 +546,14 @@ class ShardParam:
 
     def __repr__(self) -> str:
         return f"ShardParam({self.fqn}, size={tuple(self.global_size)})"
+
+
+def _dim0_shard_inside(mesh: DeviceMesh, placements: Sequence[Placement], dims: Iterable[int]) -> Placement:
+    """Our dim-0 shard of a tensor-parallel parameter: the mesh ``dims`` whose ``placements`` shard
+    dim 0 cut it first (TP's own dims, or the whole mesh's later dims), so our chunks live inside
+    each of theirs, which DTensor spells ``_StridedShard``. One function for both TP layouts."""
+    split = math.prod(mesh.size(d) for d in dims if placements[d].is_shard(0))
+    return compat.StridedShard(0, split_factor=split) if split > 1 else Shard(0)
 
 
 def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ...api import MixedPrecisionPolicy
+from ..layout import ShardLayout
 from ..mesh import MeshInfo
 from ..presentation import DTensorShards
 from ..trace import UnitLabels, unit_labels
@@ -39,9 +40,8 @@ class UnitSpec:
     mp_policy: MixedPrecisionPolicy
     presentation: DTensorShards  # how the shards are shown (see [Note: Presentations])
     keep_low_precision_grads: bool  # reduced gradients stay in the reduce dtype
-    # The shard buffer's elements under FSDP1's flat layout (see [Note: Flat layout] in layout.py);
-    # None: each parameter's rows padded on their own.
-    flat_chunk: int | None
+    # How the parameters are cut into shards: rows, or FSDP1's flat pieces (see [Note: Flat layout]).
+    shard_layout: ShardLayout
     # The unit's name in messages: its module's path in the model once the root's lazy init
     # ran, else (and for the root, whose path is "") the module's class name.
     name: str

@@ -1,4 +1,14 @@
-"""Gradient reduction of one unit, pipelined behind the rest of backward.
+"""A unit's gradients, from autograd to the sharded ``.grad``: what goes in,
+the reduction pipelined behind the rest of backward, and where results land.
+
+Autograd accumulates into the unsharded parameters. Once the unit's backward is
+done (see [Note: When a unit's backward is done] in unit/group.py) ``GradIntake.take``
+pops those gradients and ``submit`` hands them to the reduction pipeline (see
+[Note: Reduction pipeline]); the reduced shards land in the sharded parameters'
+``.grad`` (or the front end's buffer view's, in the buffer's layout), or stay a
+partial result until a step that all-reduces (HSDP without all-reduce). Without
+gradient sync they stay unsharded, summed in the reduce dtype. Intake and
+reduction are one concept, one file: a backward walks them together.
 
 [Note: Reduction pipeline]
 A unit's gradients go through up to two collectives: reduce-scatter over the
@@ -39,20 +49,21 @@ every micro-batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from .. import comm, compat
+from .. import comm, offload
+from ..comm import PLAIN_SCATTER_WIRE, GroupInfo, ScatterWire
+from ..gather import ShardParam, UnitBuffers, UnitSpec
+from ..layout import ROW_SHARDS, ShardLayout
+from ..mesh import MeshInfo
+from ..settings import ReduceSettings
 from ..trace import UnitLabels, call, span, unit_labels
-
-if TYPE_CHECKING:
-    from ..gather import ShardParam
-    from ..mesh import GroupInfo, MeshInfo
-    from ..settings import ReduceSettings
 
 
 def _averaging(dtype: torch.dtype, world: int, sum_only: bool = False) -> tuple[dist.ReduceOp.RedOpType, float, float]:
@@ -92,7 +103,7 @@ def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, dims: list[int] | 
     dims = dims or [0] * len(tensors)
     world, offset, dtype = out.size(0), 0, out.dtype
     if not any(dims) and (not out.is_cpu or _splits_evenly(tensors, world, dtype)):
-        compat.chunk_cat([t for t in tensors if t.numel()], world, out)  # it refuses empty tensors
+        torch._chunk_cat([t for t in tensors if t.numel()], dim=0, num_chunks=world, out=out)  # it refuses empty
         return
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
@@ -172,9 +183,15 @@ class ReductionPlan:
     settings: ReduceSettings
     final: bool  # False: stop after the reduce-scatter and keep a partial result
     partial: torch.Tensor | None  # an earlier partial result, added before the all-reduce
-    # FSDP1's flat layout (see [Note: Flat layout] in layout.py): the output's elements, every
-    # parameter's gradient given in order; None: per-parameter chunks.
-    flat_chunk: int | None = None
+    # Rows, or FSDP1's flat pieces (see [Note: Flat layout] in layout.py: every parameter's gradient
+    # given in order, the output the flat chunk).
+    shard_layout: ShardLayout = ROW_SHARDS
+
+
+def stops_partial(settings: ReduceSettings, replicate: GroupInfo) -> bool:
+    """Whether a reduction under ``settings`` stops after the reduce-scatter and keeps a partial
+    result (HSDP with ``set_requires_all_reduce(False)``; see the Note)."""
+    return not settings.all_reduce and replicate.size > 1
 
 
 def plan_reduction(
@@ -183,7 +200,7 @@ def plan_reduction(
     settings: ReduceSettings,
     reduce_dtype: torch.dtype,
     partial: torch.Tensor | None = None,
-    flat_chunk: int | None = None,
+    shard_layout: ShardLayout = ROW_SHARDS,
 ) -> ReductionPlan:
     """The plan reducing gradients of ``params`` over ``mesh_info``'s groups under ``settings``."""
     return ReductionPlan(
@@ -193,9 +210,9 @@ def plan_reduction(
         mesh_info.replicate,
         reduce_dtype,
         settings,
-        not settings.partial_only(mesh_info.replicate),
+        not stops_partial(settings, mesh_info.replicate),
         partial,
-        flat_chunk,
+        shard_layout,
     )
 
 
@@ -225,24 +242,21 @@ class GradReduction:
         self._post_reduce_hook = settings.post_reduce_hook if final else None
         # Copy-in: (W, shard) blocks of every gradient, one contiguous buffer.
         device = grads[0].device
-        total = sum(plan.shard_numels) if plan.flat_chunk is None else plan.flat_chunk
-        custom = settings.custom_reduce_scatter if shard.size > 1 else None
+        layout = plan.shard_layout  # a flat gradient is the flat chunk, padding included
+        total = layout.flat_chunk if layout.flat else sum(plan.shard_numels)
+        # The reduce-scatter's wire (see [Note: Wires] in comm.py); one rank scatters nothing: the engine's.
+        scatter = settings.reduce_scatter if shard.size > 1 else PLAIN_SCATTER_WIRE
         self._spare = spare
         self._spare_on_wait: torch.Tensor | None = None  # the input, kept as spare once its collective is done
         # Taken first either way: a spare of another size is freed before anything is allocated.
         reused = spare.take(shard.size * total, reduce_dtype, device) if spare is not None else None
-        if custom is None:  # sizes as ints: a tuple argument costs a third more
-            self._output = torch.empty(total, dtype=reduce_dtype, device=device)  # 1D, shard layout
-            reduced = self._output
-            if shard.size > 1:
-                reduced = (
-                    reused if reused is not None else torch.empty(shard.size * total, dtype=reduce_dtype, device=device)
-                )
-        else:
-            reused = None  # the custom collective allocates its own: the spare is freed first
-            self._output = custom.allocate((total,), dtype=reduce_dtype, device=device)
-            reduced = custom.allocate((shard.size * total,), dtype=reduce_dtype, device=device)
-        if plan.flat_chunk is None:
+        self._output = scatter.allocate(total, reduce_dtype, device)  # 1D, shard layout
+        reduced = self._output
+        if shard.size > 1:
+            if reused is None or not scatter.reuses_inputs:  # a user's collective allocates its own
+                reused = scatter.allocate(shard.size * total, reduce_dtype, device)
+            reduced = reused
+        if not plan.shard_layout.flat:
             call(self._labels.reduce_copy_in, chunk_cat, grads, reduced.view(shard.size, -1), plan.shard_dims)
         else:
             call(self._labels.reduce_copy_in, flat_cat, grads, reduced)
@@ -252,7 +266,7 @@ class GradReduction:
             self._stages = [lambda: self._run_hook(hook, state, reduced)]
             return
         if shard.size > 1:
-            self._stages.append(lambda: self._reduce_scatter(shard, reduced, custom))
+            self._stages.append(lambda: self._reduce_scatter(shard, reduced, scatter))
         if final and plan.replicate.size > 1:
             self._stages.append(lambda: self._all_reduce(plan.replicate, plan.partial))
         if settings.divide_factor is not None:
@@ -273,15 +287,12 @@ class GradReduction:
         else:
             hook(state, reduced, self._output)
 
-    def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, custom: comm.CustomReduceScatter | None) -> None:
+    def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, scatter: ScatterWire) -> None:
         op = self._averaging_op(shard, reduced)
         self._in_flight = (self._output, reduced)
-        label, pg = self._labels.reduce_scatter, shard.process_group
-        if custom is None:
-            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)
+        self._work = call(self._labels.reduce_scatter, scatter.collective, self._output, reduced, shard, op)
+        if scatter.reuses_inputs:
             self._spare_on_wait = reduced
-        else:
-            self._work = call(label, comm.custom_reduce_scatter, custom, self._output, reduced, pg, op)
 
     def _all_reduce(self, replicate: GroupInfo, partial: torch.Tensor | None) -> None:
         if partial is not None:
@@ -383,3 +394,224 @@ class ReductionQueue:
             reduction.wait_in_flight()
         self._pending = []
         self.spare.drop()
+
+
+def per_param(params: list[ShardParam], output: torch.Tensor) -> Iterator[tuple[ShardParam, torch.Tensor]]:
+    """Each parameter's region of ``output``, the shards of ``params`` back to back."""
+    return zip(params, output.split([p.shard_numel for p in params]))
+
+
+class GradIntake:
+    """One unit's gradients between autograd and the sharded ``.grad``."""
+
+    def __init__(self, spec: UnitSpec, buffers: UnitBuffers, settings: ReduceSettings) -> None:
+        self.spec = spec  # the unit's: replaced when the unit is named
+        self.buffers = buffers
+        self.settings = settings  # the unit's, changed at run time
+        self.queue: ReductionQueue | None = None  # the root's, from its lazy init on
+        self.awaiting: set[ShardParam] = set()  # parameters whose gradient autograd has not produced yet
+        self._partial: dict[ShardParam, torch.Tensor] = {}  # see [Note: Reduction pipeline]
+
+    def expect(self) -> None:
+        self.awaiting = {
+            p for p in self.spec.params if p.unsharded_param is not None and p.unsharded_param.requires_grad
+        }
+
+    def take(self) -> tuple[list[ShardParam], list[torch.Tensor]]:
+        """Pops this step's unsharded gradients (with what was accumulated unsynced);
+        zeros for the unused trainable parameters when the unit includes them."""
+        include_unused = self.settings.include_unused
+        params, grads = [], []
+        for param in self.spec.params:
+            grad = _pop_unsharded_grad(param)
+            if param.unsynced_grad is not None:
+                grad = param.unsynced_grad if grad is None else param.unsynced_grad.add_(grad)
+                param.unsynced_grad = None
+            if grad is None and include_unused and param.sharded_param.requires_grad:
+                grad = self.zero_grad(param)
+            if grad is not None:
+                params.append(param)
+                grads.append(grad.contiguous())
+        if params and self.spec.shard_layout.flat and len(params) < len(self.spec.params):
+            # FSDP1's flat gradient covers every parameter: zeros for those autograd did not reach
+            given = dict(zip(params, grads))
+            params = list(self.spec.params)
+            grads = [given[p] if p in given else self.zero_grad(p) for p in params]
+        return params, grads
+
+    def owes_reduction(self) -> bool:
+        """Whether the end of backward must still reduce: gradients are pending, or
+        the unit includes unused parameters (the other ranks reduce them too)."""
+        include_unused = self.settings.include_unused
+        return self.has_pending() or (include_unused and any(p.sharded_param.requires_grad for p in self.spec.params))
+
+    def accumulate_unsynced(self) -> None:
+        """No sync: gradients stay unsharded, summed in the reduce dtype."""
+        reduce_dtype = self.buffers.reduce_dtype
+        for param in self.spec.params:
+            unsharded = param.unsharded_param
+            if unsharded is None or unsharded.grad is None:
+                continue
+            if unsharded.grad.dtype == reduce_dtype and param.unsynced_grad is None:
+                continue  # autograd keeps summing into .grad
+            grad, unsharded.grad = _local_grad(param, unsharded.grad).to(reduce_dtype), None
+            param.unsynced_grad = grad if param.unsynced_grad is None else param.unsynced_grad.add_(grad)
+
+    def discard(self) -> None:
+        """Drops every gradient not yet reduced: unsharded, accumulated unsynced, partial."""
+        for param in self.spec.params:
+            _pop_unsharded_grad(param)
+            param.unsynced_grad = None
+        self._partial.clear()
+
+    def has_pending(self) -> bool:
+        return any(
+            p.unsynced_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+            for p in self.spec.params
+        )
+
+    def zero_grad(self, param: ShardParam) -> torch.Tensor:
+        """A zero unsharded gradient: joining a reduction this rank has nothing for."""
+        return torch.zeros(param.unsharded_size, dtype=param.param_dtype, device=self.spec.device)
+
+    def submit(self, params: list[ShardParam], grads: list[torch.Tensor]) -> None:
+        """Starts reducing ``grads`` (of ``params``); the result lands in ``.grad``."""
+        queue, spec, settings = self.queue, self.spec, self.settings
+        if queue is None:
+            raise AssertionError(f"{spec.name} reduced gradients before its root's lazy init")
+        queue.make_room()
+        partial_only = stops_partial(settings, spec.mesh_info.replicate)
+        if spec.shard_layout.flat and (partial_only or self._partial):
+            raise NotImplementedError(
+                f"{spec.name}: a flat parameter's gradients are all-reduced in every step (no partial results)"
+            )
+        partial = None
+        if self._partial and not partial_only:
+            params, grads, partial = self._take_partial(params, grads)
+        plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.shard_layout)
+        on_done = self._keep_partial if partial_only else self._accept
+        reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels, queue.spare)
+        del grads  # the copy-in holds them now; free the unsharded gradients
+        queue.submit(reduction)
+
+    def _take_partial(
+        self, params: list[ShardParam], grads: list[torch.Tensor]
+    ) -> tuple[list[ShardParam], list[torch.Tensor], torch.Tensor]:
+        """Adds the parameters that only have a partial result (zero gradients now)
+        and returns the partial results laid out like the reduction's output."""
+        given = dict(zip(params, grads))
+        params = [p for p in self.spec.params if p in given or p in self._partial]
+        grads = [given[p] if p in given else self.zero_grad(p) for p in params]
+        partial = torch.cat(
+            [
+                self._partial.pop(p)
+                if p in self._partial
+                else torch.zeros(p.shard_numel, dtype=self.buffers.reduce_dtype, device=self.spec.device)
+                for p in params
+            ]
+        )
+        return params, grads, partial
+
+    def _keep_partial(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        for param, chunk in per_param(params, output):
+            kept = self._partial.get(param)
+            self._partial[param] = chunk if kept is None else kept.add_(chunk)
+
+    def _grad_dtype(self, param: ShardParam) -> torch.dtype:
+        return self.buffers.reduce_dtype if self.spec.keep_low_precision_grads else param.orig_dtype
+
+    def _accept(self, params: list[ShardParam], output: torch.Tensor) -> None:
+        """Adds the reduced shards (``output``: ``params``' shards back to back) to ``.grad``."""
+        view = self.buffers.view
+        if view is not None:
+            self._accept_in_buffer_layout(view.tensor, params, output)
+            return
+        numels, dtypes = [p.shard_numel for p in params], [self._grad_dtype(p) for p in params]
+        for param, padded in zip(params, split_reduced(output, numels, dtypes, self._to_storage)):
+            sharded = param.sharded_param
+            if sharded.grad is None:
+                sharded.grad = param.present_gradient(padded)
+            else:
+                if self.spec.offload:
+                    offload.wait_for_host_copies()  # the CPU adds now
+                # The rows behind the gradient the user holds (a DTensor's local tensor, or the
+                # front end's plain view): an elementwise add needs their elements, not their shape.
+                grad = sharded.grad
+                local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                local.add_(padded[: local.numel()].view_as(local))
+            if not param.presentation.keeps_user_param:
+                _run_post_accumulate_grad_hooks(sharded)
+        _step_in_backward_optimizers([p.sharded_param for p in params])
+
+    def _accept_in_buffer_layout(self, target: torch.Tensor, params: list[ShardParam], output: torch.Tensor) -> None:
+        spec = self.spec
+        dtype = self._grad_dtype(params[0])
+        if len(params) == len(spec.params):  # every shard present: output has the buffer's layout
+            full = self._to_storage(output, dtype)
+        else:
+            layout = self.buffers.storage_layout
+            full = torch.zeros(layout.total, dtype=dtype, device=spec.storage_device)
+            for param, chunk in per_param(params, output):
+                start = layout.offsets[spec.params.index(param)]
+                full[start : start + param.shard_numel].copy_(chunk)
+        if target.grad is None:
+            target.grad = full
+        else:
+            if spec.offload:
+                offload.wait_for_host_copies()
+            target.grad.add_(full)
+        _step_in_backward_optimizers([target])
+
+    def _to_storage(self, reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A reduced gradient shard where the shards live: offloaded, copied to host
+        memory off the compute stream (see [Note: CPU offload])."""
+        spec = self.spec
+        if spec.offload:
+            return offload.to_host(reduced, dtype)
+        if reduced.dtype == dtype and spec.storage_device == spec.device:
+            return reduced  # where and as the shards are: no ``to()`` to parse, once per unit and step
+        return reduced.to(spec.storage_device, dtype)
+
+
+def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Hooks registered with ``register_post_accumulate_grad_hook`` on a sharded parameter
+    never fire by themselves (its gradient is written, not accumulated): they run here, once
+    its reduced gradient landed, as torch's ``fully_shard`` runs them (the FSDP1 wrapper's
+    parameters are views autograd does not see, in torch as here)."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in (hooks or {}).values():
+        hook(param)
+
+
+def _step_in_backward_optimizers(params: list[torch.Tensor]) -> None:
+    """``torch.distributed.optim._apply_optimizer_in_backward`` attaches optimizers to
+    a parameter and steps them from its AccumulateGrad hook, which never fires for
+    a sharded parameter (its gradient is written, not accumulated): they step here,
+    once the reduced gradient landed, and drop it, as that hook would."""
+    for param in params:
+        optimizers = getattr(param, "_in_backward_optimizers", ())
+        for optimizer in optimizers:
+            optimizer.step()
+        if optimizers:
+            param.grad = None
+
+
+def _pop_unsharded_grad(param: ShardParam) -> torch.Tensor | None:
+    unsharded = param.unsharded_param
+    if unsharded is None:
+        return None
+    grad = unsharded.grad
+    if grad is None:
+        return None
+    unsharded.grad = None
+    return _local_grad(param, grad) if isinstance(grad, DTensor) else grad
+
+
+def _local_grad(param: ShardParam, grad: torch.Tensor) -> torch.Tensor:
+    """An unsharded gradient without its tensor-parallel wrapper."""
+    if isinstance(grad, DTensor):
+        target = tuple(grad.placements[i] if i in param.dp_dims else p for i, p in enumerate(param.tp_placements))
+        if tuple(grad.placements) != target:
+            grad = comm.redistribute(grad, target)
+        grad = grad._local_tensor
+    return grad

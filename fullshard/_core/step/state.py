@@ -118,6 +118,7 @@ class ModuleState:
         # Several modules make one unit (fully_shard([a, b])): see [Note: One unit, several modules].
         self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
         self.module = self.modules[0]
+        self.name = module_class_name(self.module)  # the user's class name, for messages and logs
         self._modules_to_run: set[nn.Module] = set()  # this forward pass's modules not yet run
         self.group = group
         self.config = config
@@ -166,16 +167,16 @@ class ModuleState:
                 state.is_root = False
             states.append(state)
         self._init_names()  # first: the units' names are in what adopt checks
-        self.ctx.adopt(list(states), validate=validation_enabled(), root_name=module_class_name(self.module))
+        self.ctx.adopt(list(states), validate=validation_enabled(), root_name=self.name)
         for state in states:
             state.ctx = self.ctx
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
             self._cast_inputs_to = self.config.mp_policy.param_dtype
-        log_lazy_init(module_class_name(self.module), [s.group for s in states if s.group is not None])
+        log_lazy_init(self.name, [s.group for s in states if s.group is not None])
 
     def _init_names(self) -> None:
         """Names each unit and its parameters as the model names them (``set_names``)."""
-        model_name = self.config.model_name
+        model_name = self.config.name_in_model
         fqns = {p: model_name(name) for root in self.modules for name, p in root.named_parameters()}
         for name, module in (item for root in self.modules for item in root.named_modules()):
             state = get_state(module)
@@ -212,7 +213,7 @@ class ModuleState:
         if not self.is_root:
             raise RuntimeError(
                 f"{api}() must be called on the root module (the one whose forward runs first, where "
-                f"fully_shard was applied last), not on {module_class_name(self.module)}"
+                f"{self.config.api_name} was applied last), not on {self.name}"
             )
         self.ctx.abandon_step()
 
@@ -259,7 +260,7 @@ class ModuleState:
     def _abandon_cut_short_step(self) -> None:
         """A root forward outside backward found the last step stopped midway."""
         warnings.warn(
-            f"the previous step of {module_class_name(self.module)} stopped midway (an exception in forward "
+            f"the previous step of {self.name} stopped midway (an exception in forward "
             "or backward?): its gradients are dropped and every unit resharded before this forward. Call "
             "reset_iter_state() on the root after catching the exception to do this explicitly.",
             stacklevel=2,
@@ -382,12 +383,14 @@ class ContextState(ScheduledState, Protocol):
 
 
 class RootContext:
-    """See the module docstring."""
+    """See the module docstring. A module's context before its root's lazy init holds only what
+    the user set on it; the schedule and the reduction queue are made when a root adopts its units."""
+
+    schedule: Schedule
+    reductions: ReductionQueue
 
     def __init__(self) -> None:
         self.all_states: list[ContextState] = []
-        self.reductions = ReductionQueue()
-        self.schedule = Schedule(self.queue_end_of_backward)
         self.iteration_root: ContextState | None = None
         self.end_of_backward_queued = False
         # False: this backward is not the step's last (micro-batching); its end leaves
@@ -396,6 +399,7 @@ class RootContext:
         # FSDPModule.set_post_optim_event's event: the next all-gather waits for it, once.
         self.post_optim_event: torch.Event | None = None
         self._units: list[ParamGroup] = []
+        self._offloads = False
         self._grouped_states: list[ContextState] = []
 
     def adopt(self, states: list[ContextState], validate: bool, root_name: str) -> None:
@@ -403,9 +407,12 @@ class RootContext:
         rank agrees on them (see [Note: Ranks agree on the model]); ``validate``: check the
         execution order (see [Note: Execution order])."""
         self.all_states = states
+        self.reductions = ReductionQueue()
+        self.schedule = Schedule(self.queue_end_of_backward)
         # Only a unit over several modules can end a forward with some not run (see finish_forward_pass).
         self._grouped_states = [s for s in states if len(s.modules) > 1]
         self._units = [s.group for s in states if s.group is not None]
+        self._offloads = any(unit.spec.offload for unit in self._units)  # gradients copied to the host
         if self._units:
             mesh_info = self._units[0].spec.mesh_info
             check_ranks_agree_on_units(root_name, mesh_info, [unit.describe() for unit in self._units])
@@ -416,8 +423,9 @@ class RootContext:
         for unit in self._units:
             unit.join_root(self.schedule, self.reductions, gate)
         root_unit = states[0].group
-        if root_unit is not None:  # backward needs the root's parameters first
-            root_unit.settings.keep_unsharded_as_root()
+        # Unless the user chose: the root keeps its parameters (backward needs them first).
+        if root_unit is not None and not root_unit.settings.reshard_after_forward_chosen:
+            root_unit.settings.reshard_after_forward = False
 
     # -- forward ---------------------------------------------------------------------
     def begin_iteration(self, root: ContextState) -> None:
@@ -448,7 +456,8 @@ class RootContext:
         self.end_of_backward_queued = False
         if self.is_last_backward:
             self.reductions.drain()
-            offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
+            if self._offloads:
+                offload.wait_for_host_copies()  # offloaded gradients readable by the CPU optimizer
 
     def abandon_step(self) -> None:
         """Forgets a step an exception cut short in forward or backward: waits for the

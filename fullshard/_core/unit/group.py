@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 
 from .. import compat, trace
+from ..comm import GroupInfo
 from ..common import TrainingState
 from ..gather import (
     AllGather,
@@ -70,7 +71,6 @@ from ..gather import (
     gather_bucket,
     gathered_bytes,
 )
-from ..mesh import GroupInfo
 from ..reduce import GradIntake, ReductionQueue
 from ..settings import UnitSettings
 
@@ -139,7 +139,7 @@ class ParamGroup:
     def __init__(self, spec: UnitSpec, settings: UnitSettings) -> None:
         self.spec = spec
         self.buffers = UnitBuffers(spec, [p.bound_rows for p in spec.params])
-        self.gather = AllGather(spec, self.buffers)
+        self.gather = AllGather(spec, self.buffers, settings)
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
         self._shows_shards_unsharded = False  # see show_shards
@@ -198,7 +198,9 @@ class ParamGroup:
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
         """A bool reshards fully or not at all, dropping a smaller post-forward group."""
         self.drop_post_forward_shard()  # 1/k kept since forward: the shards are registered
-        self.settings.choose_reshard_after_forward(reshard_after_forward)
+        settings = self.settings
+        settings.reshard_after_forward, settings.post_forward_group = reshard_after_forward, None
+        settings.reshard_after_forward_chosen = True  # the root keeps it too
 
     # -- forward (the schedule gathers: see [Note: Prefetch]) ----------------------
     def prefetch(self, in_backward: bool = False) -> bool:
@@ -355,7 +357,8 @@ class ParamGroup:
 
     def _start_all_gather(self, async_op: bool) -> None:
         spec, buffers = self.spec, self.buffers
-        buffers.check_materialized()
+        if buffers.shard_buffer.is_meta:
+            raise buffers.unmaterialized()
         if self._post_forward_shard is None and spec.mesh_info.shard.size == 1:
             if not buffers.needs_cast and not buffers.extended and not spec.offload:
                 self._alias_unsharded()
@@ -546,7 +549,8 @@ def _gather_together(units: list[ParamGroup]) -> None:
     """Starts one all-gather for ``units`` (their bucket keys equal): each finishes it as
     its own (``wait_for_unshard``)."""
     for unit in units:
-        unit.buffers.check_materialized()
+        if unit.buffers.shard_buffer.is_meta:
+            raise unit.buffers.unmaterialized()
     head = units[0].spec
     in_flight = gather_bucket([u.gather for u in units], head.mesh_info.shard, head.labels)
     for unit, gathering in zip(units, in_flight):

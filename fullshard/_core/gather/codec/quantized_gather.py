@@ -34,11 +34,13 @@ from a ``use_orig_params=True`` run's (other scales); their error bounds do not.
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from ..layout import Layout
+from ... import comm
+from ...comm import PLAIN_GATHER_WIRE, GatherWire, GroupInfo, SplitViews
+from ...layout import Layout
 from . import codec_kernel
 from .fused_codec import FusedCodec, fusable, spans, worth_fusing
 from .quantize import BlockQuantizer
@@ -297,3 +299,54 @@ class QuantizedGather:
             torch.split_with_sizes_copy(side_by_side, sizes, dim=1, out=destinations)
         else:  # split_with_sizes_copy cannot cast
             torch._foreach_copy_(destinations, list(side_by_side.split(sizes, dim=1)))
+
+
+class QuantizedWire:
+    """A unit's all-gather as block-wise codes on ``carrier``'s collective (see [Note: Wires] in
+    comm.py): the quantized codec as a gather wire."""
+
+    joins_buckets = False
+    as_is = False
+    in_place = False  # the codes, not the chunk, go into the output's row (see ``encode``)
+
+    def __init__(self, codec: QuantizedGather, carrier: GatherWire = PLAIN_GATHER_WIRE) -> None:
+        self.codec = codec
+        self._carrier = carrier.carrier
+
+    @property
+    def user(self) -> Any:
+        return self._carrier.user
+
+    @property
+    def carrier(self) -> GatherWire:
+        return self._carrier
+
+    def carried_by(self, carrier: GatherWire) -> GatherWire:
+        return QuantizedWire(self.codec, carrier)
+
+    def wire_numel(self, layout: Layout, numel: int) -> int:
+        return self.codec.packed_numel(layout)
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8
+
+    def allocate(self, group_size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._carrier.allocate(group_size, numel, dtype, device)
+
+    def encode(
+        self, source: torch.Tensor, layout: Layout, output: torch.Tensor | None, group: GroupInfo
+    ) -> torch.Tensor:
+        """The codes, written straight into this rank's row of ``output`` when the carrier takes its
+        input in place (the collective's copy of its own input is then skipped, as the same memory)."""
+        row = output.view(group.size, -1)[group.rank] if output is not None and self._carrier.in_place else None
+        return self.codec.encode(source, layout, row)
+
+    def collective(
+        self, output: torch.Tensor, input: torch.Tensor, group: GroupInfo, async_op: bool
+    ) -> comm.Waitable | None:
+        return self._carrier.collective(output, input, group, async_op)
+
+    def decode(
+        self, output: torch.Tensor, num_chunks: int, layout: Layout, padded: list[torch.Tensor], views: SplitViews
+    ) -> None:
+        self.codec.decode(output, num_chunks, layout, padded)

@@ -192,3 +192,40 @@ def flat_pieces(numels: list[int], world: int) -> tuple[int, list[list[tuple[int
         pieces.append(ranges)
         offset += numel
     return chunk, pieces
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a unit's parameters are cut into each rank's shard, chosen before the per-parameter
+    objects exist (see [Note: Unit buffers] and [Note: Flat layout]): every parameter's rows on its
+    shard dim (``ROW_SHARDS``), or FSDP1's flat parameter (``flat_shards``). The shard buffer, the
+    reduction, the codec and full-parameter I/O ask it, where they tested a mode before; what a
+    step asks are plain fields, fixed when the unit is made."""
+
+    # Whether the unit's shards are FSDP1's flat parameter: one gradient over every parameter, reduced
+    # whole in every step (no partial result), ``flat_chunk`` elements on every rank.
+    flat: bool = False
+    flat_chunk: int = 0
+    # Per parameter, each shard rank's (start, stop) of its flattened elements: a shard that may start
+    # mid-row (None: whole rows; a flat layout over one rank holds the parameters whole, back to back).
+    pieces: tuple[tuple[tuple[int, int], ...], ...] | None = None
+
+    def buffer_layout(self, numels: list[int], dtypes: list[torch.dtype]) -> Layout:
+        """Where each parameter's shard (``numels[i]`` elements of ``dtypes[i]``) sits in a buffer."""
+        return Layout.build(numels, dtypes, flat_chunk=self.flat_chunk if self.flat else None)
+
+    def pieces_of(self, index: int) -> tuple[tuple[int, int], ...] | None:
+        """Parameter ``index``'s piece on every shard rank, or None when it shards whole rows."""
+        return None if self.pieces is None else self.pieces[index]
+
+
+ROW_SHARDS = ShardLayout()
+
+
+def flat_shards(numels: list[int], world: int) -> ShardLayout:
+    """FSDP1's flat parameter over ``world`` ranks for parameters of ``numels`` elements (see
+    [Note: Flat layout]); over one rank the parameters stay whole (their rows)."""
+    if world == 1:
+        return ShardLayout(flat=True, flat_chunk=sum(numels))
+    chunk, pieces = flat_pieces(numels, world)
+    return ShardLayout(flat=True, flat_chunk=chunk, pieces=tuple(tuple(ranges) for ranges in pieces))
