@@ -97,8 +97,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 

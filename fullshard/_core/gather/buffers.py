@@ -127,9 +127,7 @@ class UnitBuffers:
             return  # the FSDP1 wrapper's parameters have no gather hooks (nor has torch's FSDP1)
         # The rows the buffer holds (``bound_rows``): the registered shard's local tensor, the object
         # the hooks are patched on (parameters the user replaced were adopted just before).
-        found = [
-            p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.bound_rows)
-        ]
+        found = [p for p in self.params if p.extension is None and p.tp_mesh is None and has_gather_hooks(p.bound_rows)]
         if not found:
             return
         unsupported = (
