@@ -12,6 +12,9 @@ harness) is not counted.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -112,7 +115,21 @@ def test_the_measure_sees_a_call_and_only_inside_the_function() -> None:
 
 @pytest.fixture(scope="module")
 def phases() -> dict[str, set[str]]:
-    return traced_step()
+    """Traced in a fresh process, as a user's step runs: after earlier tests, torch's DTensor
+    dispatch caches hold their equal meshes, an op's output spec can carry one, and the state
+    dict then takes the mesh-identity fallback (``compat.same_groups``)."""
+    code = "import json, test_traced_step as t; print(json.dumps({k: sorted(v) for k, v in t.traced_step().items()}))"
+    path = os.pathsep.join([str(PACKAGE.parent), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert result.returncode == 0, result.stderr
+    return {phase: set(files) for phase, files in json.loads(result.stdout.splitlines()[-1]).items()}
 
 
 def test_a_step_enters_few_files(phases: dict[str, set[str]]) -> None:
