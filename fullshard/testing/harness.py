@@ -40,6 +40,7 @@ import gc
 import importlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -287,10 +288,11 @@ class RankPool:
                 if dead:
                     exitcodes = [self._procs[r].exitcode for r in dead]
                     codes = ", ".join(f"rank {r}: {_describe_exit(code)}" for r, code in zip(dead, exitcodes))
+                    tails = self._log_tails(dead)  # before close(), which removes the logs
                     self.close()
                     signalled = any(code is not None and code < 0 for code in exitcodes)
                     raise (RankCrashed if signalled else RankFailure)(
-                        f"rank(s) {dead} died while running {task.qualname} ({codes})\n" + self._log_tails(dead)
+                        f"rank(s) {dead} died while running {task.qualname} ({codes})\n" + tails
                     ) from None
                 continue
             if task_id != task.task_id:
@@ -337,7 +339,7 @@ class RankPool:
                     text = f.read()
             except OSError:
                 text = "<no log>"
-            parts.append(f"--- rank {rank} (log {self.log_path(rank)}) ---\n{text[-num_chars:]}")
+            parts.append(f"--- rank {rank}'s log ---\n{text[-num_chars:]}")
         return "\n".join(parts)
 
     def close(self) -> None:
@@ -353,6 +355,7 @@ class RankPool:
                 proc.kill()
                 proc.join(timeout=2)
         self._procs = []
+        shutil.rmtree(self._log_dir, ignore_errors=True)  # the ranks' logs: failures quoted them already
 
 
 _pools: dict[int, RankPool] = {}
