@@ -128,6 +128,7 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         _collect_task_garbage()
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_dtensor_specs()
         dist.set_debug_level(dist.DebugLevel.OFF)
         os.environ.clear()
         os.environ.update(environ)
@@ -141,6 +142,21 @@ def _collect_task_garbage() -> None:
     (``gc.freeze``): the collection walks only what this task made, about a millisecond."""
     gc.collect()
     gc.freeze()
+
+
+def _forget_dtensor_specs() -> None:
+    """Empties torch's DTensor sharding caches once a task's groups are gone. They key a spec by
+    its mesh, whose equality ignores the process groups: a later task's equal mesh would get
+    output specs on this task's destroyed groups ("Could not resolve the process group
+    registered under the name ..." in a tensor-parallel redistribution), as torch's own tests,
+    one process each, never see."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native_cache is not None:  # torch with the C++ dispatch fast path
+        clear_native_cache()
 
 
 def rank_process_context() -> Any:
