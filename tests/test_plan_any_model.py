@@ -374,7 +374,10 @@ def test_cli_hf_config(tmp_path, capsys):
     code = main(["plan", "--hf-config", str(tmp_path), "--seq", "16", "--world-size", "4", "--batch", "8",
                  "--micro-batch", "2", "--memory-limit", "1", "--ranks-per-node", "2"])
     out = capsys.readouterr().out
-    assert code == 0 and "first choice:" in out and "fully_shard(model, mesh=mesh" in out
+    # a model this small steps fastest unsharded or sharded alike (near-ties): the first choice's
+    # code is whichever front end its strategy takes, applied to the blocks and the root
+    roots = [line for line in out.splitlines() if line.startswith(("fully_shard(model, mesh=mesh", "replicate(model, mesh=mesh"))]
+    assert code == 0 and "first choice:" in out and len(roots) == 1, out
 
 
 # -- against the engine -----------------------------------------------------------------------------
