@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from upstream_oracle import LIBS, api, assert_same_run, clean, full_params, rank_batches
 
 from fullshard.models import MLP
-from fullshard.testing import distributed, full_value
+from fullshard.testing import case, distributed, full_value
 
 # make test only (one 4-rank pool, the others share the suite's 2-rank pool), as test_upstream_gaps.py.
 pytestmark = pytest.mark.slow
@@ -1271,9 +1271,9 @@ def _sharded_wrapper(seed: int, group: Any = None) -> tuple[nn.Module, torch.opt
 def test_dcp_sharded_optimizer_loads_into_wrappers_on_the_same_or_half_size_groups(tmp_path):
     """torch's test_distributed_tensor_planner and test_fsdp_checkpoint_with_resharding: a
     wrapper's sharded model and optimizer dicts saved with DCP after one Adam step; DCP's
-    ``load_sharded_optimizer_state_dict`` then ``FSDP.optim_state_dict_to_load`` give a wrapper
-    with other values, on the same 4 ranks or on process groups of 2, the saved parameters and
-    Adam states."""
+    ``load_sharded_optimizer_state_dict`` then ``FSDP.optim_state_dict_to_load`` (or the older
+    ``FSDP.flatten_sharded_optim_state_dict``) give a wrapper with other values, on the same 4
+    ranks or on process groups of 2, the saved parameters and Adam states."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
@@ -1304,10 +1304,15 @@ def test_dcp_sharded_optimizer_loads_into_wrappers_on_the_same_or_half_size_grou
                 model_state_dict=state["model"], optimizer_key="optim", storage_reader=dcp.FileSystemReader(path)
             )
             new_optim.load_state_dict(FSDP.optim_state_dict_to_load(new_model, new_optim, loaded["optim"]))
+            flat_optim = torch.optim.Adam(new_model.parameters(), lr=1e-2)
+            flat_optim.load_state_dict(FSDP.flatten_sharded_optim_state_dict(loaded["optim"], new_model, flat_optim))
         with FSDP.summon_full_params(new_model):
             params = [p.detach().clone() for p in new_model.parameters()]
-        where = "the same ranks" if group is None else "groups of 2"
-        assert_same_run(
-            {"torch": [saved_params, saved_states], "fullshard": [params, full_optimizer_state(new_model, new_optim)]}
-        )
-        assert where
+        with case("the same ranks" if group is None else "groups of 2"):
+            for loaded_optim in (new_optim, flat_optim):
+                assert_same_run(
+                    {
+                        "torch": [saved_params, saved_states],
+                        "fullshard": [params, full_optimizer_state(new_model, loaded_optim)],
+                    }
+                )

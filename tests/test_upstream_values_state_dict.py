@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from upstream_oracle import (
     MLP,
     Tied,
@@ -200,6 +201,92 @@ def test_2d_state_dict_full_values_match_the_local_model_and_torch():
     assert_same(loaded, trained, 0.0, 0.0, "loaded")
 
 
+# -- checkpoint/fsdp/test_fsdp_dsd.py: FSDP1, TP and FSDP + TP checkpoints loaded into each other ----
+def _two_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2)))
+
+
+def _tensor_parallel(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        f"{block}.{layer}": style()
+        for block in range(2)
+        for layer, style in ((0, ColwiseParallel), (2, RowwiseParallel))
+    }
+    return parallelize_module(model, mesh, plan)
+
+
+@distributed(world_size=4)
+def test_wrapper_tp_and_fully_shard_tp_checkpoints_load_into_each_other_as_the_unsharded_model():
+    """torch's test_save_with_fsdp1_and_load_with_fsdp2_tp, test_save_with_tp_and_load_with_fsdp2_tp
+    and test_save_with_fsdp2_tp_and_load_with_tp: after one AdamW step on the same batch, the
+    sharded dicts (torch's state-dict API) of the wrapper on 4 ranks, of tensor parallelism on 4
+    ranks and of ``fully_shard`` over tensor parallelism on a (2, 2) mesh, and the full dicts of
+    the unsharded model and of ``fully_shard`` + TP, saved in one DCP checkpoint, load into
+    ``fully_shard`` + TP (the first three) or into TP alone (the last two), whose full model and
+    optimizer dicts are then the unsharded model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard.wrap import ModuleWrapPolicy
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = init_device_mesh("cpu", (4,))
+    full = StateDictOptions(full_state_dict=True)
+    batch = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))  # every rank's
+
+    def trained(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+        _sharded_step(model, optim, batch)
+        return model, optim
+
+    def fully_shard_tp() -> nn.Module:
+        model = _tensor_parallel(_two_blocks(), mesh["tp"])
+        for block in model:
+            fullshard.fully_shard(block, mesh=mesh["dp"])
+        return fullshard.fully_shard(model, mesh=mesh["dp"])
+
+    def tp_only() -> nn.Module:
+        return _tensor_parallel(_two_blocks(), world)
+
+    def wrapper() -> nn.Module:
+        policy = ModuleWrapPolicy({nn.Linear})
+        return fullshard.FSDP(_two_blocks(), device_mesh=world, use_orig_params=True, auto_wrap_policy=policy)
+
+    expected = get_state_dict(*trained(_two_blocks()))
+    path = _shared_tmpdir()
+    with fullshard.use_in_place_of_torch():
+        fsdp_tp = trained(fully_shard_tp())
+        sources = {
+            "unsharded": expected,
+            "wrapper": get_state_dict(*trained(wrapper())),
+            "tp": get_state_dict(*trained(tp_only())),
+            "fully_shard + tp": get_state_dict(*fsdp_tp),
+            "fully_shard + tp, full": get_state_dict(*fsdp_tp, options=full),
+        }
+        dcp.save({name: {"model": msd, "optim": osd} for name, (msd, osd) in sources.items()}, checkpoint_id=path)
+        for target, build, names in (
+            ("fully_shard + tp", fully_shard_tp, ("unsharded", "wrapper", "tp")),
+            ("tp", tp_only, ("fully_shard + tp", "fully_shard + tp, full")),
+        ):
+            for name in names:
+                with case(f"{name} into {target}"):
+                    model = build()
+                    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+                    msd, osd = get_state_dict(model, optim)
+                    state = {name: {"model": msd, "optim": osd}}
+                    dcp.load(state, checkpoint_id=path)
+                    set_state_dict(
+                        model, optim, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"]
+                    )
+                    loaded = get_state_dict(model, optim, options=full)
+                    _assert_full_dicts_equal(loaded[0], expected[0], "model")
+                    _assert_full_dicts_equal(loaded[1], expected[1], "optim")
+
+
 # -- test_fsdp_tp_checkpoint_conversion.py test_fsdp_to_tp -------------------------------------------
 @distributed(world_size=2)
 def test_wrapper_sharded_checkpoint_loads_into_a_tensor_parallel_model_like_torch():
@@ -320,7 +407,16 @@ def _assert_full_dicts_equal(ours: dict, theirs: dict, where: str) -> None:
             assert ours[key] == value, f"{where}.{key}"
 
 
-def _state_dict_api_round_trip(label: str, shard: Callable[[nn.Module], nn.Module]) -> None:
+def _layered() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6), nn.ReLU()), nn.Linear(6, 3))
+
+
+def _state_dict_api_round_trip(
+    label: str,
+    shard: Callable[[nn.Module], nn.Module],
+    build: Callable[[], nn.Module] = _layered,
+    missing_key_raises: bool = True,
+) -> None:
     """torch's TestStateDict.test_fsdp / e2e test_fsdp with ``shard`` as the wrapper: ``get_state_dict``
     before the first forward; after two steps its full dicts equal an unsharded model's (same keys,
     the optimizer's included), its sharded ones are saved with DCP and loaded with ``set_state_dict``
@@ -340,7 +436,7 @@ def _state_dict_api_round_trip(label: str, shard: Callable[[nn.Module], nn.Modul
 
     full = StateDictOptions(full_state_dict=True)
     torch.manual_seed(0)
-    local = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6), nn.ReLU()), nn.Linear(6, 3))
+    local = build()
     fresh = shard(copy.deepcopy(local))  # before lazy init (torch's test_fsdp_root_not_initialized)
     get_model_state_dict(fresh)
     get_optimizer_state_dict(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))  # steps it with zero grads
@@ -366,7 +462,7 @@ def _state_dict_api_round_trip(label: str, shard: Callable[[nn.Module], nn.Modul
     path = _shared_tmpdir()
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     torch.manual_seed(1)
-    other = shard(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6), nn.ReLU()), nn.Linear(6, 3)))
+    other = shard(build())
     other_optim = torch.optim.Adam(other.parameters(), lr=0.1)
     target_msd, target_osd = get_state_dict(other, other_optim)
     loaded = {"model": target_msd, "optim": target_osd}
@@ -382,9 +478,10 @@ def _state_dict_api_round_trip(label: str, shard: Callable[[nn.Module], nn.Modul
     rank0_only = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(other, dict(zeros) if dist.get_rank() == 0 else {}, options=rank0_only)  # it rewrites the dict
     assert all(not full_value(v).any() for v in get_model_state_dict(other, options=full).values()), label
-    missing = dict(list(zeros.items())[1:])
-    with pytest.raises(RuntimeError, match="Missing key"):
-        set_model_state_dict(other, missing if dist.get_rank() == 0 else {}, options=rank0_only)
+    if missing_key_raises:  # torch's API raises it on rank 0 alone for a compiled model: the others hang
+        missing = dict(list(zeros.items())[1:])
+        with pytest.raises(RuntimeError, match="Missing key"):
+            set_model_state_dict(other, missing if dist.get_rank() == 0 else {}, options=rank0_only)
 
 
 def _patched_methods_round_trip(label: str, shard: Callable[[nn.Module], nn.Module]) -> None:
@@ -444,7 +541,9 @@ def test_torch_state_dict_api_on_the_wrapper_and_fully_shard_matches_an_unsharde
     policy = ModuleWrapPolicy({nn.Linear})
     wrappers = {
         "flat, auto-wrapped": lambda m: fullshard.FSDP(m, auto_wrap_policy=policy),
-        "orig params on a mesh": lambda m: fullshard.FSDP(m, auto_wrap_policy=policy, device_mesh=mesh, use_orig_params=True),
+        "orig params on a mesh": lambda m: fullshard.FSDP(
+            m, auto_wrap_policy=policy, device_mesh=mesh, use_orig_params=True
+        ),
         "flat on a mesh, one unit": lambda m: fullshard.FSDP(m, device_mesh=mesh),
     }
     with fullshard.use_in_place_of_torch():
@@ -624,3 +723,282 @@ def test_torch_state_dict_api_options_on_our_modules_like_torch():
                     assert type(ours[key]) is type(value), key
                     torch.testing.assert_close(full_value(ours[key]), full_value(value), rtol=0, atol=0)
                 model(torch.randn(2, dims[0]))
+
+
+# -- checkpoint/test_state_dict.py test_compiled_fsdp, test_fsdp_ddp ---------------------------------
+def _named_layers() -> nn.Module:
+    """``_layered`` with names no other parameter's FQN ends in (see the compiled case below)."""
+    from collections import OrderedDict
+
+    hidden = nn.Sequential(OrderedDict(hidden=nn.Linear(6, 6), act=nn.ReLU()))
+    return nn.Sequential(OrderedDict(inp=nn.Linear(4, 6), act=nn.ReLU(), mid=hidden, out=nn.Linear(6, 3)))
+
+
+@distributed(world_size=2)
+def test_torch_state_dict_api_on_a_compiled_wrapper_and_beside_data_parallel_submodules_matches_an_unsharded_model():
+    """The round trip above for a compiled wrapper (torch's API drops the compiled module's
+    ``_orig_mod.`` prefix), for a wrapper that ignores a DDP submodule, and for ``fully_shard``
+    beside a submodule that ``replicate`` (torch's or ours) manages: the keys are the unsharded
+    model's, and the values too, before and after a DCP round trip. For a compiled model
+    torch's API renames optimizer keys by substring (``2.0.weight`` becomes
+    ``2._orig_mod.0.weight`` beside ``0.weight``): loading then raises ``KeyError``, as with
+    torch's FSDP, instead of dropping those states. (A full dict missing a key, broadcast from
+    rank 0, is not tried on the compiled model: torch's API raises on rank 0 alone there.)"""
+    from torch.distributed._composable import replicate as torch_replicate
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    def compiled(model: nn.Module) -> nn.Module:
+        return torch.compile(fullshard.FSDP(model, use_orig_params=True), backend="eager")
+
+    def ignoring_a_ddp_submodule(lib) -> list[Any]:
+        """Torch's API keys this wrapper's optimizer states by DDP's names (``2.module.0.weight``)
+        and its model dict without them, for torch's FSDP as for ours: loading the optimizer dict
+        back then raises in torch's API for both; the model dict loads."""
+
+        def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(seed)
+            model = _layered()
+            model[2] = DistributedDataParallel(model[2])
+            policy = lib.ModuleWrapPolicy({nn.Linear})
+            model = lib.FSDP(model, ignored_modules=[model[2]], auto_wrap_policy=policy, device_id=torch.device("cpu"))
+            return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+        model, optim = build(0)
+        for x in rank_batches(2, 2, 4):
+            _sharded_step(model, optim, x)
+        saved = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        other, other_optim = build(1)
+        msd, osd = get_state_dict(model, optim)
+        with pytest.raises(RuntimeError, match="Missing optimizer state for parameter '2.0.weight'"):
+            set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd)
+        set_model_state_dict(other, msd)
+        _assert_full_dicts_equal(
+            get_model_state_dict(other, options=StateDictOptions(full_state_dict=True)), saved[0], "loaded"
+        )
+        return [
+            list(saved[0]),
+            list(saved[1]["state"]),
+            {k: full_value(v) for k, v in saved[0].items()},
+            saved[1]["state"],
+        ]
+
+    def beside(replicate: Callable[[nn.Module], Any]) -> Callable[[nn.Module], nn.Module]:
+        def shard(model: nn.Module) -> nn.Module:
+            replicate(model[2])
+            for layer in (model[0], model[3]):
+                fullshard.fully_shard(layer)
+            return fullshard.fully_shard(model, ignored_modules=[model[2]])
+
+        return shard
+
+    with case("torch's wrapper ignoring a DDP submodule"):
+        theirs = ignoring_a_ddp_submodule(api("torch"))
+    with fullshard.use_in_place_of_torch():
+        with case("compiled wrapper"):
+            _state_dict_api_round_trip("compiled wrapper", compiled, _named_layers, missing_key_raises=False)
+            with pytest.raises(KeyError, match=r"param_groups name \['2._orig_mod.0.weight'"):
+                _state_dict_api_round_trip("compiled wrapper, renamed keys", compiled)
+        with case("wrapper ignoring a DDP submodule"):
+            assert_same(ignoring_a_ddp_submodule(api("fullshard")), theirs, 1e-6, 1e-5, "ignoring a DDP submodule")
+    for label, replicate in {
+        "torch's replicate": torch_replicate,
+        "fullshard's replicate": fullshard.replicate,
+    }.items():
+        with case(f"fully_shard beside {label}"):
+            _state_dict_api_round_trip(label, beside(replicate))
+
+
+# -- checkpoint/e2e/test_fine_tuning.py test_fine_tuning ---------------------------------------------
+class Pretrained(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.second(torch.relu(self.first(x))))
+
+
+class FineTuned(nn.Module):
+    """A frozen pretrained trunk under a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pretrain = Pretrained().requires_grad_(False)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pretrain(x))
+
+
+@distributed(world_size=2)
+def test_fine_tuning_loads_a_pretrained_checkpoint_into_a_frozen_submodule_and_resumes_its_trainable_part():
+    """torch's test_fine_tuning with the wrapper: a pretrained wrapper's dicts saved with DCP load
+    into the frozen submodule of a fine-tuning wrapper (``submodules=``, ``strict=False``), whose
+    trainable part alone is saved (``ignore_frozen_params``) and, after a restart, loaded back:
+    the restarted run ends where an uninterrupted one does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    trainable_only = StateDictOptions(ignore_frozen_params=True)
+    pretrain_dir, finetune_dir = _shared_tmpdir(), _shared_tmpdir()
+    batches = rank_batches(4, 2, 4)
+    with fullshard.use_in_place_of_torch():
+        torch.manual_seed(0)
+        pretrained = fullshard.FSDP(Pretrained())
+        pretrained_optim = torch.optim.Adam(pretrained.parameters(), lr=1e-2)
+        for x in batches[:2]:
+            _sharded_step(pretrained, pretrained_optim, x)
+        msd, osd = get_state_dict(pretrained, pretrained_optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=pretrain_dir)
+        pretrained_full = get_model_state_dict(pretrained, options=full)
+
+        def fine_tuning_wrapper() -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(1)
+            model = fullshard.FSDP(FineTuned(), use_orig_params=True)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+            trunk = get_model_state_dict(
+                model, submodules={model.pretrain}, options=StateDictOptions(keep_submodule_prefixes=False)
+            )
+            dcp.load({"model": trunk}, checkpoint_id=pretrain_dir)
+            set_model_state_dict(model, {model.pretrain: trunk}, options=StateDictOptions(strict=False))
+            loaded = get_model_state_dict(model, options=full)
+            _assert_full_dicts_equal(
+                {k[len("pretrain.") :]: v for k, v in loaded.items() if k.startswith("pretrain.")},
+                pretrained_full,
+                "pretrained trunk",
+            )
+            return model, optim
+
+        model, optim = fine_tuning_wrapper()
+        for x in batches[:2]:
+            _sharded_step(model, optim, x)
+        msd, osd = get_state_dict(model, optim, options=trainable_only)
+        assert list(msd) == ["head.weight", "head.bias"] and list(osd["state"]) == list(msd), list(msd)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=finetune_dir)
+        for x in batches[2:]:
+            _sharded_step(model, optim, x)
+        uninterrupted = get_state_dict(model, optim, options=full)
+
+        restarted, restarted_optim = fine_tuning_wrapper()
+        msd, osd = get_state_dict(restarted, restarted_optim, options=trainable_only)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=finetune_dir)
+        set_state_dict(
+            restarted,
+            restarted_optim,
+            model_state_dict=msd,
+            optim_state_dict=osd,
+            options=StateDictOptions(strict=False),
+        )
+        for x in batches[2:]:
+            _sharded_step(restarted, restarted_optim, x)
+        resumed = get_state_dict(restarted, restarted_optim, options=full)
+        _assert_full_dicts_equal(resumed[0], uninterrupted[0], "resumed model")
+        _assert_full_dicts_equal(resumed[1], uninterrupted[1], "resumed optim")
+
+
+# -- checkpoint/e2e/test_fsdp_ep.py test_e2e ---------------------------------------------------------
+class ExpertTier(nn.Module):
+    """Two expert slots of which this rank holds one (an ``nn.Identity`` in the other), and a
+    shared layer; each expert is seeded on its own, so every rank holding it holds its values."""
+
+    def __init__(self, own: int) -> None:
+        super().__init__()
+        self.own = own
+        self.shared = nn.Linear(4, 4)
+        experts: list[nn.Module] = []
+        for index in range(2):
+            torch.manual_seed(100 + index)
+            experts.append(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) if index == own else nn.Identity())
+        self.experts = nn.ModuleList(experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(self.experts[self.own](x))
+
+
+class WithExperts(nn.Module):
+    def __init__(self, own: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(4, 4)
+        self.tier = ExpertTier(own)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tier(torch.relu(self.shared(x)))
+
+
+@distributed(world_size=4)
+def test_experts_on_a_mesh_of_their_own_give_state_dicts_on_each_units_mesh_like_torch():
+    """torch's TestFSDPWithEP.test_e2e: each expert a wrapper unit on a 2-rank mesh (ranks r and
+    r + 2 hold expert r % 2), the rest wrapper units on all 4 ranks; after an Adam step torch's
+    ``get_state_dict`` gives each value as a DTensor on its own unit's mesh, only this rank's
+    expert, optimizer keys equal to the model's, and the same local values as torch's FSDP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    expert_mesh = DeviceMesh.from_group(pairs[rank % 2], "cpu")
+    world = init_device_mesh("cpu", (4,))
+
+    def body(lib) -> list[Any]:
+        model = WithExperts(rank % 2)
+        for index, expert in enumerate(model.tier.experts):
+            model.tier.experts[index] = lib.FSDP(
+                expert, use_orig_params=True, device_mesh=expert_mesh, device_id=torch.device("cpu")
+            )
+        model.tier = lib.FSDP(model.tier, use_orig_params=True, device_mesh=world, device_id=torch.device("cpu"))
+        model = lib.FSDP(model, use_orig_params=True, device_mesh=world, device_id=torch.device("cpu"))
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        _sharded_step(model, optim, rank_batches(1, 2, 4)[0])
+        msd, osd = get_state_dict(model, optim)
+        assert set(osd["state"]) == set(msd), (list(osd["state"]), list(msd))
+        layout = {}
+        for key, value in msd.items():
+            for entry, tensor in (("value", value), ("exp_avg", osd["state"][key]["exp_avg"])):
+                assert isinstance(tensor, DTensor), f"{key} {entry}: {type(tensor).__name__}"
+                layout[f"{key} {entry}"] = [tensor.device_mesh.mesh.tolist(), str(tensor.placements), tensor.to_local()]
+                assert_same(tensor.full_tensor(), expected[f"{key} {entry}"], 1e-6, 1e-5, f"{key} {entry}")
+        return layout
+
+    # the reference: experts' gradients averaged over their pair of ranks, the rest's over all 4
+    model = WithExperts(rank % 2)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(rank_batches(1, 2, 4)[0]).sum().backward()
+    for name, param in model.named_parameters():
+        group = pairs[rank % 2] if ".experts." in name else None
+        dist.all_reduce(param.grad.div_(dist.get_world_size(group)), group=group)
+    optim.step()
+    expected = {}
+    for name, param in model.named_parameters():
+        expected[f"{name} value"], expected[f"{name} exp_avg"] = param.detach(), optim.state[param]["exp_avg"]
+    with case("torch"):
+        theirs = body(api("torch"))
+    with fullshard.use_in_place_of_torch(), case("fullshard"):
+        ours = body(api("fullshard"))
+    assert_same(ours, theirs, 1e-6, 1e-5, "state dicts")  # gradients summed in another order
+    own = rank % 2
+    assert {key.split(" ")[0] for key in ours} == {
+        "shared.weight",
+        "shared.bias",
+        "tier.shared.weight",
+        "tier.shared.bias",
+        f"tier.experts.{own}.0.weight",
+        f"tier.experts.{own}.0.bias",
+    }
+    assert ours[f"tier.experts.{own}.0.weight value"][0] == [own, own + 2]  # the pair holding it
+    assert ours["shared.weight value"][0] == [0, 1, 2, 3]

@@ -96,10 +96,11 @@ def _in_model_order(
     return [wanted[key] for key in entries if key in wanted]
 
 
-def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: str) -> None:
-    """The ranks of each shard group must hold states for the same parameters: their
-    collectives pair up parameter by parameter. Only the units' own groups are asked
-    (other ranks, e.g. another pipeline stage, need not call).
+def _check_same_states_across_ranks(model: nn.Module, stepped: list[Entry], caller: str) -> None:
+    """The ranks of each shard group must hold states for the same parameters of that group's
+    units (and of no unit): their collectives pair up parameter by parameter. Only the units'
+    own groups are asked (other ranks, e.g. another pipeline stage, need not call), each about
+    its own units (experts on a group of their own differ between the ranks of the others).
 
     Raises:
         RuntimeError: two ranks differ (as PyTorch's FSDP), naming both and the parameters.
@@ -109,7 +110,8 @@ def _check_same_states_across_ranks(model: nn.Module, fqns: list[str], caller: s
         shard = state.group.spec.mesh_info.shard if state.group is not None else None
         if shard is not None and shard.size > 1 and shard.group is not None:
             groups.setdefault(id(shard.group), shard.group)
-    for group in groups.values():
+    for key, group in groups.items():
+        fqns = [fqn for fqn, _, unit in stepped if unit is None or id(unit.spec.mesh_info.shard.group) == key]
         differ = comm.first_disagreement(sorted(fqns), group)
         if differ is not None:
             first, ours, other, theirs = differ
@@ -163,7 +165,7 @@ def optim_state_dict(
         for p in _in_model_order(model, entries, (p for g in optim.param_groups for p in g["params"]))
         if index_of[id(p)] in saved["state"]
     ]
-    _check_same_states_across_ranks(model, [fqn for p in stepped for fqn, _, _ in entries[id(p)]], "optim_state_dict")
+    _check_same_states_across_ranks(model, [entry for p in stepped for entry in entries[id(p)]], "optim_state_dict")
     # After the check above: every rank of a unit holds the same states, so all raise or none.
     if whole_units:
         _check_whole_units(model, {id(p) for p in stepped if _has_tensor_state(saved["state"][index_of[id(p)]])})
@@ -285,6 +287,7 @@ def optim_state_dict_for_params(
     (None: ``model``'s parameters, grouped as ``optim_state_dict``'s FQNs are), for
     the FSDP1 calls that take no optimizer."""
     entries = _param_entries(model)
+    _check_group_fqns(model, entries, optim_state_dict)
     if param_groups is None:
         param_groups = _groups_by_fqn(model, entries, optim_state_dict)
     saved_state = optim_state_dict["state"]
@@ -306,6 +309,26 @@ def optim_state_dict_for_params(
             index += 1
         result_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
     return {"state": state, "param_groups": result_groups}
+
+
+def _check_group_fqns(model: nn.Module, entries: dict[int, list[Entry]], optim_state_dict: dict[str, Any]) -> None:
+    """Raises ``KeyError`` (as torch's FSDP does) when the saved param groups name a
+    parameter ``model`` lacks: its states would otherwise be dropped without a word
+    (torch's state-dict API renames keys of compiled models so, e.g. ``2.0.weight`` to
+    ``2._orig_mod.0.weight``, when another parameter's FQN ends in ``0.weight``)."""
+    known = {fqn for owned in entries.values() for fqn, _, _ in owned}
+    unknown = [
+        fqn
+        for group in optim_state_dict.get("param_groups", ())
+        for fqn in group.get("params", ())
+        if isinstance(fqn, str) and fqn not in known
+    ]
+    if unknown:
+        raise KeyError(
+            f"optim_state_dict_to_load: the optimizer state dict's param_groups name {unknown}, which are not "
+            f"parameters of {type(model).__name__} (it has {sorted(known)}); load a dict saved from a model of "
+            "the same structure, keyed by its parameter names"
+        )
 
 
 def _groups_by_fqn(

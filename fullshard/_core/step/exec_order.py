@@ -210,7 +210,9 @@ def _join_reduction(unit: ParamGroup, names: list[str]) -> None:
 # every unit they manage (its path, its parameters' names, shapes and dtypes,
 # its resharding and mixed-precision settings); on a mismatch they exchange the
 # full descriptions and every rank raises, naming the first unit and the two
-# ranks that differ. One small collective per group, once per root.
+# ranks that differ. One small collective per group, once per root. Units over
+# other ranks than the root unit's (experts on a sub-mesh of their own) are left
+# out: there the ranks of the root's groups may rightly hold different units.
 
 
 def _first_difference(ours: list[tuple], theirs: list[tuple], rank: int, other_rank: int) -> str:
@@ -240,6 +242,18 @@ def _param(description: tuple) -> str:
 
 
 @outside_transforms  # a lazy init under torch.func.jvp: the object collectives' tensors stay plain
+def on_the_same_ranks(mesh_info: MeshInfo, other: MeshInfo) -> bool:
+    """Whether two units' shard and replicate groups span the same ranks."""
+
+    def ranks(group: dist.ProcessGroup | None) -> list[int]:
+        return [] if group is None else dist.get_process_group_ranks(group)
+
+    return all(
+        ranks(mine.group) == ranks(theirs.group)
+        for mine, theirs in ((mesh_info.shard, other.shard), (mesh_info.replicate, other.replicate))
+    )
+
+
 def check_ranks_agree_on_units(root_name: str, mesh_info: MeshInfo, ours: list[tuple]) -> None:
     """See [Note: Ranks agree on the model]. ``ours``: each unit's ``ParamGroup.describe()``,
     in the root's order; ``mesh_info``: the root unit's.

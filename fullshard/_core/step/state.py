@@ -54,7 +54,7 @@ from ..mesh import MeshInfo
 from ..reduce import ReductionQueue
 from ..settings import UnitConfig
 from ..unit import ParamGroup, UnitUse
-from .exec_order import CheckedSchedule, check_ranks_agree_on_units, validation_enabled
+from .exec_order import CheckedSchedule, check_ranks_agree_on_units, on_the_same_ranks, validation_enabled
 from .schedule import Schedule, ScheduledState
 
 # Weak both ways: a module keeps its state alive through the hooks it holds (the
@@ -415,7 +415,8 @@ class RootContext:
         self._offloads = any(unit.spec.offload for unit in self._units)  # gradients copied to the host
         if self._units:
             mesh_info = self._units[0].spec.mesh_info
-            check_ranks_agree_on_units(root_name, mesh_info, [unit.describe() for unit in self._units])
+            on_root_ranks = [u for u in self._units if on_the_same_ranks(mesh_info, u.spec.mesh_info)]
+            check_ranks_agree_on_units(root_name, mesh_info, [unit.describe() for unit in on_root_ranks])
         gate = None
         if validate:
             checked = CheckedSchedule(self.queue_end_of_backward, self._units)
