@@ -70,13 +70,8 @@ def run_on_threads(world_size: int, body: Callable[[], Any]) -> list[Any]:
     return results
 
 
-def _train_nested_units(lib_name: str, start: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Three Adam steps of a copy of ``start`` as two units on this rank's batches: losses and
-    full parameters. (The ranks are threads sharing one global generator: ``start`` is made once.)"""
-    lib = api(lib_name)
-    model = copy.deepcopy(start)
-    lib.fully_shard(model.in_proj)
-    lib.fully_shard(model)
+def three_adam_steps(model: nn.Module) -> list[torch.Tensor]:
+    """The losses of three Adam steps of ``model`` on this rank's batches of 4 x 8."""
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for x in rank_batches(3, 4, 8):
@@ -85,6 +80,17 @@ def _train_nested_units(lib_name: str, start: nn.Module) -> tuple[list[torch.Ten
         optim.step()
         optim.zero_grad()
         losses.append(loss.detach())
+    return losses
+
+
+def _train_nested_units(lib_name: str, start: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Three Adam steps of a copy of ``start`` as two units on this rank's batches: losses and
+    full parameters. (The ranks are threads sharing one global generator: ``start`` is made once.)"""
+    lib = api(lib_name)
+    model = copy.deepcopy(start)
+    lib.fully_shard(model.in_proj)
+    lib.fully_shard(model)
+    losses = three_adam_steps(model)
     return losses, {name: full_value(param).detach().clone() for name, param in model.named_parameters()}
 
 
@@ -190,14 +196,7 @@ def test_torchs_private_unshard_async_op_setter_trains_like_torch():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model._set_unshard_async_op(True)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for x in rank_batches(3, 4, 8):
-            loss = model(x).sum()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.detach())
+        losses = three_adam_steps(model)
         said = [str(w.message) for w in caught if "_set_unshard_async_op" in str(w.message)]
         return [losses, full_params(model)], said
 
