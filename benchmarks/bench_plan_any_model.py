@@ -13,7 +13,8 @@ orders (and of the pairs the plan calls more than 15% apart, how many the
 measurement orders the same way: near-ties are the noise's to order), and
 whether the first choice under a memory limit (the median of the candidates'
 predicted peaks, plus 1%) fits it when run. ``--write`` appends the tables to
-benchmarks/RESULTS.md.
+benchmarks/RESULTS.md. ``--codec`` prints only the plan's int8 codec times for the
+block unit ``bench_quantize.py --unit`` measures (see [Note: Codec cost]).
 """
 
 from __future__ import annotations
@@ -241,6 +242,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--profile", help="a profile JSON (default: calibrate this machine first)")
     parser.add_argument("--write", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--codec", action="store_true", help="only the codec's predicted times, for bench_quantize.py --unit's"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     profile = load_profile(args.profile) if args.profile else calibrate(ranks=args.nproc)
@@ -248,6 +252,9 @@ def main() -> None:
         f"profile: {profile.name}: {profile.matmul_flops['float32'] / 1e9:.1f} GFLOP/s fp32, memory "
         f"{profile.memory_bandwidth / 1e9:.1f} GB/s, op {profile.op_overhead * 1e6:.1f} us"
     )
+    if args.codec:
+        print(codec_predictions(profile))
+        return
     sections, summaries = [], {}
     for name in args.models:
         text, summaries[name] = section(name, args, profile)
