@@ -241,7 +241,6 @@ def _param(description: tuple) -> str:
     return f"{fqn} {list(shape)} {dtype}"
 
 
-@outside_transforms  # a lazy init under torch.func.jvp: the object collectives' tensors stay plain
 def on_the_same_ranks(mesh_info: MeshInfo, other: MeshInfo) -> bool:
     """Whether two units' shard and replicate groups span the same ranks."""
 
@@ -254,6 +253,7 @@ def on_the_same_ranks(mesh_info: MeshInfo, other: MeshInfo) -> bool:
     )
 
 
+@outside_transforms  # a lazy init under torch.func.jvp: the object collectives' tensors stay plain
 def check_ranks_agree_on_units(root_name: str, mesh_info: MeshInfo, ours: list[tuple]) -> None:
     """See [Note: Ranks agree on the model]. ``ours``: each unit's ``ParamGroup.describe()``,
     in the root's order; ``mesh_info``: the root unit's.
