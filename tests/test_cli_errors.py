@@ -197,6 +197,10 @@ def test_only_the_command_quiets_ctrl_c_while_it_starts(orig_argv, argv0, role, 
     assert startup._role() == role
 
 
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_command_starts_is_one_line():
     """SIGINT while torch is being imported (seconds, as the user may press Ctrl-C at once): the launcher
@@ -209,7 +213,10 @@ def test_ctrl_c_while_the_command_starts_is_one_line():
         "rank": [sys.executable, "-X", "importtime", "-m", "fullshard.training", "{}"],
     }
     processes = {
-        role: subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+        # SIGINT as a terminal's foreground job has it: a suite run as a background job (`make test &`,
+        # nohup) hands its children an ignored SIGINT, which the command rightly leaves alone
+        role: subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True,
+                               preexec_fn=_sigint_as_in_a_terminal)
         for role, command in commands.items()
     }
     said = {}
