@@ -153,7 +153,11 @@ def _forget_dtensor_specs() -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    # torch 2.13 wraps its lru_cache with a cache_clear of its own; torch 2.8 only holds it as .cache
+    clear = getattr(cached, "cache_clear", None) or getattr(getattr(cached, "cache", None), "cache_clear", None)
+    if clear is not None:
+        clear()
     clear_native_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native_cache is not None:  # torch with the C++ dispatch fast path
         clear_native_cache()
