@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from upstream_oracle import sgd_train
 
 from fullshard import FSDP
 from fullshard._core import comm
@@ -26,15 +27,7 @@ CPU = torch.device("cpu")
 
 def adam_steps(model: nn.Module, x: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """``steps`` Adam steps (lr 1e-2) on the loss ``model(x).sum()``; the losses."""
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = model(x).sum()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return sgd_train(model, [x] * steps, optim=torch.optim.Adam(model.parameters(), lr=1e-2))
 
 
 class NormedMLP(nn.Module):

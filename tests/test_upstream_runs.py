@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from upstream_oracle import LIBS, api, assert_same_run, clean, full_params, rank_batches
+from upstream_oracle import LIBS, api, assert_same_run, clean, full_params, rank_batches, sgd_train
 
 from fullshard.models import MLP
 from fullshard.testing import case, distributed, full_value
@@ -72,15 +72,7 @@ def run_on_threads(world_size: int, body: Callable[[], Any]) -> list[Any]:
 
 def three_adam_steps(model: nn.Module) -> list[torch.Tensor]:
     """The losses of three Adam steps of ``model`` on this rank's batches of 4 x 8."""
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for x in rank_batches(3, 4, 8):
-        loss = model(x).sum()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return sgd_train(model, rank_batches(3, 4, 8), optim=torch.optim.Adam(model.parameters(), lr=1e-2))
 
 
 def _train_nested_units(lib_name: str, start: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
