@@ -13,7 +13,7 @@ CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py te
 	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py tests/test_compile.py \
 	tests/test_torch_surface.py tests/test_fully_shard_comm_settings.py
 
-.PHONY: install demo test test-fast test-libraries test-system lint bench clean check-torch
+.PHONY: install demo test test-fast test-launch test-libraries test-system lint bench clean check-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +29,20 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/fullshard train --nproc 2 --steps 300 --sample 200
 
+# Every test but the launches (below) and the heavy libraries'.
 test: install
-	$(PY) -m pytest -q -m "not libraries" tests
+	$(PY) -m pytest -q -m "not libraries and not launch" tests
 
-# The inner loop, under 2 minutes: everything but the tests marked slow (real processes, and the cases
-# tests/conftest.py moves because a faster sibling takes their path). CI runs `make test`, all of them.
+# The inner loop: `make test` but the tests marked slow (the cases tests/conftest.py moves because a
+# faster sibling takes their path, and those that replace a rank pool).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not libraries" tests
+	$(PY) -m pytest -q -m "not slow and not libraries and not launch" tests
+
+# The tests that start the fullshard command or a benchmark script as a user does, in fresh processes
+# that each import torch: torchrun, elastic restarts after a killed rank or machine, Ctrl-C, faults,
+# closed pipes, the GPU script's dry run. CI runs them after `make test` (.ci/run).
+test-launch: install
+	$(PY) -m pytest -q -m "launch and not libraries" tests
 
 # torchtitan's parallelize_llama over fullshard: torchtitan imports triton (about 1 GB), so it is
 # installed only here (measured: triton 24 s from a local wheel, the test 46 s, on a loaded 2-core machine).

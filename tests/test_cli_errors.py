@@ -156,7 +156,7 @@ def test_ctrl_c_outside_the_ranks_is_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err == "\nfullshard plan: interrupted\n"
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_train_into_a_closed_pipe_succeeds_quietly(tmp_path):
     """``fullshard train ... | true``: the summary has no reader; the run still succeeds, without a
     traceback, and the metrics file still gets its summary line."""
@@ -201,7 +201,7 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_ctrl_c_while_the_command_starts_is_one_line():
     """SIGINT while torch is being imported (seconds, as the user may press Ctrl-C at once): the launcher
     says one line, a rank nothing (the launcher tells); both exit with 130, no traceback. Each process is

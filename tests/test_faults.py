@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_faults  # noqa: E402  (the benchmarks folder is not a package)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("fault", ["raise-backward", "sigkill", "disagree"])
 def test_a_fault_on_one_rank_ends_every_rank_naming_it(fault):
     result = bench_faults.run_one("fullshard", fault)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-# make test only: a check of the GPU script's plumbing, not of the library (about 9 s).
-pytestmark = pytest.mark.slow
+# make test-launch: the GPU script run as a user runs it, a check of its plumbing, not of the library.
+pytestmark = pytest.mark.launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"

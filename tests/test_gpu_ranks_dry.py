@@ -15,7 +15,7 @@ import test_cuda  # noqa: E402
 import test_cuda_kernels  # noqa: E402
 
 # Two spawned processes that import torch: seconds each.
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 CPU = {"backend": "gloo", "device_type": "cpu", "timeout_s": 240.0}
 
 

@@ -290,6 +290,7 @@ def test_cli_labels_say_what_runs(capsys):
     assert "  activations and their grads" in out  # the breakdown's: alive at the peak
 
 
+@pytest.mark.launch
 def test_cli_closed_pipe_is_quiet():
     root = os.path.dirname(os.path.dirname(fullshard.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

@@ -473,7 +473,7 @@ def run_fullshard(*args: str, timeout: float = 600) -> subprocess.CompletedProce
                           timeout=timeout, check=False)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_calibrate_saves_a_profile_plan_reads(tmp_path, capsys):
     """The command calibrates in a process of its own (its rank pool started from the command);
     the plan that reads the profile runs here, as the other plan tests do."""
@@ -491,7 +491,7 @@ def test_calibrate_saves_a_profile_plan_reads(tmp_path, capsys):
     assert code == 0 and "profile calibrated (cpu, CPU): measured" in out, out
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_train_auto_prints_plan_and_measurement(tmp_path):
     """The first choice is trained; its measured peak is the predicted one (the table's ratio)."""
     result = run_fullshard("train", "--auto", "--nproc", "2", "--steps", "4", "--layers", "2", "--dim", "32",

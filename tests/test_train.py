@@ -344,7 +344,7 @@ def _session_alive(process: subprocess.Popen) -> bool:
 SMALL_FLAGS = ["--nproc", "2", "--layers", "2", "--dim", "32", "--seq", "16", "--batch", "8"]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_command_trains_with_progress_summary_metrics_and_checkpoint(tmp_path):
     flags = [*SMALL_FLAGS, "--steps", "6", "--checkpoint-dir", "ckpt", "--checkpoint-every", "4", "--metrics", "metrics.jsonl", "--sample", "12"]
     code, out, err = _wait(_start(flags, tmp_path), tmp_path)
@@ -366,7 +366,7 @@ def test_command_trains_with_progress_summary_metrics_and_checkpoint(tmp_path):
     assert checkpoint.read_extra(tmp_path / "ckpt")["step"] == 6
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path):
     saving = ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1000", "--metrics", "metrics.jsonl"]
     process = _start([*SMALL_FLAGS, "--steps", "1000000", *saving], tmp_path)
@@ -385,7 +385,7 @@ def test_ctrl_c_stops_every_rank_keeps_a_checkpoint_and_resume_goes_on(tmp_path)
     # one curve), and the commands of test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve.
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_second_sigint_leaves_only_complete_checkpoints(tmp_path):
     """Two SIGINTs to the launcher alone (GNU ``timeout`` forwards Ctrl-C so): torchrun stops the
     ranks with SIGTERM, which a saving rank holds until its save is done; nothing partial remains."""
@@ -403,7 +403,7 @@ def test_a_second_sigint_leaves_only_complete_checkpoints(tmp_path):
     assert checkpoint.read_extra(tmp_path / "ckpt")["step"] >= 3
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_dead_rank_stops_the_others_with_a_clear_message(tmp_path):
     process = _start([*SMALL_FLAGS, "--steps", "1000000", "--metrics", "metrics.jsonl"], tmp_path)
     _wait_for_steps(tmp_path / "metrics.jsonl", 2, process)
@@ -634,7 +634,7 @@ def test_unfinished_saves_are_removed(tmp_path):
     assert checkpoint.read_extra(tmp_path) == {"step": 1}
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_checkpoint_of_another_model_is_one_line(tmp_path):
     """A checkpoint that claims this model but holds another: DCP's error in one line, no traceback."""
     other = TrainConfig(layers=2, dim=48, heads=4, seq=16)
@@ -703,7 +703,7 @@ def test_torchrun_options_pass_through_for_several_machines():
     assert TrainConfig.from_json(parsed.training_script_args[0]) == config
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_a_killed_rank_restarts_the_group_which_resumes_the_same_loss_curve(tmp_path):
     """``--max-restarts``: torchrun's agent starts every rank again after rank 1 is killed; they
     resume from the newest complete checkpoint and the curve goes on as an uninterrupted run's."""
@@ -744,7 +744,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_a_lost_machine_shrinks_the_job_which_resumes_the_same_loss_curve(tmp_path):
     """``--nnodes 1:2``: two torchrun agents (two "machines" of 2 ranks) share a c10d rendezvous; one
