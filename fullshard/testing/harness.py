@@ -129,8 +129,14 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         made_subgroups = _made_subgroups()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if made_subgroups:
+        if made_subgroups or _old_groups_pile_up():
             _forget_dtensor_specs()
+            # The specs' meshes were the old groups' last references; those older than the last
+            # task are frozen (see _collect_task_garbage), which a collection would not walk.
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+            _thread_baseline[0] = _thread_count()
         dist.set_debug_level(dist.DebugLevel.OFF)
         os.environ.clear()
         os.environ.update(environ)
@@ -155,14 +161,35 @@ def _made_subgroups() -> bool:
     return c10d._world.group_count > 1 or any(name != "0" for name in c10d._world.pg_names.values())
 
 
+# See _old_groups_pile_up: a gloo group runs 3 threads; 30 groups' worth.
+_THREADS_OF_OLD_GROUPS = 90
+_thread_baseline = [0]
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc: every task counts as piling up
+        return 1 << 30
+
+
+def _old_groups_pile_up() -> bool:
+    """Whether this rank holds many destroyed default groups. A cached spec's mesh keeps the
+    groups it was made on (``DeviceMesh._pg_registry``), and with them gloo's threads and
+    sockets; specs are cached for each new operator signature, so a task adds a few. Emptying the
+    caches after every task would free them at once but cost the next DTensor task its 0.7 s of
+    propagation: they are emptied when 30 groups' threads have piled up since the last time."""
+    return _thread_count() > _thread_baseline[0] + _THREADS_OF_OLD_GROUPS
+
+
 def _forget_dtensor_specs() -> None:
     """Empties torch's DTensor sharding caches once a task's subgroups are gone. They key a spec by
     its mesh, whose equality ignores the process groups: a later task's equal mesh would get
     output specs on this task's destroyed groups ("Could not resolve the process group
     registered under the name ..." in a tensor-parallel redistribution, or a same-named group
     of other ranks), as torch's own tests, one process each, never see. Specs on the default
-    group alone stay: its name resolves to the next task's default group, the same ranks, and
-    refilling the cache costs about 0.7 s per DTensor optimizer test."""
+    group alone stay (see ``_old_groups_pile_up``): its name resolves to the next task's default
+    group, the same ranks, and refilling the cache costs about 0.7 s per DTensor optimizer test."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -237,8 +264,9 @@ def _seed_the_cpu_only() -> None:
     conformance matrix alone. A rank here has the CPU generator only, so those calls are dropped."""
     import torch
 
-    for device in (torch.cuda, torch.xpu, torch.mtia):
-        device.manual_seed_all = _no_device_to_seed  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = _no_device_to_seed
+    torch.xpu.manual_seed_all = _no_device_to_seed
+    torch.mtia.manual_seed_all = _no_device_to_seed
 
 
 def _no_device_to_seed(seed: int) -> None:
