@@ -130,7 +130,7 @@ for stage in "${stages[@]}"; do
 c = torch.cuda.is_available(); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \
 torch.cuda.get_device_name() if c else \"no GPU\", \"nccl\", \".\".join(map(str, torch.cuda.nccl.version())) if c else \"-\")"'
         step tests-gpu 55 '"$py" -m pytest -q -rs tests/gpu'
-        step tests-smoke 45 "\"\$py\" -m pytest -q -rf -m 'not slow and not libraries' $smoke"
+        step tests-smoke 45 "\"\$py\" -m pytest -q -rf -m 'not slow and not libraries and not launch' $smoke"
         ;;
     train)
         step train-fp32 25 'train train-fp32'

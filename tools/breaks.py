@@ -212,7 +212,7 @@ def apply(brk: Break, dest: Path) -> None:
 
 def run_tests(brk: Break, dest: Path, timeout: int, fast: bool) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": str(dest)}
-    tier = ["-m", "not slow and not libraries"] if fast else []  # the last -m wins
+    tier = ["-m", "not slow and not libraries and not launch"] if fast else []  # the last -m wins
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *brk.tests, *tier]
     start = time.monotonic()
     try:

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 COPIED = ("fullshard", "tests", "pyproject.toml")
 SEED = 38
-FAST = ("-m", "not slow and not libraries")  # the tier make test-fast runs: every selection's
+FAST = ("-m", "not slow and not libraries and not launch")  # the tier make test-fast runs: every selection's
 
 
 @dataclass(frozen=True)
