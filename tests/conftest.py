@@ -4,8 +4,9 @@ about 3.5).
 ``make test`` runs every test but the launches (marked ``launch`` in their files: they start the
 ``fullshard`` command or a script in fresh processes; ``make test-launch`` runs them). ``make test-fast``
 also leaves out the tests marked ``slow``: those that replace a rank pool (marked in their files), and
-the ones listed here, whose code path a faster sibling already takes in the fast tier. The lists live in one place so that the tier is one decision, made
-from measured durations (``pytest --durations``), not a marker scattered over 50 files.
+the ones listed here, whose code path a faster sibling already takes in the fast tier. The lists live in
+one place so that the tier is one decision, made from measured durations (``pytest --durations``), not
+a marker scattered over 50 files.
 
 - ``FAST_CASES``: parametrized tests of which only the listed cases (pytest ids) stay fast; the others
   (every combination, seed cases included) run in ``make test``. The kept cases take each value of

@@ -109,6 +109,7 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
 
     sys.path[:] = task.sys_path
     environ = dict(os.environ)  # restored after the task: a test's LOCAL_WORLD_SIZE must not reach the next
+    task_group = None
     try:
         prefix_store = dist.PrefixStore(f"task{task.task_id}/", store)
         dist.init_process_group(
@@ -118,6 +119,7 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
             world_size=world_size,
             timeout=datetime.timedelta(seconds=task.pg_timeout_s),
         )
+        task_group = dist.distributed_c10d._get_default_group()
         torch.manual_seed(0)
         return True, _resolve(task.module, task.qualname)(*task.args, **task.kwargs), 0.0
     except BaseException as exc:  # noqa: BLE001 - everything goes back to pytest
@@ -126,17 +128,18 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         return False, "".join(traceback.format_exception(exc)), time.time()
     finally:
         _collect_task_garbage()
-        made_subgroups = _made_subgroups()
+        made_other_groups = _made_other_groups(task_group)
+        task_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        if made_subgroups or _old_groups_pile_up():
+        if made_other_groups or _old_groups_pile_up():
             _forget_dtensor_specs()
             # The specs' meshes were the old groups' last references; those older than the last
             # task are frozen (see _collect_task_garbage), which a collection would not walk.
             gc.unfreeze()
             gc.collect()
             gc.freeze()
-            _thread_baseline[0] = _thread_count()
+            _threads_after_clearing[0] = _thread_count() or 0
         dist.set_debug_level(dist.DebugLevel.OFF)
         os.environ.clear()
         os.environ.update(environ)
@@ -152,25 +155,30 @@ def _collect_task_garbage() -> None:
     gc.freeze()
 
 
-def _made_subgroups() -> bool:
-    """Whether the task made a process group besides the default one (a mesh of more than one
-    dimension, a ``new_group``): a whole-world 1-D mesh reuses the default group, named "0" in
-    every task (names restart with each default group)."""
+def _made_other_groups(task_group: Any) -> bool:
+    """Whether the task ends with any group but the default one the pool made for it: a group
+    besides it (a mesh of more than one dimension, a ``new_group``), or a default group of its
+    own (a test that destroys and initializes the default group, whose earlier groups' names the
+    counter no longer shows). A whole-world 1-D mesh reuses the default group, named "0" in every
+    task (names restart with each default group)."""
     from torch.distributed import distributed_c10d as c10d
 
+    if task_group is None or not c10d.is_initialized() or c10d._get_default_group() is not task_group:
+        return True
     return c10d._world.group_count > 1 or any(name != "0" for name in c10d._world.pg_names.values())
 
 
 # See _old_groups_pile_up: a gloo group runs 3 threads; 30 groups' worth.
 _THREADS_OF_OLD_GROUPS = 90
-_thread_baseline = [0]
+_threads_after_clearing = [0]
 
 
-def _thread_count() -> int:
+def _thread_count() -> int | None:
+    """This process's threads, native ones included; None where there is no /proc."""
     try:
         return len(os.listdir("/proc/self/task"))
-    except OSError:  # no /proc: every task counts as piling up
-        return 1 << 30
+    except OSError:
+        return None
 
 
 def _old_groups_pile_up() -> bool:
@@ -178,8 +186,10 @@ def _old_groups_pile_up() -> bool:
     groups it was made on (``DeviceMesh._pg_registry``), and with them gloo's threads and
     sockets; specs are cached for each new operator signature, so a task adds a few. Emptying the
     caches after every task would free them at once but cost the next DTensor task its 0.7 s of
-    propagation: they are emptied when 30 groups' threads have piled up since the last time."""
-    return _thread_count() > _thread_baseline[0] + _THREADS_OF_OLD_GROUPS
+    propagation: they are emptied when 30 groups' threads have piled up since the last time
+    (after every task where the threads cannot be counted)."""
+    count = _thread_count()
+    return count is None or count > _threads_after_clearing[0] + _THREADS_OF_OLD_GROUPS
 
 
 def _forget_dtensor_specs() -> None:

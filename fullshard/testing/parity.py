@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .._core.compat import local_region
 from ..state_dict import sharded_tensor
 
 
@@ -63,11 +63,10 @@ def _comparable(tensor: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, 
     if isinstance(tensor, DTensor) and not isinstance(ref, (DTensor, ShardedTensor)):
         placements = tensor.placements
         if all(type(p) in (Shard, Replicate) for p in placements) and tensor.shape == ref.shape:
-            shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-            local = tensor.to_local()
-            if tuple(local.shape) == tuple(shape):
-                region = ref.detach()[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-                return local.detach(), region
+            local = tensor.to_local().detach()
+            region = local_region(ref.detach(), tensor.device_mesh, placements)
+            if local.shape == region.shape:
+                return local, region
     return full_value(tensor), full_value(ref)
 
 
