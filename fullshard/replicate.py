@@ -17,8 +17,7 @@ from ._core.mesh import MeshInfo, default_mesh, describe_mesh
 from ._core.settings import UnitConfig
 from .api import MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from .fully_shard import FSDPModule, swap_class
-from .state_dict.model_hooks import install_state_dict_hooks
-from .state_dict.settings import default_settings
+from .state_dict.model import default_settings, install_state_dict_hooks
 
 __all__ = ["replicate", "ReplicateModule"]
 

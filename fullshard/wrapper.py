@@ -37,18 +37,16 @@ from . import state_dict as state_dicts
 from . import wrapper_optim_state as optim_states
 from . import wrapper_summon
 from ._core.common import TrainingState as EngineState
-from ._core.common import module_class_name
 from ._core.manage import manage_module, reject_torch_fsdp, states_below
 from ._core.mesh import MeshInfo
-from ._core.step import ModuleState, get_state
+from ._core.step import ModuleState, get_state, module_class_name
 from ._core.unit import register_param_unit
 from ._flat_param import FlatParamView
 from ._names import WRAPPED_MODULE, model_name
 from .api import HYBRID_STRATEGIES, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from .clip import clip_grad_norm_
 from .state_dict.flat_param_hooks import install_flat_param_hooks
-from .state_dict.model_hooks import install_prefix_hooks, install_state_dict_hooks
-from .state_dict.settings import default_settings
+from .state_dict.model import default_settings, install_prefix_hooks, install_state_dict_hooks
 from .torch_names import state_dict_api_rebound
 from .wrap import Policy, PolicyFn, select_modules
 from .wrapper_arguments import (

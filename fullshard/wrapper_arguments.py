@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._core.common import module_class_name
 from ._core.manage import get_managed_modules
 from ._core.mesh import MeshInfo, default_device_type, default_mesh, describe_mesh, hybrid_mesh, mesh_from_groups
 from ._core.presentation import LocalViews
 from ._core.settings import UnitConfig
+from ._core.step import module_class_name
 from ._flat_param import FLAT_PIECES
 from ._names import model_name
 from .api import (

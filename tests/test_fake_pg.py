@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import AllGatherQuantization, MixedPrecisionPolicy, fully_shard, set_all_gather_quantization
-from fullshard._core import comm, compat
+from fullshard._core import comm
+from fullshard._core.gather.param import dtensor_of_local
 from fullshard.models import ModelArgs
 from fullshard.plan import PlanConfig, estimate
 from fullshard.plan.units import model_units
@@ -209,7 +210,7 @@ def test_mesh_on_a_device_its_backend_does_not_take(monkeypatch):
             fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=mesh)
         monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cpu", "cuda"])  # as gloo
         cuda_mesh = mock.Mock(device_type="cuda")
-        info = mock.Mock(mesh=cuda_mesh, shard=GroupInfo(dist.group.WORLD, 2, 0), replicate=GroupInfo.trivial())
+        info = mock.Mock(mesh=cuda_mesh, shard=GroupInfo(dist.group.WORLD, 2, 0), replicate=GroupInfo(None, 1, 0))
         with pytest.raises(ValueError, match=r"Block got a cuda mesh over the fake backend; init_process_group\('nccl'\)"):
             validate_mesh_backend(info, "Block", "fully_shard")
         monkeypatch.setitem(dist.Backend.backend_capability, "fake", ["cuda", "cpu"])  # a native CUDA backend
@@ -240,7 +241,7 @@ def test_shard_dtensor_keeps_host_storage_under_an_accelerator_mesh():
         # A class property wins over the instance attribute older torch (2.8) keeps it in.
         cuda_type = property(lambda self: "cuda")
         with mock.patch.object(DeviceMesh, "device_type", new=cuda_type, create=True):
-            shard = compat.dtensor_of_local(host, mesh, (Shard(0),), torch.Size([8, 3]), (3, 1))
+            shard = dtensor_of_local(host, mesh, (Shard(0),), torch.Size([8, 3]), (3, 1))
             assert shard._local_tensor is host and shard.device.type == "cpu" and shard.shape == (8, 3)
             assert shard.device_mesh.device_type == "cuda"
             with pytest.raises((AssertionError, RuntimeError)):  # a CPU build cannot make the GPU copy

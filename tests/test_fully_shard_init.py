@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fullshard import FSDPModule, fully_shard, replicate
-from fullshard._core.common import ParamModuleInfo
+from fullshard._core.gather import ParamModuleInfo
 from fullshard._core.manage import get_managed_modules, get_managed_states, get_param_module_infos
 from fullshard.models import MLP, ModelArgs, Transformer, TransformerBlock
 from fullshard.testing import distributed

@@ -20,8 +20,8 @@ from fullshard import (
     full_state_dict,
     fully_shard,
 )
-from fullshard.state_dict.settings import unit_record
 from fullshard._core.unit import full_params
+from fullshard.state_dict.model import unit_record
 from fullshard.testing import distributed, full_value
 from fullshard.testing.models import CompositeParamModel, TransformerWithSharedParams, UnitModule
 from fullshard.wrap import ModuleWrapPolicy

@@ -41,14 +41,19 @@ class Break:
 
 
 M = "tests/conformance/test_matrix.py"
+# The reduce-scatter's issue, and a break that keeps this rank's chunk of its own gradient instead.
+REDUCE_SCATTER = (
+    '        self._work = call("reduce_scatter", self._label, scatter.collective, self._output, reduced, shard, op)\n'
+)
+KEEP_LOCAL_CHUNK = "        self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n        self._work = None\n"
 BREAKS: tuple[Break, ...] = (
     Break(
         "bf16_reduced_grads_zeroed",
         "fullshard/_core/reduce/reduction.py",
-        "        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
+        '        call("reduce_copy_out", self._label, self._on_done, self._output)\n',
         "        if self._output.dtype == torch.bfloat16:\n"
         "            self._output.zero_()\n"
-        "        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
+        '        call("reduce_copy_out", self._label, self._on_done, self._output)\n',
         (f"{M}::test_focus", "-k", "bf16"),
         "every gradient reduced in bf16 is zeroed (no training under bf16 reductions)",
     ),
@@ -114,8 +119,8 @@ BREAKS: tuple[Break, ...] = (
     Break(
         "reduce_scatter_keeps_local_chunk",
         "fullshard/_core/reduce/reduction.py",
-        "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
-        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
+        REDUCE_SCATTER,
+        KEEP_LOCAL_CHUNK,
         ("tests/test_torch_parity_autograd.py",),
         "the reduce-scatter replaced by keeping this rank's chunk of its own gradient (no communication)",
     ),
@@ -159,24 +164,24 @@ BREAKS: tuple[Break, ...] = (
     Break(
         "reduce_scatter_keeps_local_chunk_hsdp",
         "fullshard/_core/reduce/reduction.py",
-        "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
-        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
+        REDUCE_SCATTER,
+        KEEP_LOCAL_CHUNK,
         ("tests/test_wrapper_hybrid_shard.py::test_fsdp_hybrid_shard_parity", "-m", "not slow"),
         "the same break, against the HSDP parity test (its reference was our own FULL_SHARD: now torch's DDP)",
     ),
     Break(
         "reduced_grads_halved",
-        "fullshard/_core/reduction.py",
-        "        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
-        "        self._output.mul_(0.5)\n        call(self._labels.reduce_copy_out, self._on_done, self._output)\n",
+        "fullshard/_core/reduce/reduction.py",
+        '        call("reduce_copy_out", self._label, self._on_done, self._output)\n',
+        '        self._output.mul_(0.5)\n        call("reduce_copy_out", self._label, self._on_done, self._output)\n',
         ("tests/test_torch_parity_autograd.py",),
         "every reduced gradient halved (Adam's update barely moves: the SGD parity tests see it)",
     ),
     Break(
         "reduce_scatter_keeps_local_chunk_gpu_body",
-        "fullshard/_core/reduction.py",
-        "            self._work = call(label, comm.reduce_scatter, self._output, reduced, pg, op, True)\n",
-        "            self._output.copy_(reduced.view(shard.size, -1)[shard.rank])\n            self._work = None\n",
+        "fullshard/_core/reduce/reduction.py",
+        REDUCE_SCATTER,
+        KEEP_LOCAL_CHUNK,
         ("tests/test_gpu_ranks_dry.py::test_world_2_bodies_on_two_cpu_ranks",),
         "the same, against the world-2 GPU parity body (tests/gpu, dry-run on two CPU ranks)",
     ),

@@ -145,7 +145,7 @@ TARGETS: tuple[Target, ...] = (
         5,
     ),
     Target(
-        "fullshard/state_dict/model_hooks.py",
+        "fullshard/state_dict/model.py",
         ("_save_params", "_gathered", "_save_buffers_in_original_dtype", "_load_params"),
         (NEW, SD_MODEL),
         4,

@@ -98,7 +98,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
@@ -110,15 +109,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GroupInfo:
-    """A process group and this rank's place in it (size 1: no group needed)."""
+    """A process group and this rank's place in it (size 1: no group needed; a mesh's:
+    ``mesh.axis_group``)."""
 
     group: dist.ProcessGroup | None
     size: int
     rank: int
-
-    @staticmethod
-    def trivial() -> GroupInfo:
-        return GroupInfo(None, 1, 0)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -126,10 +122,6 @@ class GroupInfo:
         if self.group is None:
             raise AssertionError(f"a group of size {self.size} has no process group (rank {self.rank})")
         return self.group
-
-    @staticmethod
-    def of_mesh_axis(mesh: DeviceMesh, axis: int) -> GroupInfo:
-        return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
 
 
 @dataclass(frozen=True)

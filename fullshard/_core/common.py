@@ -1,4 +1,4 @@
-"""Small types shared across the engine: training states, where a parameter is registered, casts."""
+"""Small types shared across the engine: training states, module attributes, casts of nested tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,36 +20,6 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # inside the module's forward
     PRE_BACKWARD = enum.auto()  # backward reached the module's outputs; grads pending
     POST_BACKWARD = enum.auto()  # the module's gradients were handed to reduction
-
-
-@dataclass
-class ParamModuleInfo:
-    """Where a parameter is registered: its owner and any module sharing it.
-
-    Swapping sharded <-> unsharded parameters must update every registration,
-    or a tied weight would silently untie.
-    """
-
-    module: nn.Module
-    param_name: str
-    shared_modules: list[nn.Module] = field(default_factory=list)
-    shared_param_names: list[str] = field(default_factory=list)
-
-    def owners(self) -> list[tuple[nn.Module, str]]:
-        """Every (module, name) registering the parameter, its owner first."""
-        return [(self.module, self.param_name), *zip(self.shared_modules, self.shared_param_names)]
-
-
-def module_class_name(module: nn.Module) -> str:
-    """The user's class name, also after fully_shard swapped the class or a front
-    end's wrapper stands in front of it (a wrapper class names the child it wraps
-    in ``_fullshard_wrapped_name``)."""
-    wrapped_name = getattr(type(module), "_fullshard_wrapped_name", None)
-    wrapped = getattr(module, "_modules", {}).get(wrapped_name) if wrapped_name else None
-    if wrapped is not None:
-        return module_class_name(wrapped)
-    cls = type(module)
-    return getattr(cls, "_fullshard_original_class", cls).__name__
 
 
 def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

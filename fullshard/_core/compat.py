@@ -9,7 +9,8 @@ version. The private names used elsewhere are the same in every supported
 version: ``DTensor._local_tensor`` (the local tensor itself, where
 ``to_local()`` returns an autograd view), ``torch._foreach_copy_``, ``torch._foreach_zero_``,
 ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch.utils._pytree``,
-``torch._chunk_cat``, ``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
+``torch._chunk_cat``, ``DTensorSpec`` / ``TensorMeta`` (a DTensor around a local tensor as it is),
+``torch.autograd._unsafe_preserve_version_counter``, ``torch._C._current_graph_task_id``
 (is backward running: recomputation), ``torch._C._DisableFuncTorch`` (buffer
 transitions under ``torch.func.jvp``), ``torch._C._autograd._profiler_enabled``
 (profiler labels only while one runs) and ``distributed_c10d._world`` (its ``default_pg``:
@@ -28,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -41,10 +41,8 @@ __all__ = [
     "StridedShard",
     "backend_device_types",
     "concatenate_meshes",
-    "dtensor_of_local",
     "dtensor_with_spec",
     "local_region",
-    "native_device_type",
     "set_grad_dtype",
 ]
 
@@ -82,35 +80,6 @@ def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
     if ":" in backend:
         return [part.split(":")[0] for part in backend.split(",")]
     return list(dist.Backend.backend_capability.get(backend.lower(), ["cpu"]))
-
-
-def native_device_type(group: dist.ProcessGroup, device_type: str) -> bool:
-    """Whether ``group`` communicates on ``device_type`` natively: through the backend
-    a mixed string names for it, else through a backend whose own device it is (NCCL
-    for CUDA; gloo takes CUDA tensors only by staging them in host memory)."""
-    backend = str(dist.get_backend(group)).lower()
-    if ":" in backend:
-        named = dict(part.split(":") for part in backend.split(","))
-        backend = named.get(device_type, "")
-    types = dist.Backend.backend_capability.get(backend, [])
-    return device_type in types if device_type == "cpu" else types[:1] == [device_type]
-
-
-def dtensor_of_local(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: Sequence[Placement],
-    shape: torch.Size,
-    stride: tuple[int, ...],
-) -> DTensor:
-    """A DTensor around ``local`` exactly as it is, with no copy and no device move.
-
-    ``DTensor.from_local`` moves a local tensor to the mesh's device type, which
-    would put CPU-offloaded shards (host memory under a CUDA mesh) on the GPU
-    and make the parameter a copy of its buffer region instead of a view.
-    """
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return dtensor_with_spec(local, spec, requires_grad=False)
 
 
 def same_groups(a: DeviceMesh, b: DeviceMesh) -> bool:

@@ -34,14 +34,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..api import CPUOffloadPolicy
 from . import comm
 from .comm import GroupInfo
-from .common import ParamModuleInfo, module_class_name
-from .gather import ShardParam, UnitSpec, is_tensor_subclass
+from .gather import ParamModuleInfo, ShardParam, UnitSpec, is_tensor_subclass
 from .layout import ROW_SHARDS, ShardLayout, flat_shards
 from .mesh import MeshInfo, post_forward_group, validate_mesh_backend
 from .presentation import DTENSOR_SHARDS
 from .settings import UnitConfig, UnitSettings
-from .step import ModuleState, get_state
-from .trace import unit_labels
+from .step import ModuleState, get_state, module_class_name
+from .trace import ROOT
 from .unit import ParamGroup
 
 
@@ -181,7 +180,7 @@ def unit_spec(
         keep_low_precision_grads=config.keep_low_precision_grads,
         shard_layout=shard_layout,
         name=name,
-        labels=unit_labels(""),
+        label=ROOT,
     )
 
 

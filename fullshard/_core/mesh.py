@@ -20,8 +20,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from . import comm, compat
+from . import comm
 from .comm import GroupInfo
+
+
+def axis_group(mesh: DeviceMesh, axis: int | None) -> GroupInfo:
+    """The group of ``mesh``'s dim ``axis`` and this rank's place in it; no axis: this rank alone."""
+    if axis is None:
+        return GroupInfo(None, 1, 0)
+    return GroupInfo(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
 
 
 class MeshInfo:
@@ -31,10 +38,8 @@ class MeshInfo:
         self.mesh = mesh
         self.shard_axis = shard_axis
         self.replicate_axis = replicate_axis
-        self.shard = GroupInfo.of_mesh_axis(mesh, shard_axis) if shard_axis is not None else GroupInfo.trivial()
-        self.replicate = (
-            GroupInfo.of_mesh_axis(mesh, replicate_axis) if replicate_axis is not None else GroupInfo.trivial()
-        )
+        self.shard = axis_group(mesh, shard_axis)
+        self.replicate = axis_group(mesh, replicate_axis)
         # Facts every unit and parameter over this mesh reads, fixed once: the device its tensors live
         # on, and a plain (non-TP) parameter shard's placements.
         self.device = device_of_mesh(mesh)
@@ -98,7 +103,7 @@ def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str) -> None:
     """
     kind = mesh_info.mesh.device_type
     for info in (mesh_info.shard, mesh_info.replicate):
-        if info.group is None or compat.native_device_type(info.group, kind):
+        if info.group is None or _communicates_natively(info.group, kind):
             continue
         backend = dist.get_backend(info.group)
         fix = (
@@ -110,6 +115,18 @@ def validate_mesh_backend(mesh_info: MeshInfo, owner: str, api: str) -> None:
             f"{api} expects a mesh whose process group communicates on its device, but {owner} got a "
             f"{kind} mesh over the {backend} backend; {fix}"
         )
+
+
+def _communicates_natively(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether ``group`` communicates on ``device_type`` natively: through the backend
+    a mixed string names for it, else through a backend whose own device it is (NCCL
+    for CUDA; gloo takes CUDA tensors only by staging them in host memory)."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        named = dict(part.split(":") for part in backend.split(","))
+        backend = named.get(device_type, "")
+    types = dist.Backend.backend_capability.get(backend, [])
+    return device_type in types if device_type == "cpu" else types[:1] == [device_type]
 
 
 def post_forward_group(mesh_info: MeshInfo, reshard_after_forward: int) -> GroupInfo:
@@ -127,7 +144,7 @@ def post_forward_group(mesh_info: MeshInfo, reshard_after_forward: int) -> Group
             ranks = mesh_info.mesh.mesh.reshape(-1, reshard_after_forward)
             sub_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
         cache[reshard_after_forward] = sub_mesh
-    return GroupInfo.of_mesh_axis(sub_mesh, 1)
+    return axis_group(sub_mesh, 1)
 
 
 def devices_per_node() -> int:

@@ -30,7 +30,7 @@ from torch.distributed._shard.sharding_spec import ShardMetadata
 from .._core.step import ModuleState
 from .._core.unit import ParamGroup
 from ..api import StateDictType
-from .settings import UnitStateDict, unit_record
+from .model import UnitStateDict, unit_record
 from .sharded_tensor import full_tensor, same_shards, shard_entry, sharded_tensor
 
 

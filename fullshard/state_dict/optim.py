@@ -30,7 +30,7 @@ from .._core.manage import states_below
 from .._core.unit import ParamGroup, buffer_param, full_params
 from .._names import state_dict_name
 from ..api import StateDictType
-from .settings import default_settings, get_state_dict_type, rank0_only, unit_record
+from .model import default_settings, get_state_dict_type, rank0_only, unit_record
 from .sharded_tensor import as_fsdp1_optim_state, loadable
 
 Entry = tuple[str, ShardParam | None, ParamGroup | None]

@@ -21,8 +21,7 @@ from .all_gather import (
     split_views,
 )
 from .buffers import UnitBuffers
-from .extension import is_tensor_subclass
-from .param import ShardParam
+from .param import ParamModuleInfo, ShardParam, is_tensor_subclass
 from .spec import UnitSpec
 
 __all__ = [
@@ -30,6 +29,7 @@ __all__ = [
     "AllGatherInFlight",
     "BucketKey",
     "GatherInput",
+    "ParamModuleInfo",
     "PostForwardShard",
     "ShardParam",
     "UnitBuffers",

@@ -167,7 +167,7 @@ class AllGather:
         issued (see [Note: Streams] in offload.py)."""
         return offload.on_stream(self.device, offload.ALL_GATHER) if self.side_streams else offload.IN_ORDER
 
-    def input(self, labels: trace.UnitLabels, group: GroupInfo) -> GatherInput:
+    def input(self, label: str, group: GroupInfo) -> GatherInput:
         """This rank's shards on the compute device, in the gather dtype (copy-in),
         and their layout. A copy-in for a plain gather over several ranks goes
         straight into this rank's row of the gather output (``GatherInput.output``):
@@ -176,7 +176,7 @@ class AllGather:
         buffers = self.buffers
         shard_buffer, gather_layout = buffers.shard_buffer, buffers.gather_layout
         if buffers.extended:
-            return GatherInput(*self._input_with_extensions(labels), group)
+            return GatherInput(*self._input_with_extensions(label), group)
         wire = self.settings.gather_wire
         if shard_buffer.device == self.device and (not buffers.needs_cast or self._encode_casts(wire, group)):
             return GatherInput(shard_buffer, gather_layout, group)
@@ -186,7 +186,7 @@ class AllGather:
             staged = output[group.rank]
         else:
             staged = torch.empty(gather_layout.total, dtype=gather_layout.dtype, device=self.device)
-        with self._copy_stream(), trace.span(labels.all_gather_copy_in):
+        with self._copy_stream(), trace.span("all_gather_copy_in", label):
             self.copy_in(staged)
         return GatherInput(staged, gather_layout, group, output)
 
@@ -210,12 +210,12 @@ class AllGather:
         buffers = self.buffers
         return not wire.as_is and group.size > 1 and buffers.gather_layout.lines_up(buffers.storage_layout)
 
-    def _input_with_extensions(self, labels: trace.UnitLabels) -> tuple[torch.Tensor, Layout]:
+    def _input_with_extensions(self, label: str) -> tuple[torch.Tensor, Layout]:
         """The plain shards (cast) then every extension's inputs, packed as bytes
         (see [Note: Gather extensions])."""
         buffers, params = self.buffers, self.params
         plain = [(i, p) for i, p in enumerate(params) if p.extension is None]
-        with self._copy_stream(), trace.span(labels.all_gather_copy_in):
+        with self._copy_stream(), trace.span("all_gather_copy_in", label):
             inputs = [t for p in buffers.extended for t in _extension(p).inputs(p.local_shard, buffers.mp_policy)]
             layout = Layout.build(
                 [p.buffer_numel for p in params] + [t.numel() for t in inputs],
@@ -232,26 +232,26 @@ class AllGather:
             )
         return staged, layout
 
-    def start(self, gather_input: GatherInput, async_op: bool, labels: trace.UnitLabels) -> AllGatherInFlight:
+    def start(self, gather_input: GatherInput, async_op: bool, label: str) -> AllGatherInFlight:
         """Issues the collective over ``gather_input.group`` (none for a group of one)."""
         source, layout, group, output = gather_input
         extended = self.buffers.extended
         if group.size == 1:
             return AllGatherInFlight(None, source, source, layout, 1, extended)
         if not self.side_streams:
-            return self._issue(gather_input, async_op, labels)
-        return offload.run_on_stream(self.device, offload.ALL_GATHER, self._issue, gather_input, async_op, labels)
+            return self._issue(gather_input, async_op, label)
+        return offload.run_on_stream(self.device, offload.ALL_GATHER, self._issue, gather_input, async_op, label)
 
-    def _issue(self, gather_input: GatherInput, async_op: bool, labels: trace.UnitLabels) -> AllGatherInFlight:
+    def _issue(self, gather_input: GatherInput, async_op: bool, label: str) -> AllGatherInFlight:
         """``start``'s work on the copy stream, after the copy-in: the wire's steps (see [Note: Wires])."""
         source, layout, group, output = gather_input
         wire = self.settings.gather_wire
         if output is None:  # else the copy-in wrote this rank's chunk into its row of the output
             numel = wire.wire_numel(layout, source.numel())
             output = wire.allocate(group.size, numel, wire.wire_dtype(source.dtype), self.device)
-            source = self._encode(wire, source, layout, output, group, labels)
+            source = self._encode(wire, source, layout, output, group, label)
         # Flat: with the input in the output's row, the in-place form every backend takes.
-        work = trace.call(labels.all_gather, wire.collective, output.view(-1), source, group, async_op)
+        work = trace.call("all_gather", label, wire.collective, output.view(-1), source, group, async_op)
         return AllGatherInFlight(work, source, output, layout, group.size, self.buffers.extended, wire)
 
     def _encode(
@@ -261,27 +261,27 @@ class AllGather:
         layout: Layout,
         output: torch.Tensor | None,
         group: GroupInfo,
-        labels: trace.UnitLabels,
+        label: str,
     ) -> torch.Tensor:
         """What goes on the wire for ``source`` (see ``GatherWire.encode``), under its profiler label."""
         if wire.as_is:
             return source  # nothing to encode: no label to enter
-        with trace.span(labels.all_gather_quantize):
+        with trace.span("all_gather_quantize", label):
             return wire.encode(source, layout, output, group)
 
-    def join(self, gather_input: GatherInput, labels: trace.UnitLabels) -> None:
+    def join(self, gather_input: GatherInput, label: str) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
         source, layout, group, _ = gather_input
         if group.size > 1:
             with self._copy_stream():
-                source = self._encode(self.settings.gather_wire, source, layout, None, group, labels)
+                source = self._encode(self.settings.gather_wire, source, layout, None, group, label)
                 scratch = torch.empty(source.numel() * group.size, dtype=source.dtype, device=self.device)
                 comm.all_gather(scratch, source, group.process_group, async_op=False)
             if self.side_streams:
                 offload.join_stream(self.device, offload.ALL_GATHER)
 
-    def copy_out(self, in_flight: AllGatherInFlight, labels: trace.UnitLabels) -> None:
+    def copy_out(self, in_flight: AllGatherInFlight, label: str) -> None:
         """Waits for ``in_flight`` and fills the unsharded parameters' storage (and
         the extensions' outputs, from which their parameters are then rebuilt)."""
         if in_flight.work is not None:
@@ -292,7 +292,7 @@ class AllGather:
         if targets is None or not targets.serves(in_flight):
             targets = self._targets = self._plain_targets(in_flight)
         if targets is not None:
-            trace.call(labels.copy_out, targets.fill, in_flight.output)
+            trace.call("copy_out", label, targets.fill, in_flight.output)
             return
         padded = [p.unsharded_storage(self.device) if p.extension is None else self._no_region() for p in self.params]
         views = split_views(self.params, padded)
@@ -306,11 +306,11 @@ class AllGather:
         restored = (*padded, *refreshed)
         versions = tuple(tensor._version for tensor in restored)
         wire, output, num_chunks, layout = in_flight.wire, in_flight.output, in_flight.num_chunks, in_flight.layout
-        with torch.no_grad(), trace.span(labels.copy_out):
+        with torch.no_grad(), trace.span("copy_out", label):
             if wire.as_is:
                 wire.decode(output, num_chunks, layout, padded, views)
             else:
-                with trace.span(labels.all_gather_dequantize):
+                with trace.span("all_gather_dequantize", label):
                     wire.decode(output, num_chunks, layout, padded, views)
             for param in in_flight.extended:
                 param.rebuild_unsharded()
@@ -381,7 +381,7 @@ class _SharedWork:
         return True
 
 
-def gather_bucket(gathers: list[AllGather], group: GroupInfo, labels: trace.UnitLabels) -> list[AllGatherInFlight]:
+def gather_bucket(gathers: list[AllGather], group: GroupInfo, label: str) -> list[AllGatherInFlight]:
     """Issues one all-gather for ``gathers`` (keys equal, see ``bucket_key``) over ``group``,
     asynchronously; returns each unit's in-flight gather, its output the unit's columns."""
     device = gathers[0].device
@@ -392,9 +392,9 @@ def gather_bucket(gathers: list[AllGather], group: GroupInfo, labels: trace.Unit
     output = torch.empty(group.size, starts[-1], dtype=layouts[0].dtype, device=device)
     row = output[group.rank]
     if gathers[0].side_streams:
-        work = offload.run_on_stream(device, offload.ALL_GATHER, _issue, gathers, starts, output, row, group, labels)
+        work = offload.run_on_stream(device, offload.ALL_GATHER, _issue, gathers, starts, output, row, group, label)
     else:
-        work = _issue(gathers, starts, output, row, group, labels)
+        work = _issue(gathers, starts, output, row, group, label)
     shared = _SharedWork(work)
     return [
         AllGatherInFlight(shared, row[start:stop], output[:, start:stop], layout, group.size)
@@ -408,13 +408,13 @@ def _issue(
     output: torch.Tensor,
     row: torch.Tensor,
     group: GroupInfo,
-    labels: trace.UnitLabels,
+    label: str,
 ) -> comm.Waitable | None:
     """``gather_bucket``'s work on the copy stream: every copy-in, then the collective."""
-    with trace.span(labels.all_gather_copy_in):
+    with trace.span("all_gather_copy_in", label):
         if any(g.buffers.needs_cast or g.buffers.shard_buffer.device != row.device for g in gathers):
             for gather, start, stop in zip(gathers, starts, starts[1:]):
                 gather.copy_in(row[start:stop])
         else:  # one op for the whole bucket
             torch.cat([g.buffers.shard_buffer for g in gathers], out=row)
-    return trace.call(labels.all_gather, PLAIN_GATHER_WIRE.collective, output.view(-1), row, group, True)
+    return trace.call("all_gather", label, PLAIN_GATHER_WIRE.collective, output.view(-1), row, group, True)

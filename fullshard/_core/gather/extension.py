@@ -57,11 +57,6 @@ class GatherExtension(Protocol):
     def free(self) -> None: ...
 
 
-def is_tensor_subclass(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (a parameter's data, detached) is of a type with its own behaviour."""
-    return type(tensor) not in (torch.Tensor, nn.Parameter)
-
-
 def has_gather_hooks(tensor: torch.Tensor) -> bool:
     return callable(getattr(tensor, "fsdp_pre_all_gather", None)) and callable(
         getattr(tensor, "fsdp_post_all_gather", None)

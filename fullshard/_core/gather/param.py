@@ -20,21 +20,59 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import comm, compat
-from ..common import ParamModuleInfo, set_module_tensor
+from ..common import set_module_tensor
 from ..mesh import MeshInfo
 from ..presentation import DTENSOR_SHARDS, DTensorShards
-from .extension import GatherExtension, TensorHooks, is_tensor_subclass, shard_subclass
+from .extension import GatherExtension, TensorHooks, shard_subclass
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+@dataclass
+class ParamModuleInfo:
+    """Where a parameter is registered: its owner and any module sharing it.
+
+    Swapping sharded <-> unsharded parameters must update every registration,
+    or a tied weight would silently untie.
+    """
+
+    module: nn.Module
+    param_name: str
+    shared_modules: list[nn.Module] = field(default_factory=list)
+    shared_param_names: list[str] = field(default_factory=list)
+
+    def owners(self) -> list[tuple[nn.Module, str]]:
+        """Every (module, name) registering the parameter, its owner first."""
+        return [(self.module, self.param_name), *zip(self.shared_modules, self.shared_param_names)]
+
+
+def is_tensor_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter's data, detached) is of a type with its own behaviour."""
+    return type(tensor) not in (torch.Tensor, nn.Parameter)
+
+
+def dtensor_of_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """A DTensor around ``local`` exactly as it is, with no copy and no device move.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device type, which
+    would put CPU-offloaded shards (host memory under a CUDA mesh) on the GPU
+    and make the parameter a copy of its buffer region instead of a view.
+    """
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return compat.dtensor_with_spec(local, spec, requires_grad=False)
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -224,7 +262,7 @@ class ShardParam:
 
     def _init_whole_mesh(self, param: DTensor) -> torch.Tensor:
         """A DTensor on the whole SPMD mesh (``dp_mesh_dims``), replicated on the
-        data-parallel dims (``fullshard/fully_shard_mesh.py`` raises for others): the shard keeps that mesh
+        data-parallel dims (``fully_shard``'s ``resolve_mesh`` raises for others): the shard keeps that mesh
         and its dims' order, and the data-parallel shard dim splits the local
         tensor's dim 0."""
         spec = param._spec
@@ -377,7 +415,7 @@ class ShardParam:
             spec = sharded._spec
             if spec.mesh is self.spmd_mesh or compat.same_groups(spec.mesh, self.spmd_mesh):
                 return compat.dtensor_with_spec(local, spec, requires_grad=False)
-        return compat.dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
+        return dtensor_of_local(local, self.spmd_mesh, self.placements, self.global_size, self.global_stride)
 
     def shard_from_full(self, value: torch.Tensor) -> DTensor:
         """``value`` (the full parameter, or a DTensor of any layout) as this

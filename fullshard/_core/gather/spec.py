@@ -8,13 +8,12 @@ full-parameter I/O, logging) reads the spec and the buffers, not the unit:
 the unit (``unit/group.py``) keeps only its lifecycle state (sharded or
 not, where it is in the step, run-time settings). The one thing learnt later
 is the name: the root's lazy init knows the module's path in the model and
-replaces the spec with ``named`` (a new spec; readers holding the old one are
-told).
+replaces the spec with a named copy (``ParamGroup.set_names``; readers holding
+the old one are told).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,6 @@ from ...api import MixedPrecisionPolicy
 from ..layout import ShardLayout
 from ..mesh import MeshInfo
 from ..presentation import DTensorShards
-from ..trace import UnitLabels, unit_labels
 from .param import ShardParam
 
 
@@ -45,8 +43,4 @@ class UnitSpec:
     # The unit's name in messages: its module's path in the model once the root's lazy init
     # ran, else (and for the root, whose path is "") the module's class name.
     name: str
-    labels: UnitLabels  # profiler labels (see [Note: Profiler labels])
-
-    def named(self, path: str) -> UnitSpec:
-        """This spec for the unit managing the module at ``path`` ("" for the root)."""
-        return dataclasses.replace(self, name=path or self.name, labels=unit_labels(path))
+    label: str  # its name in profiler labels: the module's path, or trace.ROOT (see [Note: Profiler labels])

@@ -63,7 +63,7 @@ from ..gather import ShardParam, UnitBuffers, UnitSpec
 from ..layout import ROW_SHARDS, ShardLayout
 from ..mesh import MeshInfo
 from ..settings import ReduceSettings
-from ..trace import UnitLabels, call, span, unit_labels
+from ..trace import ROOT, call, span
 
 
 def _averaging(dtype: torch.dtype, world: int, sum_only: bool = False) -> tuple[dist.ReduceOp.RedOpType, float, float]:
@@ -224,13 +224,13 @@ class GradReduction:
         grads: list[torch.Tensor],
         plan: ReductionPlan,
         on_done: Callable[[torch.Tensor], None],
-        labels: UnitLabels | None = None,
+        label: str = ROOT,
         spare: SpareInput | None = None,
     ) -> None:
-        """``labels``: the unit's profiler labels (see [Note: Profiler labels]); ``spare``: where
+        """``label``: the unit's name in profiler labels (see [Note: Profiler labels]); ``spare``: where
         the reduce-scatter input comes from and goes back to (see the Note)."""
         settings, shard, reduce_dtype, final = plan.settings, plan.shard, plan.reduce_dtype, plan.final
-        self._labels = labels or unit_labels("")
+        self._label = label
         self._on_done = on_done
         self._stages: list[Callable[[], None]] = []
         self._work: comm.Waitable | None = None
@@ -257,9 +257,9 @@ class GradReduction:
                 reused = scatter.allocate(shard.size * total, reduce_dtype, device)
             reduced = reused
         if not plan.shard_layout.flat:
-            call(self._labels.reduce_copy_in, chunk_cat, grads, reduced.view(shard.size, -1), plan.shard_dims)
+            call("reduce_copy_in", self._label, chunk_cat, grads, reduced.view(shard.size, -1), plan.shard_dims)
         else:
-            call(self._labels.reduce_copy_in, flat_cat, grads, reduced)
+            call("reduce_copy_in", self._label, flat_cat, grads, reduced)
         self._final_divide = 1.0
         if settings.comm_hook is not None:
             hook, state = settings.comm_hook
@@ -290,7 +290,7 @@ class GradReduction:
     def _reduce_scatter(self, shard: GroupInfo, reduced: torch.Tensor, scatter: ScatterWire) -> None:
         op = self._averaging_op(shard, reduced)
         self._in_flight = (self._output, reduced)
-        self._work = call(self._labels.reduce_scatter, scatter.collective, self._output, reduced, shard, op)
+        self._work = call("reduce_scatter", self._label, scatter.collective, self._output, reduced, shard, op)
         if scatter.reuses_inputs:
             self._spare_on_wait = reduced
 
@@ -299,7 +299,7 @@ class GradReduction:
             self._output.add_(partial)
         op = self._averaging_op(replicate, self._output)
         self._in_flight = (self._output,)
-        with span(self._labels.all_reduce):
+        with span("all_reduce", self._label):
             self._work = comm.all_reduce(self._output, replicate.process_group, op, async_op=True)
 
     def _averaging_op(self, group: GroupInfo, reduced: torch.Tensor) -> dist.ReduceOp.RedOpType:
@@ -338,7 +338,7 @@ class GradReduction:
             self._post_reduce_hook(self._output)
         if self._final_divide != 1.0:
             self._output.div_(self._final_divide)
-        call(self._labels.reduce_copy_out, self._on_done, self._output)
+        call("reduce_copy_out", self._label, self._on_done, self._output)
         return True
 
 
@@ -490,7 +490,7 @@ class GradIntake:
             params, grads, partial = self._take_partial(params, grads)
         plan = plan_reduction(params, spec.mesh_info, settings, self.buffers.reduce_dtype, partial, spec.shard_layout)
         on_done = self._keep_partial if partial_only else self._accept
-        reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.labels, queue.spare)
+        reduction = GradReduction(grads, plan, lambda output: on_done(params, output), spec.label, queue.spare)
         del grads  # the copy-in holds them now; free the unsharded gradients
         queue.submit(reduction)
 

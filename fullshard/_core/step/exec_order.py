@@ -23,7 +23,6 @@ and its units reduce without a gate (``CheckedSchedule`` below is the DETAIL one
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple, cast
@@ -34,8 +33,7 @@ import torch.distributed as dist
 from .. import comm
 from ..common import TrainingState
 from ..gather import ShardParam
-from ..mesh import MeshInfo
-from ..unit import ParamGroup, outside_transforms
+from ..unit import ParamGroup
 from .schedule import Schedule
 
 
@@ -53,10 +51,6 @@ class Agreed(NamedTuple):
 
     unit: int
     names: list[str]
-
-
-def validation_enabled() -> bool:
-    return dist.is_initialized() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
 class ExecOrderValidator:
@@ -200,79 +194,3 @@ def _join_reduction(unit: ParamGroup, names: list[str]) -> None:
     if unit.training_state is TrainingState.IDLE:
         unit.training_state = TrainingState.POST_BACKWARD  # it will not run here this time
     unit.grads.submit(params, grads)
-
-
-# [Note: Ranks agree on the model]
-# Ranks that built different models, or sharded the same one differently, issue
-# collectives of different sizes: gloo aborts the process ("Received data size
-# doesn't match"), NCCL hangs or reads garbage. At the root's lazy init, before
-# the first all-gather, the ranks of the root unit's groups compare a digest of
-# every unit they manage (its path, its parameters' names, shapes and dtypes,
-# its resharding and mixed-precision settings); on a mismatch they exchange the
-# full descriptions and every rank raises, naming the first unit and the two
-# ranks that differ. One small collective per group, once per root. Units over
-# other ranks than the root unit's (experts on a sub-mesh of their own) are left
-# out: there the ranks of the root's groups may rightly hold different units.
-
-
-def _first_difference(ours: list[tuple], theirs: list[tuple], rank: int, other_rank: int) -> str:
-    """The first unit where two ranks' descriptions differ, in words."""
-    on = f"on rank {rank}", f"on rank {other_rank}"
-    for index in range(max(len(ours), len(theirs))):
-        if index >= len(ours) or index >= len(theirs):
-            longer, where = (theirs, on[1]) if len(theirs) > len(ours) else (ours, on[0])
-            return f"unit {longer[index][0]!r} (and any after it) is sharded {where} only"
-        (name, params, settings), (other_name, other_params, other_settings) = ours[index], theirs[index]
-        if name != other_name:
-            return f"the units' order reaches {name!r} {on[0]} where it reaches {other_name!r} {on[1]}"
-        if params != other_params:
-            for mine, other in zip(params, other_params):
-                if mine != other:
-                    return f"unit {name!r} holds {_param(mine)} {on[0]} and {_param(other)} {on[1]}"
-            return f"unit {name!r} holds {len(params)} parameters {on[0]} and {len(other_params)} {on[1]}"
-        if settings != other_settings:
-            mine, other = next((a, b) for a, b in zip(settings, other_settings) if a != b)
-            return f"unit {name!r} has {mine} {on[0]} and {other} {on[1]}"
-    return "their units differ"
-
-
-def _param(description: tuple) -> str:
-    fqn, shape, dtype = description
-    return f"{fqn} {list(shape)} {dtype}"
-
-
-def on_the_same_ranks(mesh_info: MeshInfo, other: MeshInfo) -> bool:
-    """Whether two units' shard and replicate groups span the same ranks."""
-
-    def ranks(group: dist.ProcessGroup | None) -> list[int]:
-        return [] if group is None else dist.get_process_group_ranks(group)
-
-    return all(
-        ranks(mine.group) == ranks(theirs.group)
-        for mine, theirs in ((mesh_info.shard, other.shard), (mesh_info.replicate, other.replicate))
-    )
-
-
-@outside_transforms  # a lazy init under torch.func.jvp: the object collectives' tensors stay plain
-def check_ranks_agree_on_units(root_name: str, mesh_info: MeshInfo, ours: list[tuple]) -> None:
-    """See [Note: Ranks agree on the model]. ``ours``: each unit's ``ParamGroup.describe()``,
-    in the root's order; ``mesh_info``: the root unit's.
-
-    Raises:
-        RuntimeError: on every rank of a group whose ranks differ.
-    """
-    digest = hashlib.sha1(repr(ours).encode()).hexdigest()
-    for info in (mesh_info.shard, mesh_info.replicate):
-        group = info.group
-        if info.size == 1 or group is None or dist.get_backend(group) == "fake":
-            continue
-        if comm.first_disagreement(digest, group) is None:
-            continue
-        every = comm.all_gather_objects(ours, group)
-        other = next(index for index, theirs in enumerate(every) if theirs != every[0])
-        first, other_rank = dist.get_global_rank(group, 0), dist.get_global_rank(group, other)
-        raise RuntimeError(
-            f"the ranks sharded different models under {root_name}: ranks {first} and {other_rank} differ "
-            f"({_first_difference(every[0], every[other], first, other_rank)}). Every rank must build the same "
-            "model and apply fully_shard (or FullyShardedDataParallel) to the same modules with the same settings"
-        )

@@ -1,5 +1,7 @@
 """Per-module state and hooks (forward/backward transitions), the root's lazy init
-and what the units under one root share (its context), and the lazy init's log.
+(with the check that the ranks sharded the same model, [Note: Ranks agree on the
+model] below), what the units under one root share (its context), and the lazy
+init's log.
 
 [Note: One step]
 root pre-forward: lazy init (once) -> for each unit: the schedule's
@@ -38,6 +40,7 @@ reduce-scatter, the shard for an all-reduce).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 import weakref
@@ -45,17 +48,31 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .. import offload
-from ..common import TrainingState, cast_floating, flatten_tensors, map_tensors, module_class_name
+from .. import comm, offload
+from ..common import TrainingState, cast_floating, flatten_tensors, map_tensors
 from ..mesh import MeshInfo
 from ..reduce import ReductionQueue
 from ..settings import UnitConfig
-from ..unit import ParamGroup, UnitUse
-from .exec_order import CheckedSchedule, check_ranks_agree_on_units, on_the_same_ranks, validation_enabled
+from ..unit import ParamGroup, UnitUse, outside_transforms
+from .exec_order import CheckedSchedule
 from .schedule import Schedule, ScheduledState
+
+
+def module_class_name(module: nn.Module) -> str:
+    """The user's class name, also after fully_shard swapped the class or a front
+    end's wrapper stands in front of it (a wrapper class names the child it wraps
+    in ``_fullshard_wrapped_name``)."""
+    wrapped_name = getattr(type(module), "_fullshard_wrapped_name", None)
+    wrapped = getattr(module, "_modules", {}).get(wrapped_name) if wrapped_name else None
+    if wrapped is not None:
+        return module_class_name(wrapped)
+    cls = type(module)
+    return getattr(cls, "_fullshard_original_class", cls).__name__
+
 
 # Weak both ways: a module keeps its state alive through the hooks it holds (the
 # state's methods), and the state holds its modules; a strong value here would keep
@@ -167,7 +184,8 @@ class ModuleState:
                 state.is_root = False
             states.append(state)
         self._init_names()  # first: the units' names are in what adopt checks
-        self.ctx.adopt(list(states), validate=validation_enabled(), root_name=self.name)
+        validate = dist.is_initialized() and dist.get_debug_level() == dist.DebugLevel.DETAIL  # [Note: Execution order]
+        self.ctx.adopt(list(states), validate=validate, root_name=self.name)
         for state in states:
             state.ctx = self.ctx
         if self.config.cast_root_inputs and self._cast_inputs_to is None:
@@ -384,12 +402,12 @@ class ContextState(ScheduledState, Protocol):
 
 class RootContext:
     """See the module docstring. A module's context before its root's lazy init holds only what
-    the user set on it; the schedule and the reduction queue are made when a root adopts its units."""
+    the user set on it and an empty reduction queue; the schedule is made when a root adopts its units."""
 
     schedule: Schedule
-    reductions: ReductionQueue
 
     def __init__(self) -> None:
+        self.reductions = ReductionQueue()
         self.all_states: list[ContextState] = []
         self.iteration_root: ContextState | None = None
         self.end_of_backward_queued = False
@@ -407,7 +425,6 @@ class RootContext:
         rank agrees on them (see [Note: Ranks agree on the model]); ``validate``: check the
         execution order (see [Note: Execution order])."""
         self.all_states = states
-        self.reductions = ReductionQueue()
         self.schedule = Schedule(self.queue_end_of_backward)
         # Only a unit over several modules can end a forward with some not run (see finish_forward_pass).
         self._grouped_states = [s for s in states if len(s.modules) > 1]
@@ -544,3 +561,79 @@ def _log_unit(group: ParamGroup) -> None:
         reduce_bytes * shard.size if shard.size > 1 and grad_numel else 0,
         reduce_bytes if replicate.size > 1 and grad_numel else 0,
     )
+
+
+# [Note: Ranks agree on the model]
+# Ranks that built different models, or sharded the same one differently, issue
+# collectives of different sizes: gloo aborts the process ("Received data size
+# doesn't match"), NCCL hangs or reads garbage. At the root's lazy init, before
+# the first all-gather, the ranks of the root unit's groups compare a digest of
+# every unit they manage (its path, its parameters' names, shapes and dtypes,
+# its resharding and mixed-precision settings); on a mismatch they exchange the
+# full descriptions and every rank raises, naming the first unit and the two
+# ranks that differ. One small collective per group, once per root. Units over
+# other ranks than the root unit's (experts on a sub-mesh of their own) are left
+# out: there the ranks of the root's groups may rightly hold different units.
+
+
+def _first_difference(ours: list[tuple], theirs: list[tuple], rank: int, other_rank: int) -> str:
+    """The first unit where two ranks' descriptions differ, in words."""
+    on = f"on rank {rank}", f"on rank {other_rank}"
+    for index in range(max(len(ours), len(theirs))):
+        if index >= len(ours) or index >= len(theirs):
+            longer, where = (theirs, on[1]) if len(theirs) > len(ours) else (ours, on[0])
+            return f"unit {longer[index][0]!r} (and any after it) is sharded {where} only"
+        (name, params, settings), (other_name, other_params, other_settings) = ours[index], theirs[index]
+        if name != other_name:
+            return f"the units' order reaches {name!r} {on[0]} where it reaches {other_name!r} {on[1]}"
+        if params != other_params:
+            for mine, other in zip(params, other_params):
+                if mine != other:
+                    return f"unit {name!r} holds {_param(mine)} {on[0]} and {_param(other)} {on[1]}"
+            return f"unit {name!r} holds {len(params)} parameters {on[0]} and {len(other_params)} {on[1]}"
+        if settings != other_settings:
+            mine, other = next((a, b) for a, b in zip(settings, other_settings) if a != b)
+            return f"unit {name!r} has {mine} {on[0]} and {other} {on[1]}"
+    return "their units differ"
+
+
+def _param(description: tuple) -> str:
+    fqn, shape, dtype = description
+    return f"{fqn} {list(shape)} {dtype}"
+
+
+def on_the_same_ranks(mesh_info: MeshInfo, other: MeshInfo) -> bool:
+    """Whether two units' shard and replicate groups span the same ranks."""
+
+    def ranks(group: dist.ProcessGroup | None) -> list[int]:
+        return [] if group is None else dist.get_process_group_ranks(group)
+
+    return all(
+        ranks(mine.group) == ranks(theirs.group)
+        for mine, theirs in ((mesh_info.shard, other.shard), (mesh_info.replicate, other.replicate))
+    )
+
+
+@outside_transforms  # a lazy init under torch.func.jvp: the object collectives' tensors stay plain
+def check_ranks_agree_on_units(root_name: str, mesh_info: MeshInfo, ours: list[tuple]) -> None:
+    """See [Note: Ranks agree on the model]. ``ours``: each unit's ``ParamGroup.describe()``,
+    in the root's order; ``mesh_info``: the root unit's.
+
+    Raises:
+        RuntimeError: on every rank of a group whose ranks differ.
+    """
+    digest = hashlib.sha1(repr(ours).encode()).hexdigest()
+    for info in (mesh_info.shard, mesh_info.replicate):
+        group = info.group
+        if info.size == 1 or group is None or dist.get_backend(group) == "fake":
+            continue
+        if comm.first_disagreement(digest, group) is None:
+            continue
+        every = comm.all_gather_objects(ours, group)
+        other = next(index for index, theirs in enumerate(every) if theirs != every[0])
+        first, other_rank = dist.get_global_rank(group, 0), dist.get_global_rank(group, other)
+        raise RuntimeError(
+            f"the ranks sharded different models under {root_name}: ranks {first} and {other_rank} differ "
+            f"({_first_difference(every[0], every[other], first, other_rank)}). Every rank must build the same "
+            "model and apply fully_shard (or FullyShardedDataParallel) to the same modules with the same settings"
+        )

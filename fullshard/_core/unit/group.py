@@ -47,6 +47,7 @@ them up (``unit_of``, ``buffer_param``), and never import the front end's classe
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Callable
@@ -179,11 +180,12 @@ class ParamGroup:
         the parameters' names there (``fqns``, by registered shard)."""
         for param in self.spec.params:
             param.fqn = fqns.get(param.sharded_param, param.fqn)
-        self.spec = self.grads.spec = self.spec.named(path)
+        named = dataclasses.replace(self.spec, name=path or self.spec.name, label=path or trace.ROOT)
+        self.spec = self.grads.spec = named
 
     def describe(self) -> tuple:
         """What every rank of this unit's groups must agree on (see [Note: Ranks agree on the
-        model] in exec_order.py): its name, its parameters and the settings that shape its collectives."""
+        model] in step/state.py): its name, its parameters and the settings that shape its collectives."""
         spec, policy = self.spec, self.spec.mp_policy
         # requires_grad is left out: a rank-dependent freeze changes which units run, which
         # the execution-order check reports at DETAIL level (and which may change at run time).
@@ -363,7 +365,7 @@ class ParamGroup:
             if not buffers.needs_cast and not buffers.extended and not spec.offload:
                 self._alias_unsharded()
                 return
-        self._all_gather = self.gather.start(self._gather_input(), async_op, spec.labels)
+        self._all_gather = self.gather.start(self._gather_input(), async_op, spec.label)
 
     def _kept_form_stale(self) -> bool:
         """Whether the shards changed in place since the kept form was gathered (see
@@ -387,7 +389,7 @@ class ParamGroup:
         kept = self._post_forward_shard
         if kept is not None:
             return GatherInput(kept.source, kept.layout, kept.group)
-        return self.gather.input(self.spec.labels, self.spec.mesh_info.shard)
+        return self.gather.input(self.spec.label, self.spec.mesh_info.shard)
 
     def _gather_needed(self) -> bool:
         """Whether ``unshard()`` would issue an all-gather now."""
@@ -402,7 +404,7 @@ class ParamGroup:
     def join_all_gather(self) -> None:
         """Takes part in another rank's all-gather of this unit, into scratch
         (execution-order validation, see [Note: Execution order])."""
-        self.gather.join(self._gather_input(), self.spec.labels)
+        self.gather.join(self._gather_input(), self.spec.label)
 
     def _alias_unsharded(self) -> None:
         buffers = self.buffers
@@ -424,7 +426,7 @@ class ParamGroup:
             if self._shows_shards_unsharded:  # kept unsharded but showing the shards
                 self._register_unsharded()
             return
-        self.gather.copy_out(in_flight, self.spec.labels)
+        self.gather.copy_out(in_flight, self.spec.label)
         if self._post_forward_shard is None:  # else still the version the kept shard came from
             self._gathered_version = self._shards_version()
         self._post_forward_shard = None
@@ -454,7 +456,7 @@ class ParamGroup:
             return
         if self.spec.presentation.refuses_unsharded_data_assignment and self.is_unsharded:
             self._refuse_unsharded_data_assignment()
-        trace.call(self.spec.labels.reshard, self._free_and_register_shards)
+        trace.call("reshard", self.spec.label, self._free_and_register_shards)
         self._shows_shards_unsharded = False
         self._post_forward_shard = None
         self._gathered_version = None
@@ -552,7 +554,7 @@ def _gather_together(units: list[ParamGroup]) -> None:
         if unit.buffers.shard_buffer.is_meta:
             raise unit.buffers.unmaterialized()
     head = units[0].spec
-    in_flight = gather_bucket([u.gather for u in units], head.mesh_info.shard, head.labels)
+    in_flight = gather_bucket([u.gather for u in units], head.mesh_info.shard, head.label)
     for unit, gathering in zip(units, in_flight):
         unit._all_gather = gathering
 
