@@ -131,6 +131,26 @@ def test_a_tasks_environment_changes_do_not_reach_the_next_task():
     assert run_distributed(_read_environment, 2) == before
 
 
+def _op_on_a_subgroup_mesh() -> tuple[bool, bool, float]:
+    """An op's output on a sub-mesh over a subgroup (a 2-D mesh's dim), and on the whole-world 1-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sub = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))["shard"]
+    out = distribute_tensor(torch.arange(8.0).reshape(4, 2), sub, [Shard(0)]) * 2
+    world = init_device_mesh("cpu", (2,))
+    world_out = distribute_tensor(torch.ones(4), world, [Shard(0)]) + 1
+    return out.device_mesh is sub, world_out.device_mesh == world, out.full_tensor().sum().item()
+
+
+def test_a_tasks_meshes_never_serve_the_next_task():
+    """torch's DTensor caches key an op's output spec by mesh equality, which ignores the process groups:
+    without the pool's per-task mesh keys the second task's output would sit on the first task's mesh,
+    whose destroyed subgroups' names the second task reuses (for other ranks, in general)."""
+    for _ in range(3):
+        assert run_distributed(_op_on_a_subgroup_mesh, 2) == [(True, True, 56.0)] * 2
+
+
 @distributed(world_size=2)
 def _dies_by_a_signal_the_first_time(marker: str) -> int:
     if dist.get_rank() == 1 and not os.path.exists(marker):

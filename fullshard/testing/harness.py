@@ -107,9 +107,9 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
     import torch
     import torch.distributed as dist
 
+    _current_task[0] = task.task_id  # the world key of this task's meshes (_keep_task_meshes_apart)
     sys.path[:] = task.sys_path
     environ = dict(os.environ)  # restored after the task: a test's LOCAL_WORLD_SIZE must not reach the next
-    task_group = None
     try:
         prefix_store = dist.PrefixStore(f"task{task.task_id}/", store)
         dist.init_process_group(
@@ -119,7 +119,6 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
             world_size=world_size,
             timeout=datetime.timedelta(seconds=task.pg_timeout_s),
         )
-        task_group = dist.distributed_c10d._get_default_group()
         torch.manual_seed(0)
         return True, _resolve(task.module, task.qualname)(*task.args, **task.kwargs), 0.0
     except BaseException as exc:  # noqa: BLE001 - everything goes back to pytest
@@ -128,11 +127,9 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         return False, "".join(traceback.format_exception(exc)), time.time()
     finally:
         _collect_task_garbage()
-        made_other_groups = _made_other_groups(task_group)
-        task_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        if made_other_groups or _old_groups_pile_up():
+        if _old_groups_pile_up():
             _forget_dtensor_specs()
             # The specs' meshes were the old groups' last references; those older than the last
             # task are frozen (see _collect_task_garbage), which a collection would not walk.
@@ -155,17 +152,33 @@ def _collect_task_garbage() -> None:
     gc.freeze()
 
 
-def _made_other_groups(task_group: Any) -> bool:
-    """Whether the task ends with any group but the default one the pool made for it: a group
-    besides it (a mesh of more than one dimension, a ``new_group``), or a default group of its
-    own (a test that destroys and initializes the default group, whose earlier groups' names the
-    counter no longer shows). A whole-world 1-D mesh reuses the default group, named "0" in every
-    task (names restart with each default group)."""
-    from torch.distributed import distributed_c10d as c10d
+# The task running now; see _keep_task_meshes_apart.
+_current_task = [0]
 
-    if task_group is None or not c10d.is_initialized() or c10d._get_default_group() is not task_group:
-        return True
-    return c10d._world.group_count > 1 or any(name != "0" for name in c10d._world.pg_names.values())
+
+def _keep_task_meshes_apart() -> None:
+    """Gives every mesh a task makes on other groups than the default one the task's id as its
+    world key. torch's DTensor caches key a spec by its mesh, and mesh equality ignores the
+    process groups: a later task's equal mesh would get output specs on this task's destroyed
+    subgroups, whose names the next task reuses for other groups (of other ranks, or none:
+    "Could not resolve the process group registered under the name ..."), which torch's own
+    tests, one process each, never meet. torch keeps the worlds of its threaded test harness
+    apart the same way: a mesh's ``_thread_id`` is part of its equality and hash. Meshes on the
+    default group alone stay shared across tasks: its name resolves to each task's default
+    group, the same ranks, so their cached specs (about 0.7 s to refill per DTensor optimizer
+    test) stay valid. A mesh whose groups are not known when it is made (a sub-mesh on older
+    torch) gets the key too."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    make = DeviceMesh.__init__
+
+    @functools.wraps(make)
+    def make_keyed(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        make(mesh, *args, **kwargs)
+        if mesh._thread_id is None and list(getattr(mesh, "_dim_group_names", None) or ()) != ["0"]:
+            mesh._thread_id = _current_task[0]
+
+    DeviceMesh.__init__ = make_keyed  # type: ignore[method-assign]
 
 
 # See _old_groups_pile_up: a gloo group runs 3 threads; 30 groups' worth.
@@ -182,24 +195,20 @@ def _thread_count() -> int | None:
 
 
 def _old_groups_pile_up() -> bool:
-    """Whether this rank holds many destroyed default groups. A cached spec's mesh keeps the
-    groups it was made on (``DeviceMesh._pg_registry``), and with them gloo's threads and
-    sockets; specs are cached for each new operator signature, so a task adds a few. Emptying the
-    caches after every task would free them at once but cost the next DTensor task its 0.7 s of
-    propagation: they are emptied when 30 groups' threads have piled up since the last time
-    (after every task where the threads cannot be counted)."""
+    """Whether this rank holds many destroyed groups. A cached spec's mesh keeps the groups it
+    was made on (``DeviceMesh._pg_registry``), and with them gloo's threads and sockets; specs
+    are cached for each new operator signature, so a task adds a few. Emptying the caches after
+    every task would free them at once but cost the next DTensor task its 0.7 s of propagation:
+    they are emptied when 30 groups' threads have piled up since the last time (after every task
+    where the threads cannot be counted)."""
     count = _thread_count()
     return count is None or count > _threads_after_clearing[0] + _THREADS_OF_OLD_GROUPS
 
 
 def _forget_dtensor_specs() -> None:
-    """Empties torch's DTensor sharding caches once a task's subgroups are gone. They key a spec by
-    its mesh, whose equality ignores the process groups: a later task's equal mesh would get
-    output specs on this task's destroyed groups ("Could not resolve the process group
-    registered under the name ..." in a tensor-parallel redistribution, or a same-named group
-    of other ranks), as torch's own tests, one process each, never see. Specs on the default
-    group alone stay (see ``_old_groups_pile_up``): its name resolves to the next task's default
-    group, the same ranks, and refilling the cache costs about 0.7 s per DTensor optimizer test."""
+    """Empties torch's DTensor sharding caches, and with them the last references to the old
+    groups their specs' meshes hold (see ``_old_groups_pile_up``; the caches never serve one
+    task's meshes to another, see ``_keep_task_meshes_apart``)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -249,6 +258,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
 
     torch.set_num_threads(1)  # N ranks share a few cores: do not oversubscribe
     _seed_the_cpu_only()
+    _keep_task_meshes_apart()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     while True:
         task = tasks.get()
