@@ -28,6 +28,14 @@ ranks, with a ``RankCrashWarning`` that carries the crash: a long-lived rank
 holds the state of every earlier task, so a rare native crash there (seen once
 in CI, never reproduced) must not fail an unrelated test silently or pass
 silently either.
+
+torch's DTensor caches live as long as a worker: a spec propagated in one task
+serves every later task whose operator signature, shapes and mesh are equal, so
+a test pays the propagation (about 20 ms an operator signature) only for what
+earlier tests did not run. Mesh equality ignores the process groups; a task's
+meshes on subgroups therefore carry its id as their world key
+(``_keep_task_meshes_apart``), and the caches are emptied only when the old
+groups their meshes keep alive pile up (``_old_groups_pile_up``).
 """
 
 from __future__ import annotations
@@ -178,7 +186,7 @@ def _keep_task_meshes_apart() -> None:
         if mesh._thread_id is None and list(getattr(mesh, "_dim_group_names", None) or ()) != ["0"]:
             mesh._thread_id = _current_task[0]
 
-    DeviceMesh.__init__ = make_keyed  # type: ignore[method-assign]
+    DeviceMesh.__init__ = make_keyed  # type: ignore[assignment,method-assign]
 
 
 # See _old_groups_pile_up: a gloo group runs 3 threads; 30 groups' worth.
