@@ -181,12 +181,12 @@ def _keep_task_meshes_apart() -> None:
     make = DeviceMesh.__init__
 
     @functools.wraps(make)
-    def make_keyed(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
-        make(mesh, *args, **kwargs)
-        if mesh._thread_id is None and list(getattr(mesh, "_dim_group_names", None) or ()) != ["0"]:
-            mesh._thread_id = _current_task[0]
+    def make_keyed(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:  # "self": torch passes mesh=...
+        make(self, *args, **kwargs)
+        if self._thread_id is None and list(getattr(self, "_dim_group_names", None) or ()) != ["0"]:
+            self._thread_id = _current_task[0]
 
-    DeviceMesh.__init__ = make_keyed  # type: ignore[assignment,method-assign]
+    DeviceMesh.__init__ = make_keyed  # type: ignore[method-assign]
 
 
 # See _old_groups_pile_up: a gloo group runs 3 threads; 30 groups' worth.
