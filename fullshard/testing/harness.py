@@ -33,9 +33,9 @@ torch's DTensor caches live as long as a worker: a spec propagated in one task
 serves every later task whose operator signature, shapes and mesh are equal, so
 a test pays the propagation (about 20 ms an operator signature) only for what
 earlier tests did not run. Mesh equality ignores the process groups; a task's
-meshes on subgroups therefore carry its id as their world key
-(``_keep_task_meshes_apart``), and the caches are emptied only when the old
-groups their meshes keep alive pile up (``_old_groups_pile_up``).
+meshes on subgroups therefore carry its id as their world key, and hold their
+groups weakly, so that a destroyed group's gloo threads end with the task
+(``_keep_task_meshes_apart``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -137,14 +138,6 @@ def _run_task(rank: int, world_size: int, store: Any, task: _Task) -> tuple[bool
         _collect_task_garbage()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if _old_groups_pile_up():
-            _forget_dtensor_specs()
-            # The specs' meshes were the old groups' last references; those older than the last
-            # task are frozen (see _collect_task_garbage), which a collection would not walk.
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-            _threads_after_clearing[0] = _thread_count() or 0
         dist.set_debug_level(dist.DebugLevel.OFF)
         os.environ.clear()
         os.environ.update(environ)
@@ -175,7 +168,12 @@ def _keep_task_meshes_apart() -> None:
     default group alone stay shared across tasks: its name resolves to each task's default
     group, the same ranks, so their cached specs (about 0.7 s to refill per DTensor optimizer
     test) stay valid. A mesh whose groups are not known when it is made (a sub-mesh on older
-    torch) gets the key too."""
+    torch) gets the key too.
+
+    A mesh also holds its groups (``_pg_registry``, torch 2.13+; read only while compiling,
+    when the groups are alive), so a cached spec would keep every destroyed group of every
+    task, and its gloo threads, which wake 100 times a second each: 50 such groups cost a rank
+    8% of a core while it waits. Held weakly, a group ends when the task destroys it."""
     from torch.distributed.device_mesh import DeviceMesh
 
     make = DeviceMesh.__init__
@@ -185,49 +183,11 @@ def _keep_task_meshes_apart() -> None:
         make(self, *args, **kwargs)
         if self._thread_id is None and list(getattr(self, "_dim_group_names", None) or ()) != ["0"]:
             self._thread_id = _current_task[0]
+        registry = getattr(self, "_pg_registry", None)
+        if type(registry) is dict:  # torch 2.13+: see the docstring
+            self._pg_registry = weakref.WeakValueDictionary(registry)  # type: ignore[assignment]
 
     DeviceMesh.__init__ = make_keyed  # type: ignore[method-assign]
-
-
-# See _old_groups_pile_up: a gloo group runs 3 threads; 30 groups' worth.
-_THREADS_OF_OLD_GROUPS = 90
-_threads_after_clearing = [0]
-
-
-def _thread_count() -> int | None:
-    """This process's threads, native ones included; None where there is no /proc."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return None
-
-
-def _old_groups_pile_up() -> bool:
-    """Whether this rank holds many destroyed groups. A cached spec's mesh keeps the groups it
-    was made on (``DeviceMesh._pg_registry``), and with them gloo's threads and sockets; specs
-    are cached for each new operator signature, so a task adds a few. Emptying the caches after
-    every task would free them at once but cost the next DTensor task its 0.7 s of propagation:
-    they are emptied when 30 groups' threads have piled up since the last time (after every task
-    where the threads cannot be counted)."""
-    count = _thread_count()
-    return count is None or count > _threads_after_clearing[0] + _THREADS_OF_OLD_GROUPS
-
-
-def _forget_dtensor_specs() -> None:
-    """Empties torch's DTensor sharding caches, and with them the last references to the old
-    groups their specs' meshes hold (see ``_old_groups_pile_up``; the caches never serve one
-    task's meshes to another, see ``_keep_task_meshes_apart``)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
-    # torch 2.13 wraps its lru_cache with a cache_clear of its own; torch 2.8 only holds it as .cache
-    clear = getattr(cached, "cache_clear", None) or getattr(getattr(cached, "cache", None), "cache_clear", None)
-    if clear is not None:
-        clear()
-    clear_native_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native_cache is not None:  # torch with the C++ dispatch fast path
-        clear_native_cache()
 
 
 def rank_process_context() -> Any:
