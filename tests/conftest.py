@@ -1,5 +1,5 @@
 """The fast tier (``make test-fast``; issue 21 and 36 ask for 2 minutes on the 2-core CI machine, it takes
-about 3.5).
+about 4.5).
 
 ``make test`` runs every test but the launches (marked ``launch`` in their files: they start the
 ``fullshard`` command or a script in fresh processes; ``make test-launch`` runs them). ``make test-fast``

@@ -3,7 +3,6 @@ and the one-process parity reference."""
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import DataParallelReference, RankFailure, RankTimeout, distributed, run_distributed
-from fullshard.testing.harness import RankCrashWarning
+from fullshard.testing.harness import RankCrashWarning, wait_for_groups_let_go
 
 
 def _rank_and_sum():
@@ -154,9 +153,7 @@ def test_a_tasks_meshes_never_serve_the_next_task():
 
 def _threads_of_this_rank() -> int:
     """Once the earlier tasks' groups are let go (the pool drops them on a thread of its own)."""
-    for thread in threading.enumerate():
-        if thread.name == "fullshard-let-groups-go":
-            thread.join()
+    wait_for_groups_let_go()
     return len(os.listdir("/proc/self/task"))
 
 

@@ -163,7 +163,17 @@ def _destroy_groups_without_waiting() -> None:
 
     groups = list(distributed_c10d._world.pg_map)
     dist.destroy_process_group()
-    threading.Thread(target=groups.clear, name="fullshard-let-groups-go", daemon=True).start()
+    threading.Thread(target=groups.clear, name=_LETTING_GROUPS_GO, daemon=True).start()
+
+
+_LETTING_GROUPS_GO = "fullshard-let-groups-go"
+
+
+def wait_for_groups_let_go() -> None:
+    """Returns once the groups of the tasks before this one have ended (their threads too)."""
+    for thread in threading.enumerate():
+        if thread.name == _LETTING_GROUPS_GO:
+            thread.join()
 
 
 # The task running now; see _keep_task_meshes_apart.
@@ -244,6 +254,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
     while True:
         task = tasks.get()
         if task is None:
+            wait_for_groups_let_go()  # not at exit, in the middle of a group's destructor
             return
         print(f"=== task {task.task_id}: {task.module}.{task.qualname}", flush=True)
         ok, value, failed_at = _run_task(rank, world_size, store, task)
