@@ -13,7 +13,7 @@ CHECK_TORCH_TESTS ?= tests/test_fake_pg.py tests/test_fully_shard_training.py te
 	tests/test_state_dict_model.py tests/test_checkpoint.py tests/test_grad_scaler.py tests/test_compile.py \
 	tests/test_torch_surface.py tests/test_fully_shard_comm_settings.py
 
-.PHONY: install demo test test-fast test-launch test-libraries test-system lint bench clean check-torch
+.PHONY: install demo test test-fast test-exhaustive test-launch test-libraries test-system lint bench clean check-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,14 +29,21 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/fullshard train --nproc 2 --steps 300 --sample 200
 
-# Every test but the launches (below) and the heavy libraries'.
+# Every test but the exhaustive ones, the launches and the heavy libraries' (the tiers: tests/conftest.py).
 test: install
-	$(PY) -m pytest -q -m "not libraries and not launch" tests
+	$(PY) -m pytest -q -m "not exhaustive and not libraries and not launch" tests
 
-# The inner loop: `make test` but the tests marked slow (the cases tests/conftest.py moves because a
-# faster sibling takes their path, and those that replace a rank pool).
+# What `make test` leaves out: the rest of the cross products and the whole conformance matrix, each
+# with a sibling in `make test` that takes its path. CI runs it after `make test` (.ci/run).
+test-exhaustive: install
+	$(PY) -m pytest -q -m "exhaustive and not libraries and not launch" tests
+
+# The inner loop: `make test` but the tests marked slow (tests/conftest.py lists them with the sibling
+# that keeps their path here; also those that replace a rank pool or start fresh processes).
+# Files whose every test is slow and whose imports (Lightning, peft, transformers) cost seconds: not collected.
+INNER_LOOP_SKIPS := $(addprefix --ignore=tests/,test_lib_lightning.py test_lib_peft.py test_lib_accelerate.py test_hf_models.py)
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not libraries and not launch" tests
+	$(PY) -m pytest -q -m "not slow and not libraries and not launch" $(INNER_LOOP_SKIPS) tests
 
 # The tests that start the fullshard command or a benchmark script as a user does, in fresh processes
 # that each import torch: torchrun, elastic restarts after a killed rank or machine, Ctrl-C, faults,

@@ -14,7 +14,7 @@ from fullshard import fully_shard
 from fullshard.models import ModelArgs, Transformer
 from fullshard.testing import RankFailure, run_distributed
 
-# make test only: test_checkpoint.py::test_truncated_or_corrupt_file_is_named takes the load's checks in the fast tier.
+# Out of the inner loop: test_checkpoint.py::test_truncated_or_corrupt_file_is_named takes the load's checks there.
 pytestmark = pytest.mark.slow
 
 ARGS = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=16)

@@ -35,6 +35,10 @@ from fullshard.testing import (
 VOCAB_SIZE = 67
 SEQ = 16
 
+# Out of the inner loop, and not even collected there (the Makefile's INNER_LOOP_SKIPS): importing transformers
+# costs about 1 s before the first test; make test runs the file.
+pytestmark = pytest.mark.slow
+
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)

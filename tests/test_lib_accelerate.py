@@ -17,6 +17,10 @@ import torch.nn as nn
 import fullshard
 from fullshard.testing import distributed
 
+# Out of the inner loop, and not even collected there (the Makefile's INNER_LOOP_SKIPS): importing accelerate
+# costs a tenth of a second before the first test; make test runs the file.
+pytestmark = pytest.mark.slow
+
 accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 

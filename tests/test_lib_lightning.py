@@ -19,6 +19,10 @@ import fullshard
 from fullshard._core import comm
 from fullshard.testing import distributed
 
+# Out of the inner loop, and not even collected there (the Makefile's INNER_LOOP_SKIPS): importing Lightning
+# costs about 2 s before the first test; make test runs the file.
+pytestmark = pytest.mark.slow
+
 lightning = pytest.importorskip(
     "lightning", reason="lightning is an optional test dependency (pip install -e '.[libraries]')"
 )

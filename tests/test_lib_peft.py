@@ -12,6 +12,10 @@ from fullshard import full_state_dict, fully_shard
 from fullshard._core import comm
 from fullshard.testing import distributed, train_steps
 
+# Out of the inner loop, and not even collected there (the Makefile's INNER_LOOP_SKIPS): importing peft
+# costs about 2 s before the first test; make test runs the file.
+pytestmark = pytest.mark.slow
+
 peft = pytest.importorskip("peft", reason="peft is an optional test dependency")
 
 TARGETS = ["in_proj", "out_proj"]

@@ -8,7 +8,7 @@ import pytest
 from fullshard.testing import case, distributed
 from fullshard.testing.lifecycle import CONFIGS, leftovers, threads_over_group_cycles
 
-# The fast tier keeps one configuration per front end; the table runs whole in make test.
+# The inner loop keeps one configuration per front end; the table runs whole in make test.
 FAST = ("full", "wrapper:FULL_SHARD")
 
 

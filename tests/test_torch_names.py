@@ -1,8 +1,6 @@
 """``fullshard.use_in_place_of_torch()``: torch's FSDP names resolve to fullshard's, until undone."""
 
 import importlib
-import subprocess
-import sys
 
 import torch.distributed._composable.fsdp as composable_fsdp
 import torch.distributed.fsdp as torch_fsdp
@@ -13,6 +11,7 @@ import torch.nn as nn
 import fullshard
 import fullshard.wrap
 from fullshard.testing import distributed
+from fullshard.testing.harness import run_in_fresh_process
 from fullshard.torch_names import TORCH_MODULES
 
 
@@ -78,7 +77,9 @@ def test_a_library_looking_for_torchs_class_finds_our_units():
 
 
 def test_undo_restores_modules_first_imported_by_the_rebinding():
-    """A torch module imported for the first time while names are rebound would copy ours."""
+    """A torch module imported for the first time while names are rebound would copy ours (in a
+    process that has not imported torch's FSDP yet, as this one has: a script, not a function of
+    this module, whose import would bring torch's FSDP along)."""
     script = (
         "import fullshard, sys\n"
         "assert 'torch.distributed._composable.fsdp' not in sys.modules\n"
@@ -87,4 +88,4 @@ def test_undo_restores_modules_first_imported_by_the_rebinding():
         "assert C.FSDPModule is T.FSDPModule is not fullshard.FSDPModule\n"
         "assert C.fully_shard is T.fully_shard is not fullshard.fully_shard\n"
     )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    run_in_fresh_process(exec, script, {})

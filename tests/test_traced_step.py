@@ -10,9 +10,6 @@ more than issue 34's ``LIMITS``. ``fullshard/testing/`` (the harness) is not cou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fullshard
 from fullshard import fully_shard
 from fullshard.testing.fake_group import fake_world
+from fullshard.testing.harness import run_in_fresh_process
 
 PACKAGE = Path(fullshard.__file__).resolve().parent
 NOT_COUNTED = PACKAGE / "testing"
@@ -110,18 +108,7 @@ def phases() -> dict[str, set[str]]:
     """Traced in a fresh process, as a user's step runs: after earlier tests, torch's DTensor
     dispatch caches hold their equal meshes, an op's output spec can carry one, and the state
     dict then takes the mesh-identity fallback (``compat.same_groups``)."""
-    code = "import json, test_traced_step as t; print(json.dumps({k: sorted(v) for k, v in t.traced_step().items()}))"
-    path = os.pathsep.join([str(PACKAGE.parent), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "PYTHONPATH": path},
-    )
-    assert result.returncode == 0, result.stderr
-    return {phase: set(files) for phase, files in json.loads(result.stdout.splitlines()[-1]).items()}
+    return run_in_fresh_process(traced_step, timeout=300)
 
 
 def test_a_step_enters_few_files(phases: dict[str, set[str]]) -> None:

@@ -19,7 +19,7 @@ from fullshard._core import comm
 from fullshard.models import MLP
 from fullshard.testing import distributed, full_value
 
-# make test only (4-rank pools, about 35 s): the fast tier keeps their paths' parity tests.
+# Out of the inner loop (4-rank pools, about 35 s): the inner loop keeps their paths' parity tests.
 pytestmark = pytest.mark.slow
 
 CPU = torch.device("cpu")
@@ -515,8 +515,8 @@ def test_sharded_dicts_of_a_hybrid_mesh_wrapper_survive_torch_save():
     _sharded_dicts_survive_torch_save(init_device_mesh("cpu", (2, 2)), ShardingStrategy.HYBRID_SHARD)
 
 
-# Factor 8 takes the same path (a sum and a division) as 4: only make test runs it.
-@pytest.mark.parametrize("factor", [4.0, pytest.param(8.0, marks=pytest.mark.slow)])
+# Factor 8 takes the same path (a sum and a division) as 4: only make test-exhaustive runs it.
+@pytest.mark.parametrize("factor", [4.0, pytest.param(8.0, marks=pytest.mark.exhaustive)])
 @distributed(world_size=4)
 def test_root_gradient_divide_factor_on_a_2d_mesh_matches_torch_and_one_process(factor):
     """The root's divide factor on a (replicate, shard) mesh, every unit kept unsharded after

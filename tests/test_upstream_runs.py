@@ -22,7 +22,7 @@ from upstream_oracle import LIBS, api, assert_same_run, clean, full_params, rank
 from fullshard.models import MLP
 from fullshard.testing import case, distributed, full_value
 
-# make test only (one 4-rank pool, the others share the suite's 2-rank pool), as test_upstream_gaps.py.
+# Out of the inner loop (one 4-rank pool, the others share the suite's 2-rank pool), as test_upstream_gaps.py.
 pytestmark = pytest.mark.slow
 
 CPU = torch.device("cpu")

@@ -35,7 +35,7 @@ from upstream_oracle import (
 import fullshard
 from fullshard.testing import case, distributed, full_value
 
-# make test only: torch's oracle on upstream behaviours whose paths the fast tier's parity tests take.
+# Out of the inner loop: torch's oracle on upstream behaviours whose paths the inner loop's parity tests take.
 pytestmark = pytest.mark.slow
 
 

@@ -131,7 +131,7 @@ BREAKS: tuple[Break, ...] = (
         "    def alloc(self, category: str, nbytes: int) -> None:\n"
         "        if category == GRADS:\n"
         "            nbytes = 0\n",
-        ("tests/test_plan.py", "-k", "prediction_matches", "-m", "not slow"),
+        ("tests/test_plan.py", "-k", "prediction_matches", "-m", "not exhaustive"),
         "the memory plan leaves out the sharded gradients",
     ),
     Break(
@@ -166,7 +166,7 @@ BREAKS: tuple[Break, ...] = (
         "fullshard/_core/reduce/reduction.py",
         REDUCE_SCATTER,
         KEEP_LOCAL_CHUNK,
-        ("tests/test_wrapper_hybrid_shard.py::test_fsdp_hybrid_shard_parity", "-m", "not slow"),
+        ("tests/test_wrapper_hybrid_shard.py::test_fsdp_hybrid_shard_parity", "-m", "not exhaustive"),
         "the same break, against the HSDP parity test (its reference was our own FULL_SHARD: now torch's DDP)",
     ),
     Break(

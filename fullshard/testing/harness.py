@@ -479,6 +479,38 @@ def run_distributed(
     return get_pool(world_size).run(fn, args, kwargs, timeout)
 
 
+def run_in_fresh_process(fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Returns ``fn(*args)`` run in a process forked from the rank server: torch imported, nothing
+    run yet, as in a user's process (a pool's ranks keep torch's caches from earlier tasks). The
+    fork costs a fraction of a second where a fresh interpreter imports torch for seconds."""
+    ctx = rank_process_context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=_run_fresh, args=(fn.__module__, fn.__qualname__, list(sys.path), args, results))
+    proc.start()
+    try:
+        ok, value = results.get(timeout=timeout)
+    except queue.Empty:
+        raise RankTimeout(
+            f"{fn.__qualname__} did not finish within {timeout:.0f}s in a fresh process "
+            f"({_describe_exit(proc.exitcode)})"
+        ) from None
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if not ok:
+        raise RankFailure(f"{fn.__qualname__} failed in a fresh process:\n{value}")
+    return value
+
+
+def _run_fresh(module: str, qualname: str, sys_path: list[str], args: tuple, results: Any) -> None:
+    sys.path[:] = sys_path
+    try:
+        results.put((True, _resolve(module, qualname)(*args)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        results.put((False, "".join(traceback.format_exception(exc))))
+
+
 def distributed(world_size: int = 2, timeout: float = DEFAULT_TIMEOUT_S) -> Callable:
     """Decorates a test so that its body runs on ``world_size`` ranks.
 

@@ -2,8 +2,8 @@
 
 Every probe runs under every setting of its front end (strategy x ``use_orig_params`` x offload x mixed
 precision, or the composable front end's settings); the model cycles through ``MODEL_KINDS`` so each
-(setting, model) pair also appears. ``fast`` marks the subset ``make test-fast`` runs: a fixed stride
-through the list, so every probe appears in it.
+(setting, model) pair also appears. ``fast`` marks the subset ``make test`` runs (the rest runs in
+``make test-exhaustive``): a fixed stride through the list, so every probe appears in it.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def generate(world: int) -> list[Scenario]:
 
 
 # The matrix CI runs: a fixed stride through each world's list (every probe and setting appears at 2
-# ranks), and every FAST_EVERY-th of the 2-rank ones in ``make test-fast``. Every third 2-rank scenario
+# ranks), and every FAST_EVERY-th of the 2-rank ones in ``make test`` (the rest in make test-exhaustive). Every third 2-rank scenario
 # (704 in all, 604 compared with torch; every second one was 1,056 and a fifth of make test's time).
 STRIDE = {2: 3, 4: 7}
 FAST_EVERY = 16

@@ -1,9 +1,9 @@
 """The differential conformance matrix (issue 23): each scenario runs under torch's FSDP and under fullshard
 on the same ranks, and every observable difference fails here unless ``known.py`` explains it.
 
-``make test-fast`` runs the fast chunks (2 ranks) and ``test_focus``'s bf16 groups (2 and 4 ranks); ``make test``
-also the slow chunks (2 and 4 ranks) and the other focus groups. Each focus group is a small set of scenarios that
-sees one kind of break (tools/breaks.py applies them).
+``make test`` runs the fast chunks (2 ranks) and the focus groups, ``make test-fast`` the first fast chunk
+(tests/conftest.py), ``make test-exhaustive`` the slow chunks (2 and 4 ranks). Each focus group is a small set of
+scenarios that sees one kind of break (tools/breaks.py applies them).
 Diagnose one scenario with ``run_distributed(run_chunk, world, [scenario])`` (it returns each rank's
 differences).
 """
@@ -27,7 +27,7 @@ def _chunks() -> list:
         for world in (2, 4):
             chosen = [s for s in matrix() if s.fast == fast and s.world == world]
             for start in range(0, len(chosen), CHUNK):
-                marks = () if fast else (pytest.mark.slow,)
+                marks = () if fast else (pytest.mark.exhaustive,)
                 label = f"{'fast' if fast else 'slow'}-w{world}-{start // CHUNK}"
                 params.append(pytest.param(chosen[start : start + CHUNK], id=label, marks=marks))
     return params
@@ -85,13 +85,8 @@ FOCUS: dict[str, list[Scenario]] = {
 }
 
 
-# In make test-fast: the bf16 groups (the reduction's value path at 2 and 4 ranks); the rest in make test.
-FAST_FOCUS = ("bf16-w2", "bf16-w4")
-
-
-@pytest.mark.parametrize(
-    "group", [pytest.param(g, marks=() if g in FAST_FOCUS else (pytest.mark.slow,)) for g in FOCUS]
-)
+@pytest.mark.slow  # in make test
+@pytest.mark.parametrize("group", list(FOCUS))
 def test_focus(group: str) -> None:
     scenarios = FOCUS[group]
     results = run_distributed(run_chunk, scenarios[0].world, scenarios, timeout=600)
