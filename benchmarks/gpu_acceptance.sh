@@ -116,8 +116,7 @@ if [[ $DRY == 1 ]]; then
     compile_args="--device cpu --dim 64 --seq 32 --steps 2"
     offload_args="--device cpu --model gpt-tiny --seq 32 --batch 2 --warmup 1 --steps 1"
 else
-    smoke=${SMOKE_TESTS:-tests/test_fake_pg.py tests/test_train.py tests/test_bench_device_mode.py \
-tests/test_grad_scaler.py}
+    smoke=${SMOKE_TESTS:-tests/test_fake_pg.py tests/test_train.py tests/test_grad_scaler.py}  # their inner-loop tests
     device=(--device cuda)
     compile_args="--device cuda"
     offload_args="--model gpt-350m --batch 4 --seq 1024 --warmup 1 --steps 3"

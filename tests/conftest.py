@@ -233,7 +233,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_torch_parity_state_dict.py::test_optim_state_calls_walk_the_model_order",
         "test_checkpoint.py::test_parameters_without_optimizer_state_stay_without",
     ),
-    "models: test_fully_shard_training.py's transformer, test_tensor_subclass_params.py's NF4": (
+    "more of a path the inner loop takes once (test_parity_world2, test_wrapper.py's parity matrix, NF4)": (
         "test_tensor_subclass_params.py::test_float8_all_gather_sends_fp8_bytes_and_trains_as_torch_fsdp2",
         "test_fully_shard_init.py::test_meta_device_1d_init",
         "test_fully_shard_init.py::test_meta_device_2d_init",
@@ -242,9 +242,8 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_wrapper_param_contract.py::test_parameters_types_shapes_identity_and_attributes_as_fsdp1",
         "test_wrapper_param_contract.py::test_requires_grad_and_summon_writeback_as_fsdp1",
     ),
-    "the suite's own measures (fresh processes, whole-tree scans): test_boundaries.py, test_imports.py's others": (
+    "the suite's own measures (fresh processes, whole-tree scans, replaced pools): test_boundaries.py": (
         "test_traced_step.py::test_a_step_enters_few_files",
-        "test_torch_names.py::test_undo_restores_modules_first_imported_by_the_rebinding",
         "test_imports.py::test_rooms_have_no_cycle",
         "test_upstream_inventory.py::test_every_upstream_test_has_a_status_and_real_references",
         "test_harness.py::test_rank_killed_by_a_signal_is_named_and_the_test_runs_again",
