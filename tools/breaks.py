@@ -10,6 +10,7 @@ A break is ``caught`` when its tests fail, ``survived`` when they all pass. A to
     python tools/breaks.py --only NAME  # one break (repeatable)
     python tools/breaks.py --baseline   # the same tests on the unbroken copy: all must pass
     python tools/breaks.py --fast       # only the tests of ``make test-fast`` (not marked slow)
+    python tools/breaks.py --whole-fast # the whole of ``make test-fast`` against each break, to its first failure
 
 Exit status 1 when a break survived (or, with ``--baseline``, a selection failed).
 """
@@ -215,10 +216,14 @@ def apply(brk: Break, dest: Path) -> None:
     path.write_text(text.replace(brk.old, brk.new))
 
 
-def run_tests(brk: Break, dest: Path, timeout: int, fast: bool) -> tuple[int, str, float]:
+INNER_LOOP = ["-m", "not slow and not libraries and not launch"]
+
+
+def run_tests(brk: Break, dest: Path, timeout: int, fast: bool, whole: bool) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": str(dest)}
-    tier = ["-m", "not slow and not libraries and not launch"] if fast else []  # the last -m wins
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *brk.tests, *tier]
+    tier = INNER_LOOP if fast else []  # the last -m wins
+    tests = ["tests", *INNER_LOOP] if whole else [*brk.tests, *tier]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
     start = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
@@ -234,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", metavar="NAME", help="run this break only (repeatable)")
     parser.add_argument("--baseline", action="store_true", help="run each selection on the unbroken copy")
     parser.add_argument("--fast", action="store_true", help="only the tests make test-fast runs")
+    parser.add_argument(
+        "--whole-fast", action="store_true", help="every test of make test-fast, not the break's own: is it caught?"
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per break's tests")
     args = parser.parse_args(argv)
     chosen = [b for b in BREAKS if not args.only or b.name in args.only]
@@ -251,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_repo(dest)
             if not args.baseline:
                 apply(brk, dest)
-            rc, last, seconds = run_tests(brk, dest, args.timeout, args.fast)
+            rc, last, seconds = run_tests(brk, dest, args.timeout, args.fast, args.whole_fast)
         if args.baseline:
             verdict = "passes" if rc == 0 else "FAILS"
             bad = rc != 0
