@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import DataParallelReference, RankFailure, RankTimeout, distributed, run_distributed
-from fullshard.testing.harness import RankCrashWarning, wait_for_groups_let_go
+from fullshard.testing.harness import RankCrashed, RankCrashWarning, run_in_fresh_process, wait_for_groups_let_go
 
 
 def _rank_and_sum():
@@ -187,3 +187,26 @@ def test_rank_killed_by_a_signal_is_named_and_the_test_runs_again(tmp_path):
     text = str(record[0].message)
     assert "rank 1: killed by SIGSEGV" in text
     assert "Fatal Python error: Segmentation fault" in text and "_dies_by_a_signal_the_first_time" in text
+
+
+def _pid_and_sum(a: int, b: int) -> tuple[int, int]:
+    return os.getpid(), a + b
+
+
+def _raise_in_fresh_process() -> None:
+    raise ValueError("raised on purpose")
+
+
+def _die_in_fresh_process() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_fresh_process_returns_raises_and_dies_by_name():
+    pid, total = run_in_fresh_process(_pid_and_sum, 2, 3)
+    assert total == 5 and pid != os.getpid()
+    with pytest.raises(RankFailure, match=r"(?s)_raise_in_fresh_process failed.*ValueError: raised on purpose"):
+        run_in_fresh_process(_raise_in_fresh_process)
+    start = time.monotonic()
+    with pytest.raises(RankCrashed, match="_die_in_fresh_process in a fresh process: killed by SIGKILL"):
+        run_in_fresh_process(_die_in_fresh_process, timeout=60)
+    assert time.monotonic() - start < 10  # noticed at once, not at the timeout

@@ -487,13 +487,21 @@ def run_in_fresh_process(fn: Callable, *args: Any, timeout: float = DEFAULT_TIME
     results = ctx.Queue()
     proc = ctx.Process(target=_run_fresh, args=(fn.__module__, fn.__qualname__, list(sys.path), args, results))
     proc.start()
+    deadline = time.monotonic() + timeout
     try:
-        ok, value = results.get(timeout=timeout)
-    except queue.Empty:
-        raise RankTimeout(
-            f"{fn.__qualname__} did not finish within {timeout:.0f}s in a fresh process "
-            f"({_describe_exit(proc.exitcode)})"
-        ) from None
+        while True:
+            try:
+                ok, value = results.get(timeout=1)
+                break
+            except queue.Empty:
+                if proc.exitcode is not None and results.empty():  # it died without an answer
+                    raise RankCrashed(
+                        f"{fn.__qualname__} in a fresh process: {_describe_exit(proc.exitcode)}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RankTimeout(
+                        f"{fn.__qualname__} did not finish within {timeout:.0f}s in a fresh process"
+                    ) from None
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
