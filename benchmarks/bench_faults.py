@@ -108,7 +108,9 @@ def run_one(framework: str, fault: str) -> dict:
     named = causes[fault] in output and ("rank 1" in output or "local_rank: 1" in output or "[1]" in output)
     steps = max((int(line.rsplit(" ", 1)[1]) for line in output.splitlines() if " finished step " in line), default=-1)
     aborted = "SIGABRT" in output or "terminate called" in output
-    return {"seconds": seconds, "code": code, "named": named, "last_step": steps, "aborted": aborted}
+    # The launcher's last words, for a failed check to show (an abort was seen once in CI, never here).
+    tail = output[-3000:]
+    return {"seconds": seconds, "code": code, "named": named, "last_step": steps, "aborted": aborted, "tail": tail}
 
 
 def main() -> None:
