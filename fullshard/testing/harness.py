@@ -154,6 +154,10 @@ def _collect_task_garbage() -> None:
     gc.freeze()
 
 
+# The name of the threads that drop a task's destroyed groups (see _destroy_groups_without_waiting).
+_LETTING_GROUPS_GO = "fullshard-let-groups-go"
+
+
 def _destroy_groups_without_waiting() -> None:
     """Destroys every group the task made, and lets them go on a thread of their own: a gloo
     group's last reference joins its threads, which notice only at their next 10 ms poll (about
@@ -164,9 +168,6 @@ def _destroy_groups_without_waiting() -> None:
     groups = list(distributed_c10d._world.pg_map)
     dist.destroy_process_group()
     threading.Thread(target=groups.clear, name=_LETTING_GROUPS_GO, daemon=True).start()
-
-
-_LETTING_GROUPS_GO = "fullshard-let-groups-go"
 
 
 def wait_for_groups_let_go() -> None:
